@@ -1,0 +1,243 @@
+"""The one owner of a process's NIXL agent: register, handshake, batched WRITE, poll, notifications.
+
+Nothing else in lmcache-pd imports NIXL. NIXL is not thread-safe: a ``NixlChannel`` is used by one
+thread at a time (its owner serialises calls). Every wait here has a deadline, because with UCX's
+error-handling mode "none" a cut link is never reported: only our own clock notices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from lmcache_pd.errors import PeerTimeout, TransferError
+
+logger = logging.getLogger(__name__)
+
+PeerName = str
+# Busy-poll this long before backing off: a CPU transfer makes progress only inside our polls.
+SPIN_BEFORE_BACKOFF_S = 0.002
+MAX_BACKOFF_S = 0.0005
+
+
+class XferState(enum.Enum):
+    """NIXL's "PROC" / "DONE" / "ERR" strings, as one enum."""
+
+    PROC = "PROC"
+    DONE = "DONE"
+    ERR = "ERR"
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredBuffer:
+    """Where a channel's registered buffer lives, as a peer needs to know it."""
+
+    mem_type: str
+    device_id: int
+    base_addr: int
+    nbytes: int
+
+
+class XferHandle(Protocol):
+    """An opaque posted transfer; only the channel that made it understands it."""
+
+
+class Channel(Protocol):
+    """What the producer and consumer need from a transport (NIXL, or the in-tree fake)."""
+
+    agent_name: str
+
+    def register(self, buffer: torch.Tensor) -> RegisteredBuffer: ...
+    def local_metadata(self) -> bytes: ...
+    def add_peer(self, metadata: bytes) -> PeerName: ...
+    def remove_peer(self, peer: PeerName) -> None: ...
+    def post_write(
+        self, peer: PeerName, segments: np.ndarray, remote: RegisteredBuffer, notif: bytes
+    ) -> XferHandle: ...
+    def poll(self, handle: XferHandle) -> XferState: ...
+    def release(self, handle: XferHandle) -> None: ...
+    def notifications(self) -> list[tuple[PeerName, bytes]]: ...
+    def close(self) -> None: ...
+
+
+def wait_for_transfer(channel: Channel, handle: XferHandle, deadline: float, what: str) -> None:
+    """Poll ``handle`` until DONE; raise ``TransferError`` on ERR and ``PeerTimeout`` at
+    ``deadline`` (a ``time.monotonic()`` value). Spins first, then backs off."""
+    started = time.monotonic()
+    backoff = 0.0
+    while True:
+        state = channel.poll(handle)
+        if state is XferState.DONE:
+            return
+        if state is XferState.ERR:
+            raise TransferError(f"{what}: transfer failed")
+        now = time.monotonic()
+        if now >= deadline:
+            raise PeerTimeout(f"{what}: transfer not done after {now - started:.3f} s")
+        if now - started > SPIN_BEFORE_BACKOFF_S:
+            backoff = min(MAX_BACKOFF_S, backoff * 2 or 0.00005)
+            time.sleep(backoff)
+
+
+def unique_agent_name(role: str) -> str:
+    """Agent names must differ across every process that may ever meet."""
+    return f"lmcache-pd-{role}-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _nixl_error_types() -> tuple[type[BaseException], ...]:
+    from nixl import _bindings
+
+    return tuple(
+        value
+        for name, value in vars(_bindings).items()
+        if name.startswith("nixl") and name.endswith("Error") and isinstance(value, type)
+    )
+
+
+class NixlChannel:
+    """A NIXL agent with one UCX backend and one registered buffer."""
+
+    def __init__(
+        self,
+        *,
+        role: str,
+        backends: list[str],
+        ucx_error_handling_mode: str,
+        progress_thread: bool,
+        ucx_tls: str | None = None,
+    ) -> None:
+        if ucx_tls is not None:
+            # UCX reads its environment when the backend is created, once per process.
+            os.environ["UCX_TLS"] = ucx_tls
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self._errors = _nixl_error_types()
+        self.agent_name = unique_agent_name(role)
+        with self._mapped("create agent"):
+            self._agent = nixl_agent(
+                self.agent_name,
+                nixl_agent_config(enable_prog_thread=progress_thread, backends=[]),
+            )
+            for backend in backends:
+                params = {"ucx_error_handling_mode": ucx_error_handling_mode}
+                self._agent.create_backend(backend, params if backend == "UCX" else {})
+        self._registered: object | None = None
+        self._buffer: RegisteredBuffer | None = None
+        self._peers: set[PeerName] = set()
+        self._closed = False
+
+    @contextlib.contextmanager
+    def _mapped(self, action: str) -> Iterator[None]:
+        """Turn NIXL's exceptions into ``TransferError`` at this boundary."""
+        try:
+            yield
+        except self._errors as exc:
+            raise TransferError(f"NIXL {action} failed: {type(exc).__name__}: {exc}") from exc
+
+    def register(self, buffer: torch.Tensor) -> RegisteredBuffer:
+        """Register the one buffer this channel reads from or is written into."""
+        if self._buffer is not None:
+            raise RuntimeError(f"{self.agent_name} already has a registered buffer")
+        if buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ValueError("only contiguous CPU buffers are supported")
+        with self._mapped("register memory"):
+            self._registered = self._agent.register_memory(buffer)
+        self._buffer = RegisteredBuffer(
+            mem_type="DRAM",
+            device_id=0,
+            base_addr=buffer.data_ptr(),
+            nbytes=buffer.numel() * buffer.element_size(),
+        )
+        return self._buffer
+
+    def local_metadata(self) -> bytes:
+        with self._mapped("get metadata"):
+            return self._agent.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes) -> PeerName:
+        with self._mapped("add remote agent"):
+            peer = self._agent.add_remote_agent(metadata)
+        name = peer.decode() if isinstance(peer, bytes) else str(peer)
+        self._peers.add(name)
+        return name
+
+    def remove_peer(self, peer: PeerName) -> None:
+        if peer in self._peers:
+            self._peers.discard(peer)
+            with self._mapped("remove remote agent"):
+                self._agent.remove_remote_agent(peer)
+
+    def post_write(
+        self, peer: PeerName, segments: np.ndarray, remote: RegisteredBuffer, notif: bytes
+    ) -> XferHandle:
+        """One WRITE of many segments, rows of (local_addr, remote_addr, nbytes), whose
+        notification ``notif`` reaches the peer after all of its data."""
+        if self._buffer is None:
+            raise RuntimeError("register a buffer before writing")
+        count = len(segments)
+        local = np.empty((count, 3), dtype=np.uint64)
+        local[:, 0], local[:, 1], local[:, 2] = segments[:, 0], segments[:, 2], self._buffer.device_id
+        far = np.empty((count, 3), dtype=np.uint64)
+        far[:, 0], far[:, 1], far[:, 2] = segments[:, 1], segments[:, 2], remote.device_id
+        with self._mapped(f"post write to {peer}"):
+            handle = self._agent.initialize_xfer(
+                "WRITE",
+                self._agent.get_xfer_descs(local, self._buffer.mem_type),
+                self._agent.get_xfer_descs(far, remote.mem_type),
+                peer,
+                notif,
+            )
+            try:
+                state = self._agent.transfer(handle)
+            except self._errors:
+                handle.release()
+                raise
+        if state == "ERR":
+            handle.release()
+            raise TransferError(f"NIXL refused to post a write to {peer}")
+        return handle
+
+    def poll(self, handle: XferHandle) -> XferState:
+        with self._mapped("check transfer state"):
+            return XferState(self._agent.check_xfer_state(handle))
+
+    def release(self, handle: XferHandle) -> None:
+        """Release a handle; an in-flight one is cancelled (NIXL may refuse, which we log)."""
+        try:
+            handle.release()
+        except self._errors as exc:
+            logger.warning("%s: could not release a transfer handle: %s", self.agent_name, exc)
+
+    def notifications(self) -> list[tuple[PeerName, bytes]]:
+        with self._mapped("get notifications"):
+            new = self._agent.get_new_notifs()
+        return [(peer, message) for peer, messages in new.items() for message in messages]
+
+    def close(self) -> None:
+        """Forget peers, deregister the buffer; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for peer in list(self._peers):
+            with contextlib.suppress(TransferError):
+                self.remove_peer(peer)
+        if self._registered is not None:
+            with contextlib.suppress(*self._errors):
+                self._agent.deregister_memory(self._registered)
+            self._registered = None
+
+    def __enter__(self) -> NixlChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

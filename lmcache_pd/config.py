@@ -1,0 +1,117 @@
+"""One typed configuration for a producer or consumer, from YAML with ``LMCACHE_PD_*`` overrides.
+
+Validation is msgspec's (the same library as the wire protocol): unknown keys, wrong types and
+out-of-range values are refused with the key's name, before any socket or buffer exists.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+import yaml
+
+from lmcache_pd import protocol
+from lmcache_pd.errors import ConfigError
+
+ENV_PREFIX = "LMCACHE_PD_"
+# Names the YAML file itself; never an override of a field.
+CONFIG_PATH_ENV = "LMCACHE_PD_CONFIG"
+
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=3600)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Settings of one producer or consumer rank. Ports are the consumer's own, or, on a producer,
+    unused: a producer learns where to send from each request's DisaggSpec."""
+
+    kv_role: Literal["kv_producer", "kv_consumer"]
+    chunk_size: PositiveInt = 256
+    page_bytes: Annotated[int, msgspec.Meta(ge=1, le=protocol.MAX_PAGE_BYTES)] = 1 << 20
+    buffer_size_bytes: PositiveInt = 1 << 30
+    buffer_device: Literal["cpu"] = "cpu"
+    receiver_host: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
+    init_port: protocol.Port = 55555
+    alloc_port: protocol.Port = 55556
+    handshake_timeout_s: Seconds = protocol.HANDSHAKE_TIMEOUT_S
+    alloc_timeout_s: Seconds = protocol.ALLOC_TIMEOUT_S
+    transfer_timeout_s: Seconds = protocol.TRANSFER_TIMEOUT_S
+    alloc_lease_s: Seconds = protocol.ALLOC_LEASE_S
+    hold_timeout_s: Seconds = protocol.HOLD_TIMEOUT_S
+    max_alloc_retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = protocol.MAX_ALLOC_RETRIES
+    integrity_checksums: bool = True
+    nixl_backends: Annotated[list[str], msgspec.Meta(min_length=1)] = msgspec.field(
+        default_factory=lambda: ["UCX"]
+    )
+    # Measured on one host (see benchmarks/transfer.py): error mode "none" with no progress
+    # thread is several times faster for small writes than UCX's defaults. A cut link is then
+    # never reported by UCX, which is why every wait of ours has a deadline.
+    ucx_error_handling_mode: Literal["none", "peer"] = "none"
+    nixl_progress_thread: bool = False
+    # Exported as UCX_TLS before the NIXL agent exists; None leaves UCX's own choice.
+    ucx_tls: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.alloc_lease_s <= self.transfer_timeout_s:
+            raise ValueError(
+                f"alloc_lease_s ({self.alloc_lease_s}) must exceed transfer_timeout_s "
+                f"({self.transfer_timeout_s}): a page must not be reused while a write may land"
+            )
+        if self.buffer_size_bytes < self.page_bytes:
+            raise ValueError(
+                f"buffer_size_bytes ({self.buffer_size_bytes}) is smaller than one page "
+                f"(page_bytes={self.page_bytes})"
+            )
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of ``page_bytes`` that fit in the buffer."""
+        return self.buffer_size_bytes // self.page_bytes
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, object]:
+    """``LMCACHE_PD_INIT_PORT=6000`` -> ``{"init_port": 6000}``; values are YAML scalars/lists."""
+    fields = set(PDConfig.__struct_fields__)
+    overrides: dict[str, object] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_PATH_ENV:
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key not in fields:
+            raise ConfigError(f"unknown setting {name} (known: {', '.join(sorted(fields))})")
+        try:
+            overrides[key] = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{name}: cannot parse {raw!r}: {exc}") from exc
+    return overrides
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    **overrides: object,
+) -> PDConfig:
+    """Read ``path`` (or ``$LMCACHE_PD_CONFIG``), apply environment then keyword overrides, and
+    validate. Raises ``ConfigError`` naming the file and the key at fault."""
+    environ = os.environ if environ is None else environ
+    path = path or environ.get(CONFIG_PATH_ENV)
+    raw: object = {}
+    source = "<defaults>"
+    if path:
+        source = str(path)
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {source}: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: top level must be a mapping, got {type(raw).__name__}")
+    merged = {**raw, **_env_overrides(environ), **overrides}
+    try:
+        return msgspec.convert(merged, PDConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid config {source}: {exc}") from exc

@@ -1,0 +1,56 @@
+"""The error tree of lmcache-pd, grouped by what the caller can do about each failure.
+
+Lower layers (NIXL, ZMQ, msgspec) raise their own exceptions; the module that touches them maps
+those to one of these at the boundary, so callers only ever catch ``PDError`` subclasses.
+"""
+
+from __future__ import annotations
+
+
+class PDError(Exception):
+    """Base of every error lmcache-pd raises on purpose."""
+
+
+class ConfigError(PDError):
+    """A configuration file, environment override or constructor argument is invalid."""
+
+
+class ProtocolError(PDError):
+    """A message on one of our sockets is malformed, of the wrong version, or out of bounds."""
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another protocol version; nothing in the body was trusted."""
+
+
+class PeerTimeout(PDError):
+    """A peer did not answer, or a transfer did not finish, before its deadline."""
+
+
+class PeerError(PDError):
+    """A peer answered with an error reply; ``code`` says which kind."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+class AllocationError(PDError):
+    """The consumer cannot hold this request at all (larger than its buffer, too many chunks)."""
+
+
+class BufferFull(AllocationError):
+    """The consumer's buffer is full right now; retrying after ``retry_after_s`` may succeed."""
+
+    def __init__(self, detail: str, retry_after_s: float) -> None:
+        super().__init__(detail)
+        self.retry_after_s = retry_after_s
+
+
+class TransferError(PDError):
+    """A NIXL transfer failed (remote disconnected, backend error) or could not be posted."""
+
+
+class IntegrityError(PDError):
+    """A landed chunk's bytes do not match the checksum its producer sent with it."""

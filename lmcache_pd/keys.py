@@ -1,0 +1,88 @@
+"""Chunk keys: token ids -> ``(start, end, key)`` per chunk, chained so a key names its whole prefix.
+
+A key is a 16-byte BLAKE2b digest over the previous chunk's key, this chunk's token ids (as
+little-endian int64) and, through the seed, everything that makes KV bytes incompatible: model,
+world size, worker id, dtype and chunk size. Python's ``hash()`` is salted per process, so it is
+never used: the same tokens give the same keys in every process on every machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+KEY_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkKey:
+    """Tokens ``[start, end)`` of a prompt and the key of the prefix that ends there."""
+
+    start: int
+    end: int
+    key: bytes
+
+
+def _as_int64(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    array = np.asarray(tokens)
+    if array.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional, got shape {array.shape}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"tokens must be integers, got dtype {array.dtype}")
+    return np.ascontiguousarray(array, dtype="<i8")
+
+
+class ChunkKeyer:
+    """Computes chunk keys for one (model, world size, worker, dtype, chunk size)."""
+
+    def __init__(
+        self, *, model_name: str, world_size: int, worker_id: int, kv_dtype: str, chunk_size: int
+    ) -> None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if not 0 <= worker_id < world_size:
+            raise ValueError(f"worker_id {worker_id} outside world_size {world_size}")
+        self.chunk_size = chunk_size
+        identity = f"lmcache-pd/v1|{model_name}|{world_size}|{worker_id}|{kv_dtype}|{chunk_size}"
+        self._seed = hashlib.blake2b(identity.encode(), digest_size=KEY_BYTES).digest()
+
+    def chunk_keys(
+        self, tokens: Sequence[int] | np.ndarray, mask: Sequence[bool] | np.ndarray | None = None
+    ) -> list[ChunkKey]:
+        """Keys of every chunk of ``tokens``; the last chunk may be partial and has its own key.
+
+        ``mask`` (same length as tokens) marks with False a prefix that is already cached and
+        needs no key: it must be a run of Falses, of a whole number of chunks, then only Trues.
+        """
+        ids = _as_int64(tokens)
+        skip = self._masked_prefix(mask, len(ids))
+        keys: list[ChunkKey] = []
+        previous = self._seed
+        for start in range(0, len(ids), self.chunk_size):
+            end = min(start + self.chunk_size, len(ids))
+            digest = hashlib.blake2b(previous, digest_size=KEY_BYTES)
+            digest.update(ids[start:end].tobytes())
+            previous = digest.digest()
+            if start >= skip:
+                keys.append(ChunkKey(start, end, previous))
+        return keys
+
+    def _masked_prefix(self, mask: Sequence[bool] | np.ndarray | None, length: int) -> int:
+        """Number of leading tokens the mask excludes, after checking the mask's shape."""
+        if mask is None:
+            return 0
+        flags = np.asarray(mask, dtype=bool)
+        if flags.shape != (length,):
+            raise ValueError(f"mask has shape {flags.shape}, tokens have length {length}")
+        skip = int(np.argmax(flags)) if flags.any() else length
+        if flags[skip:].size and not flags[skip:].all():
+            raise ValueError("mask must be a run of False followed only by True")
+        if skip % self.chunk_size and skip != length:
+            raise ValueError(
+                f"mask's False prefix ({skip} tokens) is not a multiple of chunk_size "
+                f"({self.chunk_size})"
+            )
+        return skip

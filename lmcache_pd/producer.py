@@ -1,0 +1,341 @@
+"""The producer rank: pushes a request's chunks into the consumer named by its DisaggSpec.
+
+Per push: handshake with the consumer once (cached per peer), ask it for a page per chunk, write
+the chunks it does not already hold from our registered staging buffer in one NIXL WRITE whose
+notification carries the allocation id and checksums, and wait for the WRITE to finish. Every step
+has its own deadline and raises a typed error. Not thread-safe: one owner thread calls ``push``
+(NIXL is not thread-safe either).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zmq
+
+from lmcache_pd import protocol
+from lmcache_pd.allocator import PageAllocator
+from lmcache_pd.channel import Channel, NixlChannel, RegisteredBuffer, wait_for_transfer
+from lmcache_pd.config import PDConfig
+from lmcache_pd.consumer import checksum
+from lmcache_pd.errors import (
+    AllocationError,
+    BufferFull,
+    ConfigError,
+    PDError,
+    PeerError,
+    PeerTimeout,
+    ProtocolError,
+    VersionMismatch,
+)
+from lmcache_pd.protocol import DisaggSpec, ErrorCode
+
+logger = logging.getLogger(__name__)
+
+Chunk = tuple[bytes, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class PushResult:
+    """What one push moved."""
+
+    req_id: str
+    chunks_sent: int
+    chunks_skipped: int
+    bytes_sent: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class Peer:
+    """A consumer rank we have shaken hands with."""
+
+    name: str
+    buffer: RegisteredBuffer
+    page_bytes: int
+    num_pages: int
+    alloc_socket: zmq.Socket
+
+
+class Producer:
+    """Pushes chunks to consumers; use as a context manager or call ``close``."""
+
+    def __init__(self, config: PDConfig, *, channel: Channel | None = None) -> None:
+        if config.kv_role != "kv_producer":
+            raise ConfigError(f"a Producer needs kv_role kv_producer, got {config.kv_role}")
+        self.config = config
+        self._staging = torch.empty(config.num_pages * config.page_bytes, dtype=torch.uint8)
+        self._pages = PageAllocator(
+            num_pages=config.num_pages, page_bytes=config.page_bytes, lease_s=None
+        )
+        self._channel = channel or NixlChannel(
+            role="producer",
+            backends=config.nixl_backends,
+            ucx_error_handling_mode=config.ucx_error_handling_mode,
+            progress_thread=config.nixl_progress_thread,
+            ucx_tls=config.ucx_tls,
+        )
+        self._registered = self._channel.register(self._staging)
+        self._context = zmq.Context()
+        self._peers: dict[tuple[str, int, int], Peer] = {}
+        self._closed = False
+
+    @contextlib.contextmanager
+    def staged(self, count: int) -> Iterator[list[torch.Tensor]]:
+        """``count`` page-sized views of the registered staging buffer, for callers that build
+        chunks in place (no copy at push time); returned to the pool on exit."""
+        pages = self._pages.allocate(count, time.monotonic())
+        try:
+            yield [self._page_view(page) for page in pages]
+        finally:
+            for page in pages:
+                self._pages.decref(page)
+
+    def push(self, spec: DisaggSpec, chunks: Sequence[Chunk]) -> PushResult:
+        """Write ``chunks`` (key, contiguous CPU tensor) to ``spec``'s consumer.
+
+        Tensors inside the staging buffer (see ``staged``) go as they are; others are copied into
+        staging first. Raises ``PeerTimeout``, ``TransferError``, ``AllocationError`` (``BufferFull``
+        after ``max_alloc_retries``), ``PeerError`` or ``ProtocolError``.
+        """
+        if not chunks:
+            raise ValueError(f"req {spec.req_id}: nothing to push")
+        started = time.monotonic()
+        sources = [self._as_bytes(spec.req_id, tensor) for _, tensor in chunks]
+        specs = [protocol.ChunkSpec(key, int(data.numel())) for (key, _), data in zip(chunks, sources)]
+        peer = self._peer(spec)
+        try:
+            response = self._allocate(spec, peer, specs)
+            to_write = [i for i, page in enumerate(response.pages) if page is not None]
+            if to_write:
+                with self._in_staging(sources, to_write) as addresses:
+                    self._write(spec, peer, response, to_write, sources, addresses)
+        except AllocationError:
+            raise
+        except PDError:
+            # The peer may be gone or restarted: handshake afresh next time.
+            self._forget_peer(spec)
+            raise
+        result = PushResult(
+            req_id=spec.req_id,
+            chunks_sent=len(to_write),
+            chunks_skipped=len(chunks) - len(to_write),
+            bytes_sent=sum(int(sources[i].numel()) for i in to_write),
+            seconds=time.monotonic() - started,
+        )
+        logger.debug("req %s pushed to %s: %s", spec.req_id, peer.name, result)
+        return result
+
+    def close(self) -> None:
+        """Close peer sockets and the channel; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for key in list(self._peers):
+            self._forget_peer_key(key)
+        self._context.term()
+        self._channel.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- steps of a push ----
+
+    def _peer(self, spec: DisaggSpec) -> Peer:
+        """The cached peer of ``spec``, after a two-step handshake on its init port if new."""
+        key = (spec.receiver_host, spec.receiver_init_port, spec.receiver_alloc_port)
+        peer = self._peers.get(key)
+        if peer is not None:
+            return peer
+        deadline = time.monotonic() + self.config.handshake_timeout_s
+        socket = self._dealer(spec.receiver_host, spec.receiver_init_port)
+        try:
+            version = protocol.PROTOCOL_VERSION
+            metadata = self._ask(
+                socket, protocol.MetadataRequest(version=version), protocol.INIT_REPLIES,
+                deadline, spec.req_id,
+            )
+            if not isinstance(metadata, protocol.AgentMetadata):
+                raise ProtocolError(f"req {spec.req_id}: expected AgentMetadata, got {metadata}")
+            name = self._channel.add_peer(metadata.metadata)
+            buffer = self._ask(
+                socket, protocol.BufferRequest(version=version), protocol.INIT_REPLIES,
+                deadline, spec.req_id,
+            )
+        finally:
+            socket.close(linger=0)
+        if not isinstance(buffer, protocol.BufferDescriptors) or buffer.agent_name != name:
+            self._channel.remove_peer(name)
+            raise ProtocolError(f"req {spec.req_id}: bad BufferDescriptors from {name}: {buffer}")
+        peer = Peer(
+            name=name,
+            buffer=RegisteredBuffer(
+                buffer.mem_type, buffer.device_id, buffer.base_addr,
+                buffer.page_bytes * buffer.num_pages,
+            ),
+            page_bytes=buffer.page_bytes,
+            num_pages=buffer.num_pages,
+            alloc_socket=self._dealer(spec.receiver_host, spec.receiver_alloc_port),
+        )
+        self._peers[key] = peer
+        logger.info(
+            "req %s: handshake with %s at %s:%d done (%d pages of %d bytes)", spec.req_id,
+            name, spec.receiver_host, spec.receiver_init_port, peer.num_pages, peer.page_bytes,
+        )
+        return peer
+
+    def _allocate(
+        self, spec: DisaggSpec, peer: Peer, specs: list[protocol.ChunkSpec]
+    ) -> protocol.AllocResponse:
+        """Pages for ``specs``, retrying a full buffer up to ``max_alloc_retries`` times."""
+        request = protocol.AllocRequest(
+            version=protocol.PROTOCOL_VERSION, req_id=spec.req_id, chunks=specs
+        )
+        deadline = time.monotonic() + self.config.alloc_timeout_s
+        for attempt in range(self.config.max_alloc_retries + 1):
+            reply = self._ask(peer.alloc_socket, request, protocol.ALLOC_REPLIES, deadline, spec.req_id)
+            if isinstance(reply, protocol.AllocResponse):
+                self._check_allocation(spec, peer, reply, len(specs))
+                return reply
+            error = _error_from_reply(spec.req_id, reply)
+            wait_s = reply.retry_after_s
+            if (
+                not isinstance(error, BufferFull)
+                or attempt == self.config.max_alloc_retries
+                or time.monotonic() + wait_s >= deadline
+            ):
+                raise error
+            logger.info("req %s: consumer buffer full, retry in %.3f s", spec.req_id, wait_s)
+            time.sleep(wait_s)
+        raise AssertionError("unreachable: the last attempt raises")
+
+    def _check_allocation(
+        self, spec: DisaggSpec, peer: Peer, reply: protocol.AllocResponse, count: int
+    ) -> None:
+        """Never write where the consumer's own buffer does not reach."""
+        if reply.req_id != spec.req_id or len(reply.pages) != count:
+            raise ProtocolError(f"req {spec.req_id}: AllocResponse does not match the request")
+        if reply.agent_name != peer.name:
+            raise ProtocolError(
+                f"req {spec.req_id}: consumer is now {reply.agent_name}, not {peer.name}"
+            )
+        for page in reply.pages:
+            if page is not None and page >= peer.num_pages:
+                raise ProtocolError(f"req {spec.req_id}: page {page} outside {peer.num_pages}")
+
+    def _write(
+        self,
+        spec: DisaggSpec,
+        peer: Peer,
+        response: protocol.AllocResponse,
+        to_write: list[int],
+        sources: list[torch.Tensor],
+        addresses: list[int],
+    ) -> None:
+        """One WRITE of the chunks ``to_write`` and its WriteDone notification."""
+        checksums = (
+            [checksum(sources[i]) for i in to_write] if self.config.integrity_checksums else None
+        )
+        notif = protocol.encode(
+            protocol.WriteDone(
+                version=protocol.PROTOCOL_VERSION,
+                req_id=spec.req_id,
+                alloc_id=response.alloc_id,
+                checksums=checksums,
+            )
+        )
+        segments = np.array(
+            [
+                (address, peer.buffer.base_addr + response.pages[i] * peer.page_bytes,
+                 sources[i].numel())
+                for i, address in zip(to_write, addresses)
+            ],
+            dtype=np.uint64,
+        ).reshape(-1, 3)
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        handle = self._channel.post_write(peer.name, segments, peer.buffer, notif)
+        try:
+            wait_for_transfer(self._channel, handle, deadline, f"req {spec.req_id} to {peer.name}")
+        finally:
+            self._channel.release(handle)
+
+    # ---- helpers ----
+
+    @contextlib.contextmanager
+    def _in_staging(self, sources: list[torch.Tensor], to_write: list[int]) -> Iterator[list[int]]:
+        """Addresses of the chunks to write, copying into staging those that are not there."""
+        outside = [i for i in to_write if not self._is_staged(sources[i])]
+        with self.staged(len(outside)) as pages:
+            copies = dict(zip(outside, pages))
+            for i, page in copies.items():
+                page[: sources[i].numel()].copy_(sources[i])
+            yield [(copies[i] if i in copies else sources[i]).data_ptr() for i in to_write]
+
+    def _is_staged(self, data: torch.Tensor) -> bool:
+        start = data.data_ptr() - self._registered.base_addr
+        return 0 <= start and start + data.numel() <= self._registered.nbytes
+
+    def _page_view(self, page: int) -> torch.Tensor:
+        start = self._pages.offset(page)
+        return self._staging[start : start + self.config.page_bytes]
+
+    def _as_bytes(self, req_id: str, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
+            raise ValueError(f"req {req_id}: chunks must be non-empty contiguous CPU tensors")
+        data = tensor.view(-1).view(torch.uint8)
+        if data.numel() > self.config.page_bytes:
+            raise AllocationError(
+                f"req {req_id}: a chunk of {data.numel()} bytes exceeds page_bytes "
+                f"{self.config.page_bytes}"
+            )
+        return data
+
+    def _dealer(self, host: str, port: int) -> zmq.Socket:
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
+        socket.connect(f"tcp://{host}:{port}")
+        return socket
+
+    @staticmethod
+    def _ask(
+        socket: zmq.Socket, message: protocol.Message, codec: protocol.Codec, deadline: float,
+        req_id: str,
+    ) -> object:
+        """Send one request and wait for its reply until ``deadline``."""
+        socket.send(protocol.encode(message), zmq.NOBLOCK)
+        remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+        if not socket.poll(remaining_ms, zmq.POLLIN):
+            raise PeerTimeout(f"req {req_id}: no reply to {type(message).__name__} in time")
+        return codec.decode(socket.recv())
+
+    def _forget_peer(self, spec: DisaggSpec) -> None:
+        self._forget_peer_key((spec.receiver_host, spec.receiver_init_port, spec.receiver_alloc_port))
+
+    def _forget_peer_key(self, key: tuple[str, int, int]) -> None:
+        peer = self._peers.pop(key, None)
+        if peer is not None:
+            peer.alloc_socket.close(linger=0)
+            with contextlib.suppress(PDError):
+                self._channel.remove_peer(peer.name)
+
+
+def _error_from_reply(req_id: str, reply: protocol.ErrorReply) -> PDError:
+    """The exception a consumer's ErrorReply stands for."""
+    detail = f"req {req_id}: consumer refused: {reply.detail}"
+    if reply.code is ErrorCode.BUFFER_FULL:
+        return BufferFull(detail, reply.retry_after_s)
+    if reply.code is ErrorCode.TOO_LARGE:
+        return AllocationError(detail)
+    if reply.code is ErrorCode.VERSION:
+        return VersionMismatch(detail)
+    return PeerError(reply.code.value, detail)

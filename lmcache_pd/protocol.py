@@ -1,0 +1,207 @@
+"""The wire protocol: every message on our sockets and in NIXL notifications, and every limit.
+
+Each message is a frozen, tagged msgspec ``Struct`` encoded as msgpack. Decoding is two-step: the
+envelope (``type`` and ``version``) is read and checked first, so a peer of another version gets a
+clear ``VersionMismatch`` instead of a confusing field error; only then is the body decoded against
+the one union of messages that the socket accepts. Sizes are bounded before anything is allocated.
+No pickle anywhere.
+
+Protocol history:
+  1: init port (AgentMetadata, BufferDescriptors), alloc port (AllocRequest/AllocResponse),
+     WriteDone notification with optional xxh3-64 checksums.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Generic, TypeVar
+
+import msgspec
+
+from lmcache_pd.errors import ProtocolError, VersionMismatch
+
+PROTOCOL_VERSION = 1
+
+# Limits, checked before anything is allocated for a message.
+MAX_FRAME_BYTES = 1 << 20
+MAX_CHUNKS_PER_REQUEST = 4096
+MAX_KEY_BYTES = 64
+MAX_REQ_ID_CHARS = 256
+MAX_AGENT_METADATA_BYTES = 1 << 16
+MAX_ERROR_DETAIL_CHARS = 1024
+MAX_PAGE_BYTES = 1 << 31
+
+# Default deadlines. The lease must outlive the producer's transfer deadline, so that a page is
+# never handed to a new request while a slow write into it may still be in flight.
+HANDSHAKE_TIMEOUT_S = 5.0
+ALLOC_TIMEOUT_S = 5.0
+TRANSFER_TIMEOUT_S = 20.0
+ALLOC_LEASE_S = 60.0
+HOLD_TIMEOUT_S = 300.0
+BUFFER_FULL_RETRY_AFTER_S = 0.05
+MAX_ALLOC_RETRIES = 3
+
+ReqId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQ_ID_CHARS)]
+ChunkKeyBytes = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Checksum = Annotated[int, msgspec.Meta(ge=0)]  # uint64: msgpack holds no more
+PageIndex = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+AllocId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
+class ErrorCode(enum.Enum):
+    """Why a request was refused; the producer maps each to an exception in ``errors``."""
+
+    MALFORMED = "malformed"
+    VERSION = "version"
+    BUFFER_FULL = "buffer_full"
+    TOO_LARGE = "too_large"
+    BAD_REQUEST = "bad_request"
+
+
+class DisaggSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Which consumer receives a request's KV; carried in ``kv_transfer_params['disagg_spec']``."""
+
+    req_id: ReqId
+    receiver_host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    receiver_init_port: Port
+    receiver_alloc_port: Port
+
+    @classmethod
+    def from_dict(cls, raw: object) -> DisaggSpec:
+        """Validate a JSON-decoded spec; raises ``ProtocolError`` naming the bad field."""
+        try:
+            return msgspec.convert(raw, cls)
+        except msgspec.ValidationError as exc:
+            raise ProtocolError(f"invalid disagg_spec: {exc}") from exc
+
+
+class Message(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
+    """Base of every tagged message: the tag is the class name, ``version`` travels with it."""
+
+    version: int
+
+
+# Init port: the two-step NIXL handshake.
+class MetadataRequest(Message, frozen=True):
+    """Step 1: ask for the consumer's NIXL agent metadata."""
+
+
+class AgentMetadata(Message, frozen=True):
+    """Step 1 reply: what ``add_remote_agent`` needs."""
+
+    agent_name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)]
+
+
+class BufferRequest(Message, frozen=True):
+    """Step 2: ask for the consumer's registered buffer, once its agent is known."""
+
+
+class BufferDescriptors(Message, frozen=True):
+    """Step 2 reply: one contiguous registered region carved into equal pages."""
+
+    agent_name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    mem_type: Annotated[str, msgspec.Meta(min_length=1, max_length=16)]
+    device_id: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+    base_addr: Annotated[int, msgspec.Meta(ge=0)]
+    page_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_PAGE_BYTES)]
+    num_pages: Annotated[int, msgspec.Meta(ge=1, lt=1 << 32)]
+
+
+# Alloc port.
+class ChunkSpec(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """One chunk the producer wants to write: its key and its size in bytes."""
+
+    key: ChunkKeyBytes
+    nbytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_PAGE_BYTES)]
+
+
+class AllocRequest(Message, frozen=True):
+    """Ask for one page per chunk, all or nothing."""
+
+    req_id: ReqId
+    chunks: Annotated[
+        list[ChunkSpec], msgspec.Meta(min_length=1, max_length=MAX_CHUNKS_PER_REQUEST)
+    ]
+
+
+class AllocResponse(Message, frozen=True):
+    """Per chunk, the page to write into, or None if the consumer already holds that chunk.
+    ``agent_name`` lets the producer notice a consumer restarted since its handshake."""
+
+    req_id: ReqId
+    agent_name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    alloc_id: AllocId
+    pages: Annotated[list[PageIndex | None], msgspec.Meta(max_length=MAX_CHUNKS_PER_REQUEST)]
+
+
+class ErrorReply(Message, frozen=True):
+    """Any refusal. ``retry_after_s`` is set only for ``BUFFER_FULL``."""
+
+    code: ErrorCode
+    detail: Annotated[str, msgspec.Meta(max_length=MAX_ERROR_DETAIL_CHARS)]
+    req_id: Annotated[str, msgspec.Meta(max_length=MAX_REQ_ID_CHARS)] = ""
+    retry_after_s: Annotated[float, msgspec.Meta(ge=0.0, le=60.0)] = 0.0
+
+
+# NIXL notification, sent by the producer's WRITE after its data.
+class WriteDone(Message, frozen=True):
+    """The pages of ``alloc_id`` hold their chunks now; checksums are in the request's chunk order
+    over the chunks that were written (the ``None`` pages of the AllocResponse are skipped)."""
+
+    req_id: ReqId
+    alloc_id: AllocId
+    checksums: Annotated[list[Checksum], msgspec.Meta(max_length=MAX_CHUNKS_PER_REQUEST)] | None
+
+
+class _Envelope(msgspec.Struct, frozen=True):
+    """What every message has, read before its body so a version mismatch is reported as such."""
+
+    type: str
+    version: int
+
+
+M = TypeVar("M")
+
+_ENVELOPE_DECODER = msgspec.msgpack.Decoder(_Envelope)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(message: Message) -> bytes:
+    """Serialize one message to msgpack."""
+    return _ENCODER.encode(message)
+
+
+class Codec(Generic[M]):
+    """Strict decoder for one socket's union of messages."""
+
+    def __init__(self, union: type[M] | object) -> None:
+        self._decoder = msgspec.msgpack.Decoder(union)
+
+    def decode(self, frame: bytes) -> M:
+        """Decode one frame; raises ``VersionMismatch`` or ``ProtocolError``, never anything else."""
+        if len(frame) > MAX_FRAME_BYTES:
+            raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+        try:
+            envelope = _ENVELOPE_DECODER.decode(frame)
+        except msgspec.MsgspecError as exc:
+            raise ProtocolError(f"not a tagged message: {exc}") from exc
+        if envelope.version != PROTOCOL_VERSION:
+            raise VersionMismatch(
+                f"peer sent {envelope.type} with protocol version {envelope.version}, "
+                f"this side speaks {PROTOCOL_VERSION}"
+            )
+        try:
+            return self._decoder.decode(frame)
+        except msgspec.MsgspecError as exc:
+            raise ProtocolError(f"invalid {envelope.type}: {exc}") from exc
+
+
+INIT_REQUESTS: Codec[MetadataRequest | BufferRequest] = Codec(MetadataRequest | BufferRequest)
+INIT_REPLIES: Codec[AgentMetadata | BufferDescriptors | ErrorReply] = Codec(
+    AgentMetadata | BufferDescriptors | ErrorReply
+)
+ALLOC_REQUESTS: Codec[AllocRequest] = Codec(AllocRequest)
+ALLOC_REPLIES: Codec[AllocResponse | ErrorReply] = Codec(AllocResponse | ErrorReply)
+NOTIFICATIONS: Codec[WriteDone] = Codec(WriteDone)

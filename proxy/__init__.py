@@ -1,0 +1,1 @@
+"""The routing proxy (prefill, first token streamed at once, then decode) and the pool launcher."""
