@@ -90,8 +90,9 @@ class PageAllocator:
         return pages
 
     def confirm(self, page: int) -> bool:
-        """The write into a leased page landed: the lease's reference is dropped, and the page
-        stays while others hold it. Returns True when nobody did and the page was freed."""
+        """End a page's lease because its write landed or will never come: the lease's reference
+        is dropped, and the page stays while others hold it. Returns True when nobody did and
+        the page was freed."""
         if self.state(page) is not PageState.LEASED:
             raise ValueError(f"page {page} is {self._state[page].value}, not leased")
         self._state[page] = PageState.LIVE

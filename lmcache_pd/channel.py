@@ -65,7 +65,7 @@ class Channel(Protocol):
         self, peer: PeerName, segments: np.ndarray, remote: RegisteredBuffer, notif: bytes
     ) -> XferHandle: ...
     def poll(self, handle: XferHandle) -> XferState: ...
-    def release(self, handle: XferHandle) -> None: ...
+    def release(self, handle: XferHandle) -> bool: ...
     def notifications(self) -> list[tuple[PeerName, bytes]]: ...
     def close(self) -> None: ...
 
@@ -186,7 +186,11 @@ class NixlChannel:
             raise RuntimeError("register a buffer before writing")
         count = len(segments)
         local = np.empty((count, 3), dtype=np.uint64)
-        local[:, 0], local[:, 1], local[:, 2] = segments[:, 0], segments[:, 2], self._buffer.device_id
+        local[:, 0], local[:, 1], local[:, 2] = (
+            segments[:, 0],
+            segments[:, 2],
+            self._buffer.device_id,
+        )
         far = np.empty((count, 3), dtype=np.uint64)
         far[:, 0], far[:, 1], far[:, 2] = segments[:, 1], segments[:, 2], remote.device_id
         with self._mapped(f"post write to {peer}"):
@@ -211,12 +215,15 @@ class NixlChannel:
         with self._mapped("check transfer state"):
             return XferState(self._agent.check_xfer_state(handle))
 
-    def release(self, handle: XferHandle) -> None:
-        """Release a handle; an in-flight one is cancelled (NIXL may refuse, which we log)."""
+    def release(self, handle: XferHandle) -> bool:
+        """Release a handle, cancelling it if still in flight. False if NIXL refused (the
+        transfer may then still write), which is logged."""
         try:
             handle.release()
         except self._errors as exc:
             logger.warning("%s: could not release a transfer handle: %s", self.agent_name, exc)
+            return False
+        return True
 
     def notifications(self) -> list[tuple[PeerName, bytes]]:
         with self._mapped("get notifications"):

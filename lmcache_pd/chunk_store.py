@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from lmcache_pd.allocator import PageAllocator, PageState
 from lmcache_pd.errors import AllocationError, ProtocolError
-from lmcache_pd.protocol import AllocRequest, WriteDone
+from lmcache_pd.protocol import AllocCancel, AllocRequest, WriteDone
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,10 @@ class ChunkStore:
         return len(self._pending)
 
     def allocate(self, request: AllocRequest, now: float) -> Allocation:
-        """Room for every chunk of ``request`` that is not already here, all or nothing.
+        """Room for every chunk of ``request`` that has not landed here, all or nothing.
+
+        A chunk still being written for another request gets a page of its own: sharing it
+        would tie this request to a write that may fail. The key then names the newer page.
 
         Raises ``AllocationError`` (``BufferFull`` if only for now) or ``ProtocolError`` for a
         request that makes no sense (a chunk larger than a page, a key twice).
@@ -104,21 +107,21 @@ class ChunkStore:
                 raise AllocationError(
                     f"chunk {index} has {chunk.nbytes} bytes, a page holds {page_bytes}"
                 )
-        missing = [index for index, key in enumerate(keys) if key not in self._by_key]
+        missing = {index for index, key in enumerate(keys) if self.landed(key) is None}
         fresh = iter(self._allocator.allocate(len(missing), now))
         alloc_id = next(self._alloc_ids)
         hold = self._hold(request.req_id, now)
         pages: list[int | None] = []
         written: list[int] = []
-        for chunk in request.chunks:
-            page = self._by_key.get(chunk.key)
-            if page is None:
+        for index, chunk in enumerate(request.chunks):
+            if index in missing:
                 page = next(fresh)
                 self._by_key[chunk.key] = page
                 self._pages[page] = PageInfo(chunk.key, chunk.nbytes, alloc_id)
                 written.append(page)
                 pages.append(page)
             else:
+                page = self._by_key[chunk.key]
                 pages.append(None)
             if page not in hold.pages:
                 self._allocator.incref(page)
@@ -141,7 +144,8 @@ class ChunkStore:
             )
         if done.checksums is not None and len(done.checksums) != len(pending.pages):
             raise ProtocolError(
-                f"req {done.req_id}: {len(done.checksums)} checksums for {len(pending.pages)} chunks"
+                f"req {done.req_id}: {len(done.checksums)} checksums for "
+                f"{len(pending.pages)} chunks"
             )
         del self._pending[done.alloc_id]
         nbytes = 0
@@ -152,6 +156,21 @@ class ChunkStore:
             if self._allocator.confirm(page):
                 self._forget(page)
         return len(pending.pages), nbytes
+
+    def cancel(self, cancel: AllocCancel) -> bool:
+        """The write of ``cancel.alloc_id`` will never come: its keys are forgotten at once, its
+        pages stay with their holders until released. False if nothing was pending."""
+        pending = self._pending.get(cancel.alloc_id)
+        if pending is None or pending.req_id != cancel.req_id:
+            return False
+        del self._pending[cancel.alloc_id]
+        for page in pending.pages:
+            info = self._pages[page]
+            if self._by_key.get(info.key) == page:
+                del self._by_key[info.key]
+            if self._allocator.confirm(page):
+                self._forget(page)
+        return True
 
     def landed(self, key: bytes) -> LandedChunk | None:
         """The chunk with ``key`` if its write was confirmed, else None."""

@@ -63,6 +63,7 @@ class ConsumerStats:
     chunks_landed: int = 0
     bytes_landed: int = 0
     unknown_notifications: int = 0
+    allocations_cancelled: int = 0
     leases_expired: int = 0
     holds_expired: int = 0
     integrity_failures: int = 0
@@ -111,8 +112,13 @@ class Consumer:
         self._thread.start()
         logger.info(
             "consumer %s serving init %s:%d alloc %s:%d, %d pages of %d bytes",
-            self._channel.agent_name, config.receiver_host, config.init_port,
-            config.receiver_host, config.alloc_port, config.num_pages, config.page_bytes,
+            self._channel.agent_name,
+            config.receiver_host,
+            config.init_port,
+            config.receiver_host,
+            config.alloc_port,
+            config.num_pages,
+            config.page_bytes,
         )
 
     # ---- public API (any thread) ----
@@ -243,6 +249,8 @@ class Consumer:
         request = self._decode(protocol.ALLOC_REQUESTS, body)
         if isinstance(request, ErrorReply):
             return request
+        if isinstance(request, protocol.AllocCancel):
+            return self._on_cancel(request)
         req_id = request.req_id
         with self._lock:
             self.stats.alloc_requests += 1
@@ -263,8 +271,11 @@ class Consumer:
             self.stats.chunks_allocated += allocation.new_pages
             self.stats.chunks_already_held += len(allocation.pages) - allocation.new_pages
         logger.debug(
-            "req %s: alloc %d, %d chunks to write, %d already held", req_id,
-            allocation.alloc_id, allocation.new_pages, len(allocation.pages) - allocation.new_pages,
+            "req %s: alloc %d, %d chunks to write, %d already held",
+            req_id,
+            allocation.alloc_id,
+            allocation.new_pages,
+            len(allocation.pages) - allocation.new_pages,
         )
         return protocol.AllocResponse(
             version=protocol.PROTOCOL_VERSION,
@@ -272,6 +283,23 @@ class Consumer:
             agent_name=self._channel.agent_name,
             alloc_id=allocation.alloc_id,
             pages=allocation.pages,
+        )
+
+    def _on_cancel(self, cancel: protocol.AllocCancel) -> protocol.CancelAck:
+        with self._lock:
+            known = self._store.cancel(cancel)
+            self.stats.allocations_cancelled += known
+        logger.info(
+            "req %s: producer cancelled alloc %d (%s)",
+            cancel.req_id,
+            cancel.alloc_id,
+            "pages released" if known else "nothing pending",
+        )
+        return protocol.CancelAck(
+            version=protocol.PROTOCOL_VERSION,
+            req_id=cancel.req_id,
+            alloc_id=cancel.alloc_id,
+            known=known,
         )
 
     def _on_notifications(self) -> None:
@@ -297,12 +325,14 @@ class Consumer:
         for req_id in lapsed_writes:
             logger.warning(
                 "req %s: write not confirmed within %.1f s, its pages are taken back",
-                req_id, self.config.alloc_lease_s,
+                req_id,
+                self.config.alloc_lease_s,
             )
         for req_id in lapsed_holds:
             logger.warning(
                 "req %s: chunks not released within %.1f s, hold dropped",
-                req_id, self.config.hold_timeout_s,
+                req_id,
+                self.config.hold_timeout_s,
             )
 
     # ---- helpers ----
@@ -347,9 +377,7 @@ class Consumer:
             socket.bind(f"tcp://{self.config.receiver_host}:{port}")
         except zmq.ZMQError as exc:
             socket.close()
-            raise ConfigError(
-                f"cannot bind {self.config.receiver_host}:{port}: {exc}"
-            ) from exc
+            raise ConfigError(f"cannot bind {self.config.receiver_host}:{port}: {exc}") from exc
         return socket
 
     def _close_resources(self) -> None:

@@ -43,7 +43,11 @@ class ConsumerProcess:
         kv_dtype: str = "float32",
     ) -> None:
         command = [
-            sys.executable, "-m", "lmcache_pd.consumer_process", str(config_path), model_name,
+            sys.executable,
+            "-m",
+            "lmcache_pd.consumer_process",
+            str(config_path),
+            model_name,
             kv_dtype,
         ]
         self._process = subprocess.Popen(
@@ -78,7 +82,7 @@ class ConsumerProcess:
         return self.call("stats")
 
     def wait_until(self, predicate, timeout_s: float, what: str) -> dict[str, int]:
-        """Poll ``stats`` until ``predicate(stats)`` holds; raises ``PeerTimeout`` at the deadline."""
+        """Poll ``stats`` until ``predicate(stats)`` holds; ``PeerTimeout`` at the deadline."""
         deadline = time.monotonic() + timeout_s
         while True:
             stats = self.stats()
@@ -135,7 +139,10 @@ def _serve_commands(config_path: str, model_name: str, kv_dtype: str) -> None:
 
     config = load_config(config_path)
     keyer = ChunkKeyer(
-        model_name=model_name, world_size=1, worker_id=0, kv_dtype=kv_dtype,
+        model_name=model_name,
+        world_size=1,
+        worker_id=0,
+        kv_dtype=kv_dtype,
         chunk_size=config.chunk_size,
     )
 
@@ -178,7 +185,8 @@ def _serve_commands(config_path: str, model_name: str, kv_dtype: str) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(
-        level=os.environ.get("LMCACHE_PD_LOG_LEVEL_CHILD", "WARNING"), stream=sys.stderr,
+        level=os.environ.get("LMCACHE_PD_LOG_LEVEL_CHILD", "WARNING"),
+        stream=sys.stderr,
         format="%(asctime)s consumer[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
     _serve_commands(*sys.argv[1:4])

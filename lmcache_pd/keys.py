@@ -1,4 +1,4 @@
-"""Chunk keys: token ids -> ``(start, end, key)`` per chunk, chained so a key names its whole prefix.
+"""Chunk keys: token ids -> ``(start, end, key)`` per chunk, chained so a key names its prefix.
 
 A key is a 16-byte BLAKE2b digest over the previous chunk's key, this chunk's token ids (as
 little-endian int64) and, through the seed, everything that makes KV bytes incompatible: model,

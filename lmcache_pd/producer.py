@@ -32,6 +32,7 @@ from lmcache_pd.errors import (
     PeerError,
     PeerTimeout,
     ProtocolError,
+    TransferError,
     VersionMismatch,
 )
 from lmcache_pd.protocol import DisaggSpec, ErrorCode
@@ -101,15 +102,19 @@ class Producer:
         """Write ``chunks`` (key, contiguous CPU tensor) to ``spec``'s consumer.
 
         Tensors inside the staging buffer (see ``staged``) go as they are; others are copied into
-        staging first. Raises ``PeerTimeout``, ``TransferError``, ``AllocationError`` (``BufferFull``
+        staging first. Raises ``PeerTimeout``, ``TransferError``, ``AllocationError``
+        (``BufferFull``
         after ``max_alloc_retries``), ``PeerError`` or ``ProtocolError``.
         """
         if not chunks:
             raise ValueError(f"req {spec.req_id}: nothing to push")
         started = time.monotonic()
         sources = [self._as_bytes(spec.req_id, tensor) for _, tensor in chunks]
-        specs = [protocol.ChunkSpec(key, int(data.numel())) for (key, _), data in zip(chunks, sources)]
-        peer = self._peer(spec)
+        specs = [
+            protocol.ChunkSpec(key, int(data.numel()))
+            for (key, _), data in zip(chunks, sources, strict=True)
+        ]
+        peer = self.connect(spec)
         try:
             response = self._allocate(spec, peer, specs)
             to_write = [i for i, page in enumerate(response.pages) if page is not None]
@@ -150,8 +155,14 @@ class Producer:
 
     # ---- steps of a push ----
 
-    def _peer(self, spec: DisaggSpec) -> Peer:
-        """The cached peer of ``spec``, after a two-step handshake on its init port if new."""
+    @property
+    def channel(self) -> Channel:
+        """The transport, for callers that measure it bare (benchmarks)."""
+        return self._channel
+
+    def connect(self, spec: DisaggSpec) -> Peer:
+        """The peer of ``spec``, after a two-step handshake on its init port the first time;
+        call ahead of a first push to take the handshake off its latency."""
         key = (spec.receiver_host, spec.receiver_init_port, spec.receiver_alloc_port)
         peer = self._peers.get(key)
         if peer is not None:
@@ -161,15 +172,21 @@ class Producer:
         try:
             version = protocol.PROTOCOL_VERSION
             metadata = self._ask(
-                socket, protocol.MetadataRequest(version=version), protocol.INIT_REPLIES,
-                deadline, spec.req_id,
+                socket,
+                protocol.MetadataRequest(version=version),
+                protocol.INIT_REPLIES,
+                deadline,
+                spec.req_id,
             )
             if not isinstance(metadata, protocol.AgentMetadata):
                 raise ProtocolError(f"req {spec.req_id}: expected AgentMetadata, got {metadata}")
             name = self._channel.add_peer(metadata.metadata)
             buffer = self._ask(
-                socket, protocol.BufferRequest(version=version), protocol.INIT_REPLIES,
-                deadline, spec.req_id,
+                socket,
+                protocol.BufferRequest(version=version),
+                protocol.INIT_REPLIES,
+                deadline,
+                spec.req_id,
             )
         finally:
             socket.close(linger=0)
@@ -179,7 +196,9 @@ class Producer:
         peer = Peer(
             name=name,
             buffer=RegisteredBuffer(
-                buffer.mem_type, buffer.device_id, buffer.base_addr,
+                buffer.mem_type,
+                buffer.device_id,
+                buffer.base_addr,
                 buffer.page_bytes * buffer.num_pages,
             ),
             page_bytes=buffer.page_bytes,
@@ -188,8 +207,13 @@ class Producer:
         )
         self._peers[key] = peer
         logger.info(
-            "req %s: handshake with %s at %s:%d done (%d pages of %d bytes)", spec.req_id,
-            name, spec.receiver_host, spec.receiver_init_port, peer.num_pages, peer.page_bytes,
+            "req %s: handshake with %s at %s:%d done (%d pages of %d bytes)",
+            spec.req_id,
+            name,
+            spec.receiver_host,
+            spec.receiver_init_port,
+            peer.num_pages,
+            peer.page_bytes,
         )
         return peer
 
@@ -202,7 +226,9 @@ class Producer:
         )
         deadline = time.monotonic() + self.config.alloc_timeout_s
         for attempt in range(self.config.max_alloc_retries + 1):
-            reply = self._ask(peer.alloc_socket, request, protocol.ALLOC_REPLIES, deadline, spec.req_id)
+            reply = self._ask(
+                peer.alloc_socket, request, protocol.ALLOC_REPLIES, deadline, spec.req_id
+            )
             if isinstance(reply, protocol.AllocResponse):
                 self._check_allocation(spec, peer, reply, len(specs))
                 return reply
@@ -255,18 +281,44 @@ class Producer:
         )
         segments = np.array(
             [
-                (address, peer.buffer.base_addr + response.pages[i] * peer.page_bytes,
-                 sources[i].numel())
-                for i, address in zip(to_write, addresses)
+                (
+                    address,
+                    peer.buffer.base_addr + response.pages[i] * peer.page_bytes,
+                    sources[i].numel(),
+                )
+                for i, address in zip(to_write, addresses, strict=True)
             ],
             dtype=np.uint64,
         ).reshape(-1, 3)
         deadline = time.monotonic() + self.config.transfer_timeout_s
-        handle = self._channel.post_write(peer.name, segments, peer.buffer, notif)
+        try:
+            handle = self._channel.post_write(peer.name, segments, peer.buffer, notif)
+        except TransferError:
+            self._cancel(spec, peer, response.alloc_id)
+            raise
         try:
             wait_for_transfer(self._channel, handle, deadline, f"req {spec.req_id} to {peer.name}")
-        finally:
+        except TransferError:
+            # A failed write that NIXL let us release writes no more: its pages can go back
+            # now. A timed-out one might still land, so its pages wait for their lease.
+            if self._channel.release(handle):
+                self._cancel(spec, peer, response.alloc_id)
+            raise
+        except BaseException:
             self._channel.release(handle)
+            raise
+        self._channel.release(handle)
+
+    def _cancel(self, spec: DisaggSpec, peer: Peer, alloc_id: int) -> None:
+        """Best effort: tell the consumer that ``alloc_id`` will not be written."""
+        cancel = protocol.AllocCancel(
+            version=protocol.PROTOCOL_VERSION, req_id=spec.req_id, alloc_id=alloc_id
+        )
+        deadline = time.monotonic() + protocol.CANCEL_TIMEOUT_S
+        try:
+            self._ask(peer.alloc_socket, cancel, protocol.ALLOC_REPLIES, deadline, spec.req_id)
+        except PDError as exc:
+            logger.warning("req %s: could not cancel alloc %d: %s", spec.req_id, alloc_id, exc)
 
     # ---- helpers ----
 
@@ -275,14 +327,14 @@ class Producer:
         """Addresses of the chunks to write, copying into staging those that are not there."""
         outside = [i for i in to_write if not self._is_staged(sources[i])]
         with self.staged(len(outside)) as pages:
-            copies = dict(zip(outside, pages))
+            copies = dict(zip(outside, pages, strict=True))
             for i, page in copies.items():
                 page[: sources[i].numel()].copy_(sources[i])
             yield [(copies[i] if i in copies else sources[i]).data_ptr() for i in to_write]
 
     def _is_staged(self, data: torch.Tensor) -> bool:
         start = data.data_ptr() - self._registered.base_addr
-        return 0 <= start and start + data.numel() <= self._registered.nbytes
+        return start >= 0 and start + data.numel() <= self._registered.nbytes
 
     def _page_view(self, page: int) -> torch.Tensor:
         start = self._pages.offset(page)
@@ -308,7 +360,10 @@ class Producer:
 
     @staticmethod
     def _ask(
-        socket: zmq.Socket, message: protocol.Message, codec: protocol.Codec, deadline: float,
+        socket: zmq.Socket,
+        message: protocol.Message,
+        codec: protocol.Codec,
+        deadline: float,
         req_id: str,
     ) -> object:
         """Send one request and wait for its reply until ``deadline``."""
@@ -319,7 +374,9 @@ class Producer:
         return codec.decode(socket.recv())
 
     def _forget_peer(self, spec: DisaggSpec) -> None:
-        self._forget_peer_key((spec.receiver_host, spec.receiver_init_port, spec.receiver_alloc_port))
+        self._forget_peer_key(
+            (spec.receiver_host, spec.receiver_init_port, spec.receiver_alloc_port)
+        )
 
     def _forget_peer_key(self, key: tuple[str, int, int]) -> None:
         peer = self._peers.pop(key, None)

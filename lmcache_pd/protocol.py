@@ -7,8 +7,8 @@ the one union of messages that the socket accepts. Sizes are bounded before anyt
 No pickle anywhere.
 
 Protocol history:
-  1: init port (AgentMetadata, BufferDescriptors), alloc port (AllocRequest/AllocResponse),
-     WriteDone notification with optional xxh3-64 checksums.
+  1: init port (AgentMetadata, BufferDescriptors), alloc port (AllocRequest/AllocResponse,
+     AllocCancel/CancelAck), WriteDone notification with optional xxh3-64 checksums.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ MAX_PAGE_BYTES = 1 << 31
 # never handed to a new request while a slow write into it may still be in flight.
 HANDSHAKE_TIMEOUT_S = 5.0
 ALLOC_TIMEOUT_S = 5.0
+# Short: a cancel is sent after a failure, often to a peer that is gone.
+CANCEL_TIMEOUT_S = 0.5
 TRANSFER_TIMEOUT_S = 20.0
 ALLOC_LEASE_S = 60.0
 HOLD_TIMEOUT_S = 300.0
@@ -136,6 +138,22 @@ class AllocResponse(Message, frozen=True):
     pages: Annotated[list[PageIndex | None], msgspec.Meta(max_length=MAX_CHUNKS_PER_REQUEST)]
 
 
+class AllocCancel(Message, frozen=True):
+    """The producer will not write ``alloc_id`` after all (its post failed or was cancelled):
+    the pages stop waiting for a write, and their keys are free to be sent again."""
+
+    req_id: ReqId
+    alloc_id: AllocId
+
+
+class CancelAck(Message, frozen=True):
+    """Reply to AllocCancel; ``known`` is False if the allocation had landed or lapsed."""
+
+    req_id: ReqId
+    alloc_id: AllocId
+    known: bool
+
+
 class ErrorReply(Message, frozen=True):
     """Any refusal. ``retry_after_s`` is set only for ``BUFFER_FULL``."""
 
@@ -180,7 +198,7 @@ class Codec(Generic[M]):
         self._decoder = msgspec.msgpack.Decoder(union)
 
     def decode(self, frame: bytes) -> M:
-        """Decode one frame; raises ``VersionMismatch`` or ``ProtocolError``, never anything else."""
+        """Decode one frame; raises ``VersionMismatch`` or ``ProtocolError`` and nothing else."""
         if len(frame) > MAX_FRAME_BYTES:
             raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
         try:
@@ -202,6 +220,8 @@ INIT_REQUESTS: Codec[MetadataRequest | BufferRequest] = Codec(MetadataRequest | 
 INIT_REPLIES: Codec[AgentMetadata | BufferDescriptors | ErrorReply] = Codec(
     AgentMetadata | BufferDescriptors | ErrorReply
 )
-ALLOC_REQUESTS: Codec[AllocRequest] = Codec(AllocRequest)
-ALLOC_REPLIES: Codec[AllocResponse | ErrorReply] = Codec(AllocResponse | ErrorReply)
+ALLOC_REQUESTS: Codec[AllocRequest | AllocCancel] = Codec(AllocRequest | AllocCancel)
+ALLOC_REPLIES: Codec[AllocResponse | CancelAck | ErrorReply] = Codec(
+    AllocResponse | CancelAck | ErrorReply
+)
 NOTIFICATIONS: Codec[WriteDone] = Codec(WriteDone)

@@ -1,0 +1,83 @@
+"""Helpers shared by the tests: free ports, configs, specs, chunks of known bytes, waits."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lmcache_pd.config import PDConfig, load_config
+from lmcache_pd.keys import ChunkKey
+from lmcache_pd.protocol import DisaggSpec
+
+CHUNK_SIZE = 256
+BYTES_PER_TOKEN = 512  # 128 float32 values a token: a page is 128 KiB
+PAGE_BYTES = CHUNK_SIZE * BYTES_PER_TOKEN
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def write_config(directory: Path, name: str, **fields: object) -> Path:
+    path = directory / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(fields))
+    return path
+
+
+def consumer_fields(num_pages: int = 64, **overrides: object) -> dict[str, object]:
+    return {
+        "kv_role": "kv_consumer",
+        "chunk_size": CHUNK_SIZE,
+        "page_bytes": PAGE_BYTES,
+        "buffer_size_bytes": num_pages * PAGE_BYTES,
+        "init_port": free_port(),
+        "alloc_port": free_port(),
+        **overrides,
+    }
+
+
+def producer_config(num_pages: int = 64, **overrides: object) -> PDConfig:
+    return load_config(
+        None,
+        environ={},
+        kv_role="kv_producer",
+        chunk_size=CHUNK_SIZE,
+        page_bytes=PAGE_BYTES,
+        buffer_size_bytes=num_pages * PAGE_BYTES,
+        **overrides,
+    )
+
+
+def spec_for(consumer: PDConfig | dict, req_id: str) -> DisaggSpec:
+    get = consumer.get if isinstance(consumer, dict) else consumer.__getattribute__
+    return DisaggSpec(
+        req_id=req_id,
+        receiver_host="127.0.0.1",
+        receiver_init_port=get("init_port"),
+        receiver_alloc_port=get("alloc_port"),
+    )
+
+
+def make_chunks(keys: list[ChunkKey], seed: int) -> list[tuple[bytes, torch.Tensor]]:
+    """A float32 tensor of random values per chunk, one row of BYTES_PER_TOKEN a token."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (k.key, torch.randn(k.end - k.start, BYTES_PER_TOKEN // 4, generator=generator))
+        for k in keys
+    ]
+
+
+def wait_for(predicate, timeout_s: float = 5.0, what: str = "condition") -> None:
+    """Poll ``predicate`` until true; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.005)

@@ -1,0 +1,101 @@
+"""Chunk keys: chained, deterministic across processes, partial last chunk, strict masks."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from lmcache_pd.keys import ChunkKeyer
+
+
+def keyer(**changes: object) -> ChunkKeyer:
+    fields = {"model_name": "m", "world_size": 2, "worker_id": 0, "kv_dtype": "float32"}
+    return ChunkKeyer(**{**fields, "chunk_size": 4, **changes})
+
+
+def test_chunks_cover_the_tokens_with_a_partial_last_chunk() -> None:
+    keys = keyer().chunk_keys(list(range(10)))
+    assert [(k.start, k.end) for k in keys] == [(0, 4), (4, 8), (8, 10)]
+    assert len({k.key for k in keys}) == 3
+
+
+def test_a_key_depends_on_every_token_before_it() -> None:
+    base = keyer().chunk_keys(list(range(12)))
+    changed = keyer().chunk_keys([99, *range(1, 12)])
+    assert all(a.key != b.key for a, b in zip(base, changed, strict=True))
+    later = keyer().chunk_keys([*range(8), 99, 9, 10, 11])
+    assert [a.key == b.key for a, b in zip(base, later, strict=True)] == [True, True, False]
+
+
+def test_shared_prefix_shares_keys_and_partial_chunk_differs_from_full() -> None:
+    long = keyer().chunk_keys(list(range(8)))
+    short = keyer().chunk_keys(list(range(6)))
+    assert long[0].key == short[0].key
+    assert long[1].key != short[1].key
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"model_name": "other"}, {"world_size": 4}, {"worker_id": 1}, {"kv_dtype": "bfloat16"}],
+)
+def test_key_includes_model_world_worker_and_dtype(change: dict) -> None:
+    tokens = list(range(8))
+    assert keyer().chunk_keys(tokens)[0].key != keyer(**change).chunk_keys(tokens)[0].key
+
+
+def test_keys_are_identical_in_another_process_with_another_hash_seed() -> None:
+    script = (
+        "from lmcache_pd.keys import ChunkKeyer;"
+        "k = ChunkKeyer(model_name='m', world_size=2, worker_id=0, kv_dtype='float32',"
+        " chunk_size=4);"
+        "print(','.join(c.key.hex() for c in k.chunk_keys(list(range(10)))))"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed},
+        ).stdout.strip()
+        for seed in ("1", "2")
+    }
+    here = ",".join(c.key.hex() for c in keyer().chunk_keys(list(range(10))))
+    assert outputs == {here}
+
+
+def test_tensor_like_inputs_give_the_same_keys_as_lists() -> None:
+    tokens = list(range(10))
+    assert keyer().chunk_keys(np.array(tokens, dtype=np.int32)) == keyer().chunk_keys(tokens)
+
+
+def test_mask_skips_a_whole_chunk_prefix() -> None:
+    tokens = list(range(10))
+    masked = keyer().chunk_keys(tokens, mask=[False] * 4 + [True] * 6)
+    assert masked == keyer().chunk_keys(tokens)[1:]
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        [False] * 3 + [True] * 7,  # not a multiple of chunk_size
+        [True, False] + [True] * 8,  # not a prefix of Falses
+        [False] * 4 + [True, False] + [True] * 4,
+        [True] * 9,  # wrong length
+    ],
+)
+def test_bad_masks_are_refused(mask: list[bool]) -> None:
+    with pytest.raises(ValueError):
+        keyer().chunk_keys(list(range(10)), mask=mask)
+
+
+def test_bad_shapes_are_refused() -> None:
+    with pytest.raises(ValueError):
+        keyer().chunk_keys(np.zeros((2, 2), dtype=np.int64))
+    with pytest.raises(ValueError):
+        keyer().chunk_keys(np.array([1.5, 2.5]))
+    with pytest.raises(ValueError):
+        keyer(chunk_size=0)
+    with pytest.raises(ValueError):
+        keyer(worker_id=2)

@@ -1,0 +1,153 @@
+"""Wire protocol: round trips, and strict decoding that only ever raises ProtocolError."""
+
+import contextlib
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmcache_pd import protocol
+from lmcache_pd.errors import ProtocolError, VersionMismatch
+from lmcache_pd.protocol import (
+    ALLOC_REPLIES,
+    ALLOC_REQUESTS,
+    INIT_REPLIES,
+    INIT_REQUESTS,
+    NOTIFICATIONS,
+    PROTOCOL_VERSION,
+    AllocRequest,
+    ChunkSpec,
+    DisaggSpec,
+    ErrorCode,
+    ErrorReply,
+)
+
+V = PROTOCOL_VERSION
+CODECS = [INIT_REQUESTS, INIT_REPLIES, ALLOC_REQUESTS, ALLOC_REPLIES, NOTIFICATIONS]
+
+EXAMPLES = [
+    (INIT_REQUESTS, protocol.MetadataRequest(version=V)),
+    (INIT_REQUESTS, protocol.BufferRequest(version=V)),
+    (INIT_REPLIES, protocol.AgentMetadata(version=V, agent_name="a", metadata=b"\x00" * 460)),
+    (
+        INIT_REPLIES,
+        protocol.BufferDescriptors(
+            version=V,
+            agent_name="a",
+            mem_type="DRAM",
+            device_id=0,
+            base_addr=2**47,
+            page_bytes=1 << 20,
+            num_pages=64,
+        ),
+    ),
+    (ALLOC_REQUESTS, AllocRequest(version=V, req_id="r", chunks=[ChunkSpec(b"k" * 16, 10)])),
+    (
+        ALLOC_REPLIES,
+        protocol.AllocResponse(version=V, req_id="r", agent_name="a", alloc_id=7, pages=[3, None]),
+    ),
+    (
+        ALLOC_REPLIES,
+        ErrorReply(version=V, code=ErrorCode.BUFFER_FULL, detail="x", retry_after_s=0.05),
+    ),
+    (NOTIFICATIONS, protocol.WriteDone(version=V, req_id="r", alloc_id=7, checksums=[2**64 - 1])),
+    (NOTIFICATIONS, protocol.WriteDone(version=V, req_id="r", alloc_id=7, checksums=None)),
+]
+
+
+@pytest.mark.parametrize(("codec", "message"), EXAMPLES)
+def test_every_message_round_trips(codec: protocol.Codec, message: protocol.Message) -> None:
+    assert codec.decode(protocol.encode(message)) == message
+
+
+def raw(**fields: object) -> bytes:
+    return msgspec.msgpack.encode(fields)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        b"\xc1",
+        raw(type="AllocRequest"),
+        raw(type="AllocRequest", version=V, req_id="r", chunks=[]),
+        raw(type="AllocRequest", version=V, req_id="", chunks=[[b"k", 1]]),
+        raw(type="AllocRequest", version=V, req_id="r", chunks=[[b"k", 0]]),
+        raw(type="AllocRequest", version=V, req_id="r", chunks=[[b"k", -1]]),
+        raw(type="AllocRequest", version=V, req_id="r", chunks=[[b"k" * 65, 1]]),
+        raw(type="AllocRequest", version=V, req_id="r", chunks=[[b"k", 1, 2]]),
+        raw(type="AllocRequest", version=V, req_id="r" * 300, chunks=[[b"k", 1]]),
+        raw(type="AllocRequest", version=V, req_id="r", chunks=[[b"k", 1]], extra=1),
+        raw(type="AllocRequest", version=V, req_id="r", chunks=[[b"k", 1]] * 4097),
+        raw(type="AllocRequest", version=True, req_id="r", chunks=[[b"k", 1]]),
+        raw(type="MetadataRequest", version=V),
+        raw(type=1, version=V),
+        msgspec.msgpack.encode([1, 2, 3]),
+        b"\x00" * (protocol.MAX_FRAME_BYTES + 1),
+    ],
+)
+def test_malformed_alloc_requests_raise_protocol_error(frame: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        ALLOC_REQUESTS.decode(frame)
+
+
+def test_other_version_is_reported_as_such_before_the_body_is_read() -> None:
+    with pytest.raises(VersionMismatch, match="version 2"):
+        ALLOC_REQUESTS.decode(raw(type="AllocRequest", version=2, anything="goes"))
+
+
+def test_reply_codec_refuses_requests() -> None:
+    with pytest.raises(ProtocolError):
+        INIT_REPLIES.decode(protocol.encode(protocol.MetadataRequest(version=V)))
+
+
+@settings(max_examples=500, deadline=None)
+@given(frame=st.binary(max_size=512))
+def test_random_bytes_only_ever_raise_protocol_error(frame: bytes) -> None:
+    for codec in CODECS:
+        with contextlib.suppress(ProtocolError):
+            codec.decode(frame)
+
+
+msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text()
+    | st.binary(),
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=8), children, max_size=5)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    name=st.sampled_from(["AllocRequest", "AllocResponse", "WriteDone", "BufferDescriptors", "x"]),
+    fields=st.dictionaries(
+        st.sampled_from(["req_id", "chunks", "pages", "alloc_id", "checksums", "base_addr", "z"]),
+        msgpack_values,
+    ),
+)
+def test_structured_garbage_only_ever_raises_protocol_error(name: str, fields: dict) -> None:
+    frame = msgspec.msgpack.encode({"type": name, "version": V, **fields})
+    for codec in CODECS:
+        with contextlib.suppress(ProtocolError):
+            codec.decode(frame)
+
+
+def test_disagg_spec_is_validated_naming_the_field() -> None:
+    good = {
+        "req_id": "r",
+        "receiver_host": "h",
+        "receiver_init_port": 1,
+        "receiver_alloc_port": 2,
+    }
+    assert DisaggSpec.from_dict(good).receiver_alloc_port == 2
+    with pytest.raises(ProtocolError, match="receiver_init_port"):
+        DisaggSpec.from_dict({**good, "receiver_init_port": 70000})
+    with pytest.raises(ProtocolError, match="unknown"):
+        DisaggSpec.from_dict({**good, "surprise": 1})

@@ -1,0 +1,191 @@
+"""Producer and consumer logic over real ZMQ sockets with the in-tree fake transport.
+
+The fake stands in for NIXL only; tests with real NIXL between processes are in
+test_transfer_nixl.py. Here the transport misbehaves on demand.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from lmcache_pd.config import load_config
+from lmcache_pd.consumer import Consumer, checksum
+from lmcache_pd.errors import BufferFull, IntegrityError, PeerTimeout, TransferError
+from lmcache_pd.fake_channel import FakeChannel, FakeFabric
+from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.producer import Producer
+from tests.helpers import consumer_fields, make_chunks, producer_config, spec_for, wait_for
+
+
+@pytest.fixture
+def fabric() -> FakeFabric:
+    return FakeFabric()
+
+
+def start_consumer(fabric: FakeFabric, keyer: ChunkKeyer, **overrides: object) -> Consumer:
+    config = load_config(None, environ={}, **consumer_fields(num_pages=8, **overrides))
+    return Consumer(config, keyer, channel=FakeChannel(fabric, "consumer"))
+
+
+@pytest.fixture
+def consumer(fabric: FakeFabric, keyer: ChunkKeyer) -> Iterator[Consumer]:
+    with start_consumer(fabric, keyer) as consumer:
+        yield consumer
+
+
+def make_producer(fabric: FakeFabric, **knobs: object) -> tuple[Producer, FakeChannel]:
+    settings = {k: knobs.pop(k) for k in list(knobs) if k.endswith("_s") or k.startswith("max_")}
+    channel = FakeChannel(fabric, "producer", **knobs)
+    return Producer(producer_config(num_pages=8, **settings), channel=channel), channel
+
+
+def test_pushed_chunks_land_and_are_found(consumer: Consumer, fabric, keyer) -> None:
+    tokens = list(range(600))
+    chunks = make_chunks(keyer.chunk_keys(tokens), seed=1)
+    producer, _ = make_producer(fabric)
+    with producer:
+        result = producer.push(spec_for(consumer.config, "r1"), chunks)
+    assert (result.chunks_sent, result.chunks_skipped) == (3, 0)
+    wait_for(lambda: consumer.lookup(tokens) == 600, what="chunks to land")
+    for key, tensor in chunks:
+        assert checksum(consumer.get_chunk(key)) == checksum(tensor.view(-1).view(torch.uint8))
+    consumer.release("r1")
+    assert consumer.used_pages == 0
+
+
+def test_transfer_that_never_finishes_times_out_and_its_lease_frees_the_pages(
+    fabric, keyer
+) -> None:
+    with start_consumer(fabric, keyer, alloc_lease_s=0.5, transfer_timeout_s=0.2) as consumer:
+        producer, _ = make_producer(fabric, polls_before_done=10**9, transfer_timeout_s=0.2)
+        chunks = make_chunks(keyer.chunk_keys(list(range(300))), seed=2)
+        started = time.monotonic()
+        with producer, pytest.raises(PeerTimeout, match="r-stuck"):
+            producer.push(spec_for(consumer.config, "r-stuck"), chunks)
+        assert time.monotonic() - started < 1.0
+        assert consumer.used_pages == 2
+        wait_for(lambda: consumer.used_pages == 0, what="the lease to expire")
+        assert consumer.stats_snapshot()["leases_expired"] == 1
+
+
+@pytest.mark.parametrize("knob", ["fail_post", "fail_poll"])
+def test_failed_transfer_raises_and_the_next_push_handshakes_again(
+    consumer: Consumer, fabric, keyer, knob: str
+) -> None:
+    producer, channel = make_producer(fabric, **{knob: True})
+    chunks = make_chunks(keyer.chunk_keys(list(range(10))), seed=3)
+    with producer:
+        with pytest.raises(TransferError):
+            producer.push(spec_for(consumer.config, "r-fail"), chunks)
+        setattr(channel, knob, False)
+        producer.push(spec_for(consumer.config, "r-ok"), chunks)
+    assert consumer.stats_snapshot()["init_requests"] == 4
+    wait_for(lambda: consumer.lookup(list(range(10))) == 10)
+    consumer.release("r-fail")
+    consumer.release("r-ok")
+    wait_for(lambda: consumer.used_pages == 0, what="pages to return")
+
+
+def test_lost_notification_means_not_landed(fabric, keyer) -> None:
+    with start_consumer(fabric, keyer, alloc_lease_s=0.3, transfer_timeout_s=0.1) as consumer:
+        producer, _ = make_producer(fabric, drop_notifications=True, transfer_timeout_s=0.1)
+        tokens = list(range(256))
+        with producer:
+            producer.push(
+                spec_for(consumer.config, "r-lost"), make_chunks(keyer.chunk_keys(tokens), 4)
+            )
+        time.sleep(0.05)
+        assert consumer.lookup(tokens) == 0
+        wait_for(lambda: consumer.used_pages == 0, what="the lease to expire")
+
+
+def test_released_request_keeps_its_page_until_the_write_lands(fabric, keyer) -> None:
+    with start_consumer(fabric, keyer) as consumer:
+        producer, channel = make_producer(fabric, stalled=True)
+        tokens = list(range(100))
+        chunks = make_chunks(keyer.chunk_keys(tokens), seed=5)
+        pushed = threading.Thread(
+            target=lambda: producer.push(spec_for(consumer.config, "r-early"), chunks)
+        )
+        pushed.start()
+        wait_for(lambda: consumer.used_pages == 1, what="the allocation")
+        consumer.release("r-early")
+        assert consumer.used_pages == 1  # the write may still land: the page is not reused
+        channel.stalled = False
+        pushed.join(5)
+        producer.close()
+        wait_for(lambda: consumer.used_pages == 0, what="the landed write to free its page")
+        assert consumer.stats_snapshot()["chunks_landed"] == 1
+
+
+def test_unreleased_chunks_are_dropped_after_the_hold_timeout(fabric, keyer) -> None:
+    with start_consumer(fabric, keyer, hold_timeout_s=0.3) as consumer:
+        producer, _ = make_producer(fabric)
+        with producer:
+            producer.push(
+                spec_for(consumer.config, "r-orphan"), make_chunks(keyer.chunk_keys([1, 2]), 6)
+            )
+        wait_for(lambda: consumer.used_pages == 0, what="the hold to lapse")
+        assert consumer.stats_snapshot()["holds_expired"] == 1
+
+
+def test_full_buffer_is_retried_until_room_appears(consumer: Consumer, fabric, keyer) -> None:
+    producer, _ = make_producer(fabric, max_alloc_retries=20)
+    first = make_chunks(keyer.chunk_keys(list(range(8 * 256))), seed=7)
+    second = make_chunks(keyer.chunk_keys(list(range(1000, 1256))), seed=8)
+    with producer:
+        producer.push(spec_for(consumer.config, "r-fill"), first)
+        wait_for(
+            lambda: consumer.used_pages == 8 and consumer.stats_snapshot()["chunks_landed"] == 8
+        )
+        threading.Timer(0.1, consumer.release, args=("r-fill",)).start()
+        result = producer.push(spec_for(consumer.config, "r-next"), second)
+    assert result.chunks_sent == 1
+    assert consumer.stats_snapshot()["refused_buffer_full"] >= 1
+    consumer.release("r-next")
+
+
+def test_full_buffer_without_retries_raises_buffer_full(consumer: Consumer, fabric, keyer) -> None:
+    producer, _ = make_producer(fabric, max_alloc_retries=0)
+    with producer:
+        producer.push(
+            spec_for(consumer.config, "r-fill"), make_chunks(keyer.chunk_keys(list(range(2048))), 9)
+        )
+        with pytest.raises(BufferFull, match="r-more"):
+            producer.push(
+                spec_for(consumer.config, "r-more"), make_chunks(keyer.chunk_keys([5]), 10)
+            )
+    consumer.release("r-fill")
+    wait_for(lambda: consumer.used_pages == 0)
+
+
+def test_checksum_catches_bytes_changed_after_the_write(consumer: Consumer, fabric, keyer) -> None:
+    producer, _ = make_producer(fabric)
+    chunks = make_chunks(keyer.chunk_keys(list(range(300))), seed=11)
+    with producer:
+        producer.push(spec_for(consumer.config, "r-bad"), chunks)
+    wait_for(lambda: consumer.lookup(list(range(300))) == 300)
+    consumer.get_chunk(chunks[1][0])  # negative control: intact bytes pass
+    consumer.get_chunk(chunks[1][0])[17] ^= 0xFF
+    with pytest.raises(IntegrityError):
+        consumer.get_chunk(chunks[1][0])
+    assert consumer.stats_snapshot()["integrity_failures"] == 1
+    consumer.release("r-bad")
+
+
+def test_chunks_already_in_staging_are_sent_without_a_copy(
+    consumer: Consumer, fabric, keyer
+) -> None:
+    producer, _ = make_producer(fabric)
+    [key] = [k.key for k in keyer.chunk_keys(list(range(256)))]
+    with producer, producer.staged(1) as [page]:
+        page.copy_(torch.arange(page.numel(), dtype=torch.int32).to(torch.uint8))
+        producer.push(spec_for(consumer.config, "r-staged"), [(key, page)])
+        wait_for(lambda: consumer.lookup(list(range(256))) == 256)
+        assert torch.equal(consumer.get_chunk(key), page)
+    consumer.release("r-staged")
