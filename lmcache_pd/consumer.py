@@ -220,6 +220,8 @@ class Consumer:
             if len(body) > 1 and body[0] == b"":
                 envelope, body = frames[:2], frames[2:]
             if len(body) != 1:
+                self.stats.malformed_messages += 1
+                logger.warning("refused a malformed message: %d body frames, not 1", len(body))
                 reply = self._refuse(ErrorCode.MALFORMED, f"expected 1 body frame, got {len(body)}")
             else:
                 reply = handler(body[0])

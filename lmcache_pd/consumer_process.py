@@ -41,6 +41,7 @@ class ConsumerProcess:
         env: dict[str, str] | None = None,
         model_name: str = "demo",
         kv_dtype: str = "float32",
+        log_path: str | Path | None = None,
     ) -> None:
         command = [
             sys.executable,
@@ -50,13 +51,19 @@ class ConsumerProcess:
             model_name,
             kv_dtype,
         ]
-        self._process = subprocess.Popen(
-            command,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env={**os.environ, **(env or {})},
-            text=True,
-        )
+        log = open(log_path, "a") if log_path else None  # noqa: SIM115 (the child owns it)
+        try:
+            self._process = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env={**os.environ, **(env or {})},
+                text=True,
+            )
+        finally:
+            if log is not None:
+                log.close()
         try:
             self.info = self._read(READY_TIMEOUT_S)
         except BaseException:

@@ -293,17 +293,17 @@ class Producer:
         deadline = time.monotonic() + self.config.transfer_timeout_s
         try:
             handle = self._channel.post_write(peer.name, segments, peer.buffer, notif)
-        except TransferError:
+        except TransferError as exc:
             self._cancel(spec, peer, response.alloc_id)
-            raise
+            raise TransferError(f"req {spec.req_id}: {exc}") from exc
         try:
             wait_for_transfer(self._channel, handle, deadline, f"req {spec.req_id} to {peer.name}")
-        except TransferError:
+        except TransferError as exc:
             # A failed write that NIXL let us release writes no more: its pages can go back
             # now. A timed-out one might still land, so its pages wait for their lease.
             if self._channel.release(handle):
                 self._cancel(spec, peer, response.alloc_id)
-            raise
+            raise TransferError(f"req {spec.req_id}: {exc}") from exc
         except BaseException:
             self._channel.release(handle)
             raise

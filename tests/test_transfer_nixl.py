@@ -1,0 +1,292 @@
+"""Real NIXL between real OS processes: a consumer child process, the producer in the test.
+
+Every test leaves the consumer's used pages at zero (checked after each test), and every fault
+is checked for its bound in time, its counter and a log line naming the request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lmcache_pd import protocol
+from lmcache_pd.consumer import checksum
+from lmcache_pd.consumer_process import ConsumerProcess
+from lmcache_pd.errors import (
+    AllocationError,
+    BufferFull,
+    IntegrityError,
+    PeerTimeout,
+    TransferError,
+)
+from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.producer import Producer
+from tests.helpers import (
+    BYTES_PER_TOKEN,
+    CHUNK_SIZE,
+    consumer_fields,
+    make_chunks,
+    producer_config,
+    spec_for,
+    write_config,
+)
+
+pytestmark = pytest.mark.nixl
+NUM_PAGES = 32
+REPLY_TIMEOUT_MS = 2000
+
+
+class Consumer:
+    """A consumer child process with its config and log file."""
+
+    def __init__(self, tmp: Path, **overrides: object) -> None:
+        self.fields = consumer_fields(num_pages=NUM_PAGES, **overrides)
+        self.log = tmp / "consumer.log"
+        self.process = ConsumerProcess(
+            write_config(tmp, "consumer", **self.fields), log_path=self.log
+        )
+
+    def spec(self, req_id: str) -> protocol.DisaggSpec:
+        return spec_for(self.fields, req_id)
+
+    def logged(self, text: str) -> bool:
+        return text in self.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def consumer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Consumer]:
+    node = Consumer(tmp_path_factory.mktemp("consumer"), alloc_lease_s=2.0, transfer_timeout_s=1.0)
+    with node.process:
+        yield node
+
+
+@pytest.fixture(scope="module")
+def producer() -> Iterator[Producer]:
+    with Producer(producer_config(num_pages=NUM_PAGES + 8)) as producer:
+        yield producer
+
+
+@pytest.fixture(autouse=True)
+def pages_return_to_zero(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "consumer" in request.fixturenames:
+        node: Consumer = request.getfixturevalue("consumer")
+        node.process.wait_until(lambda s: s["used_pages"] == 0, 10, "used pages back to zero")
+
+
+def local_checksums(chunks: list[tuple[bytes, torch.Tensor]]) -> list[int]:
+    return [checksum(tensor.view(-1).view(torch.uint8)) for _, tensor in chunks]
+
+
+def wait_landed(node: Consumer, tokens: list[int]) -> None:
+    deadline = time.monotonic() + 5
+    while node.process.call("lookup", tokens=tokens) != len(tokens):
+        assert time.monotonic() < deadline, "chunks did not land"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize(
+    "length", [1, CHUNK_SIZE - 1, CHUNK_SIZE, CHUNK_SIZE + 1, 5 * CHUNK_SIZE + 17]
+)
+def test_chunks_land_bit_exact_in_another_process(
+    consumer: Consumer, producer: Producer, keyer: ChunkKeyer, length: int
+) -> None:
+    tokens = list(range(length))
+    chunks = make_chunks(keyer.chunk_keys(tokens), seed=length)
+    result = producer.push(consumer.spec(f"r-len-{length}"), chunks)
+    assert result.chunks_sent == len(chunks) == -(-length // CHUNK_SIZE)
+    assert result.bytes_sent == sum(t.numel() * 4 for _, t in chunks)
+    wait_landed(consumer, tokens)
+    landed = consumer.process.call("checksums", keys=[key.hex() for key, _ in chunks])
+    assert landed == local_checksums(chunks)
+    consumer.process.call("release", req_id=f"r-len-{length}")
+
+
+def test_chunk_altered_after_the_write_is_caught(
+    consumer: Consumer, producer: Producer, keyer: ChunkKeyer
+) -> None:
+    tokens = list(range(3 * CHUNK_SIZE))
+    chunks = make_chunks(keyer.chunk_keys(tokens), seed=99)
+    producer.push(consumer.spec("r-altered"), chunks)
+    wait_landed(consumer, tokens)
+    keys = [key.hex() for key, _ in chunks]
+    assert consumer.process.call("checksums", keys=keys) == local_checksums(chunks)  # control
+    consumer.process.call("corrupt", key=keys[1], offset=12345)
+    with pytest.raises(IntegrityError):
+        consumer.process.call("checksums", keys=[keys[1]])
+    assert consumer.process.stats()["integrity_failures"] == 1
+    consumer.process.call("release", req_id="r-altered")
+
+
+def test_chunks_already_held_are_not_sent_again(
+    consumer: Consumer, producer: Producer, keyer: ChunkKeyer
+) -> None:
+    prefix = list(range(2 * CHUNK_SIZE))
+    first = prefix + list(range(5000, 5100))
+    second = prefix + list(range(7000, 7300))
+    before = consumer.process.stats()
+    a = producer.push(consumer.spec("r-first"), make_chunks(keyer.chunk_keys(first), seed=1))
+    wait_landed(consumer, first)
+    b = producer.push(consumer.spec("r-second"), make_chunks(keyer.chunk_keys(second), seed=1))
+    assert (a.chunks_sent, a.chunks_skipped) == (3, 0)
+    assert (b.chunks_sent, b.chunks_skipped) == (2, 2)
+    assert b.bytes_sent == 300 * BYTES_PER_TOKEN  # only the 300 tokens after the prefix
+    wait_landed(consumer, second)
+    after = consumer.process.stats()
+    assert after["chunks_already_held"] - before["chunks_already_held"] == 2
+    assert after["bytes_landed"] - before["bytes_landed"] == a.bytes_sent + b.bytes_sent
+    for req_id in ("r-first", "r-second"):
+        consumer.process.call("release", req_id=req_id)
+
+
+def ask_raw(port: int, frames: list[bytes]) -> protocol.Message:
+    """Send raw frames from a bare DEALER and decode the reply (which must come in time)."""
+    with zmq.Context.instance().socket(zmq.DEALER) as socket:
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(f"tcp://127.0.0.1:{port}")
+        socket.send_multipart(frames)
+        assert socket.poll(REPLY_TIMEOUT_MS), "no reply to a malformed message"
+        codec = protocol.INIT_REPLIES if port_kind(port) == "init" else protocol.ALLOC_REPLIES
+        # An empty first frame reads as a REQ delimiter, which the reply echoes before its body.
+        return codec.decode(socket.recv_multipart()[-1])
+
+
+_PORT_KINDS: dict[int, str] = {}
+
+
+def port_kind(port: int) -> str:
+    return _PORT_KINDS[port]
+
+
+@pytest.fixture
+def raw_ports(consumer: Consumer) -> dict[str, int]:
+    ports = {"init": consumer.fields["init_port"], "alloc": consumer.fields["alloc_port"]}
+    _PORT_KINDS.update({port: kind for kind, port in ports.items()})
+    return ports
+
+
+def test_malformed_bytes_on_both_ports_get_error_replies_and_serving_goes_on(
+    consumer: Consumer, producer: Producer, keyer: ChunkKeyer, raw_ports: dict[str, int]
+) -> None:
+    before = consumer.process.stats()["malformed_messages"]
+    sent = []
+
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        kind=st.sampled_from(["init", "alloc"]),
+        frames=st.lists(st.binary(max_size=300), min_size=1, max_size=3),
+    )
+    def garbage_gets_an_error_reply(kind: str, frames: list[bytes]) -> None:
+        reply = ask_raw(raw_ports[kind], frames)
+        sent.append(frames)
+        assert isinstance(reply, protocol.ErrorReply)
+        assert reply.code is protocol.ErrorCode.MALFORMED
+
+    garbage_gets_an_error_reply()
+    assert len(sent) >= 100
+    assert consumer.process.stats()["malformed_messages"] - before == len(sent)
+    assert consumer.logged("refused a malformed message")
+    tokens = list(range(300))
+    producer.push(consumer.spec("r-after-garbage"), make_chunks(keyer.chunk_keys(tokens), 3))
+    wait_landed(consumer, tokens)
+    consumer.process.call("release", req_id="r-after-garbage")
+
+
+def test_wrong_protocol_version_is_refused_on_both_ports(
+    consumer: Consumer, raw_ports: dict[str, int]
+) -> None:
+    newer = protocol.PROTOCOL_VERSION + 1
+    for kind, message in [
+        ("init", {"type": "MetadataRequest", "version": newer}),
+        ("alloc", {"type": "AllocRequest", "version": newer, "req_id": "r-v2", "chunks": []}),
+    ]:
+        reply = ask_raw(raw_ports[kind], [msgspec.msgpack.encode(message)])
+        assert isinstance(reply, protocol.ErrorReply)
+        assert reply.code is protocol.ErrorCode.VERSION
+    assert consumer.process.stats()["version_mismatches"] >= 2
+    assert consumer.logged(f"protocol version {newer}")
+
+
+def test_request_larger_than_the_buffer_is_refused_at_once(
+    consumer: Consumer, keyer: ChunkKeyer
+) -> None:
+    tokens = list(range((NUM_PAGES + 1) * CHUNK_SIZE))
+    with Producer(producer_config(num_pages=NUM_PAGES + 8)) as producer:
+        started = time.monotonic()
+        with pytest.raises(AllocationError, match="r-huge") as refused:
+            producer.push(consumer.spec("r-huge"), make_chunks(keyer.chunk_keys(tokens), 4))
+    assert not isinstance(refused.value, BufferFull)
+    assert time.monotonic() - started < 1.0
+    assert consumer.process.stats()["refused_too_large"] >= 1
+    assert consumer.logged("req r-huge")
+
+
+def test_full_buffer_is_reported_before_the_deadline(
+    consumer: Consumer, producer: Producer, keyer: ChunkKeyer
+) -> None:
+    filler = list(range((NUM_PAGES - 2) * CHUNK_SIZE))
+    producer.push(consumer.spec("r-filler"), make_chunks(keyer.chunk_keys(filler), 5))
+    started = time.monotonic()
+    with pytest.raises(BufferFull, match="r-no-room"):
+        producer.push(
+            consumer.spec("r-no-room"),
+            make_chunks(keyer.chunk_keys(list(range(9000, 9000 + 3 * CHUNK_SIZE))), 6),
+        )
+    elapsed = time.monotonic() - started
+    assert elapsed < producer.config.alloc_timeout_s
+    assert consumer.process.stats()["refused_buffer_full"] >= 1
+    assert consumer.logged("req r-no-room: buffer full")
+    consumer.process.call("release", req_id="r-filler")
+
+
+def test_pages_allocated_but_never_written_come_back_after_the_lease(
+    consumer: Consumer, raw_ports: dict[str, int], keyer: ChunkKeyer
+) -> None:
+    before = consumer.process.stats()["leases_expired"]
+    chunks = [protocol.ChunkSpec(k.key, 1000) for k in keyer.chunk_keys(list(range(40000, 41000)))]
+    request = protocol.AllocRequest(
+        version=protocol.PROTOCOL_VERSION, req_id="r-never-writes", chunks=chunks
+    )
+    reply = ask_raw(raw_ports["alloc"], [protocol.encode(request)])
+    assert isinstance(reply, protocol.AllocResponse)
+    assert consumer.process.stats()["used_pages"] == 4
+    consumer.process.wait_until(lambda s: s["used_pages"] == 0, 6, "the lease to expire")
+    assert consumer.process.stats()["leases_expired"] == before + 1
+    assert consumer.logged("req r-never-writes: write not confirmed")
+
+
+class KillsConsumerAfterAllocating(Producer):
+    """A producer whose consumer dies between the allocation and the write."""
+
+    victim: ConsumerProcess
+
+    def _allocate(self, *args, **kwargs):
+        response = super()._allocate(*args, **kwargs)
+        self.victim.kill()
+        return response
+
+
+def test_consumer_killed_mid_transfer_fails_the_push_within_its_deadline(
+    tmp_path: Path, keyer: ChunkKeyer
+) -> None:
+    node = Consumer(tmp_path)
+    with KillsConsumerAfterAllocating(producer_config(transfer_timeout_s=2.0)) as producer:
+        producer.victim = node.process
+        tokens = list(range(4 * CHUNK_SIZE))
+        started = time.monotonic()
+        with pytest.raises((TransferError, PeerTimeout), match="r-orphaned"):
+            producer.push(node.spec("r-orphaned"), make_chunks(keyer.chunk_keys(tokens), 7))
+        assert time.monotonic() - started < 2.0 + 1.0
+        # The dead peer is forgotten: a new push handshakes again and fails fast, not hangs.
+        started = time.monotonic()
+        with pytest.raises(PeerTimeout):
+            producer.push(node.spec("r-after-death"), make_chunks(keyer.chunk_keys(tokens), 8))
+        assert time.monotonic() - started < producer.config.handshake_timeout_s + 1.0
