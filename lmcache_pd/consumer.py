@@ -90,7 +90,8 @@ class Consumer:
             num_pages=config.num_pages, page_bytes=config.page_bytes, lease_s=config.alloc_lease_s
         )
         self._store = ChunkStore(allocator, hold_s=config.hold_timeout_s)
-        self._buffer = torch.empty(config.num_pages * config.page_bytes, dtype=torch.uint8)
+        # Zeroed now so that every page is faulted in here, not on the first transfers.
+        self._buffer = torch.zeros(config.num_pages * config.page_bytes, dtype=torch.uint8).zero_()
         self._channel = channel or NixlChannel(
             role="consumer",
             backends=config.nixl_backends,

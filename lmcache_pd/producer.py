@@ -71,7 +71,8 @@ class Producer:
         if config.kv_role != "kv_producer":
             raise ConfigError(f"a Producer needs kv_role kv_producer, got {config.kv_role}")
         self.config = config
-        self._staging = torch.empty(config.num_pages * config.page_bytes, dtype=torch.uint8)
+        # Zeroed now so that every page is faulted in here, not on the first transfers.
+        self._staging = torch.zeros(config.num_pages * config.page_bytes, dtype=torch.uint8).zero_()
         self._pages = PageAllocator(
             num_pages=config.num_pages, page_bytes=config.page_bytes, lease_s=None
         )
