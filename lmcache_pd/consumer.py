@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -30,7 +30,6 @@ from lmcache_pd.errors import (
     BufferFull,
     ConfigError,
     IntegrityError,
-    PDError,
     ProtocolError,
     VersionMismatch,
 )
@@ -64,6 +63,7 @@ class ConsumerStats:
     bytes_landed: int = 0
     unknown_notifications: int = 0
     allocations_cancelled: int = 0
+    internal_errors: int = 0
     leases_expired: int = 0
     holds_expired: int = 0
     integrity_failures: int = 0
@@ -203,13 +203,14 @@ class Consumer:
                 self._drain(self._alloc_socket, self._on_alloc)
             try:
                 self._on_notifications()
-            except PDError:
-                logger.exception("reading NIXL notifications failed")
+            except Exception:  # the service thread must outlive any one bad notification
+                self.stats.internal_errors += 1
+                logger.exception("handling NIXL notifications failed")
             self._expire()
             if busy and not ready:
                 time.sleep(BUSY_POLL_S)
 
-    def _drain(self, socket: zmq.Socket, handler) -> None:
+    def _drain(self, socket: zmq.Socket, handler: Callable[[bytes], protocol.Message]) -> None:
         """Answer up to MAX_MESSAGES_PER_TURN queued requests, each exactly once."""
         for _ in range(MAX_MESSAGES_PER_TURN):
             try:
@@ -225,9 +226,20 @@ class Consumer:
                 logger.warning("refused a malformed message: %d body frames, not 1", len(body))
                 reply = self._refuse(ErrorCode.MALFORMED, f"expected 1 body frame, got {len(body)}")
             else:
-                reply = handler(body[0])
+                reply = self._handle(handler, body[0])
             with contextlib.suppress(zmq.ZMQError):
                 socket.send_multipart([*envelope, protocol.encode(reply)], zmq.NOBLOCK)
+
+    def _handle(
+        self, handler: Callable[[bytes], protocol.Message], body: bytes
+    ) -> protocol.Message:
+        """Run one handler; a bug of ours gets an error reply and a log, and serving goes on."""
+        try:
+            return handler(body)
+        except Exception:
+            self.stats.internal_errors += 1
+            logger.exception("internal error while answering a %d-byte message", len(body))
+            return self._refuse(ErrorCode.INTERNAL, "internal error, see the consumer's log")
 
     def _decode(self, codec: protocol.Codec, body: bytes) -> object | ErrorReply:
         try:

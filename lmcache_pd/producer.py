@@ -83,7 +83,11 @@ class Producer:
             progress_thread=config.nixl_progress_thread,
             ucx_tls=config.ucx_tls,
         )
-        self._registered = self._channel.register(self._staging)
+        try:
+            self._registered = self._channel.register(self._staging)
+        except BaseException:
+            self._channel.close()
+            raise
         self._context = zmq.Context()
         self._peers: dict[tuple[str, int, int], Peer] = {}
         self._closed = False
@@ -368,7 +372,10 @@ class Producer:
         req_id: str,
     ) -> object:
         """Send one request and wait for its reply until ``deadline``."""
-        socket.send(protocol.encode(message), zmq.NOBLOCK)
+        try:
+            socket.send(protocol.encode(message), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise PeerTimeout(f"req {req_id}: cannot send {type(message).__name__}: {exc}") from exc
         remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
         if not socket.poll(remaining_ms, zmq.POLLIN):
             raise PeerTimeout(f"req {req_id}: no reply to {type(message).__name__} in time")

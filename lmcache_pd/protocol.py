@@ -59,6 +59,7 @@ class ErrorCode(enum.Enum):
     BUFFER_FULL = "buffer_full"
     TOO_LARGE = "too_large"
     BAD_REQUEST = "bad_request"
+    INTERNAL = "internal"
 
 
 class DisaggSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

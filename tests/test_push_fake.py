@@ -15,7 +15,7 @@ import torch
 
 from lmcache_pd.config import load_config
 from lmcache_pd.consumer import Consumer, checksum
-from lmcache_pd.errors import BufferFull, IntegrityError, PeerTimeout, TransferError
+from lmcache_pd.errors import BufferFull, IntegrityError, PeerError, PeerTimeout, TransferError
 from lmcache_pd.fake_channel import FakeChannel, FakeFabric
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.producer import Producer
@@ -189,3 +189,26 @@ def test_chunks_already_in_staging_are_sent_without_a_copy(
         wait_for(lambda: consumer.lookup(list(range(256))) == 256)
         assert torch.equal(consumer.get_chunk(key), page)
     consumer.release("r-staged")
+
+
+def test_a_bug_while_answering_gets_an_error_reply_and_serving_goes_on(
+    consumer: Consumer, fabric, keyer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    allocate = consumer._store.allocate
+    failures = iter([True])
+
+    def allocate_with_a_bug(request, now):
+        if next(failures, False):
+            raise RuntimeError("a bug")
+        return allocate(request, now)
+
+    monkeypatch.setattr(consumer._store, "allocate", allocate_with_a_bug)
+    producer, _ = make_producer(fabric)
+    chunks = make_chunks(keyer.chunk_keys(list(range(20))), seed=12)
+    with producer:
+        with pytest.raises(PeerError, match="internal"):
+            producer.push(spec_for(consumer.config, "r-bug"), chunks)
+        producer.push(spec_for(consumer.config, "r-after-bug"), chunks)
+    assert consumer.stats_snapshot()["internal_errors"] == 1
+    consumer.release("r-after-bug")
+    assert consumer.used_pages == 0
