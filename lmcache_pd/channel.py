@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import PeerTimeout, TransferError
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,17 @@ class NixlChannel:
         self._buffer: RegisteredBuffer | None = None
         self._peers: set[PeerName] = set()
         self._closed = False
+
+    @classmethod
+    def from_config(cls, config: PDConfig, *, role: str) -> NixlChannel:
+        """The channel that ``config``'s NIXL settings describe."""
+        return cls(
+            role=role,
+            backends=config.nixl_backends,
+            ucx_error_handling_mode=config.ucx_error_handling_mode,
+            progress_thread=config.nixl_progress_thread,
+            ucx_tls=config.ucx_tls,
+        )
 
     @contextlib.contextmanager
     def _mapped(self, action: str) -> Iterator[None]:

@@ -92,13 +92,7 @@ class Consumer:
         self._store = ChunkStore(allocator, hold_s=config.hold_timeout_s)
         # Zeroed now so that every page is faulted in here, not on the first transfers.
         self._buffer = torch.zeros(config.num_pages * config.page_bytes, dtype=torch.uint8).zero_()
-        self._channel = channel or NixlChannel(
-            role="consumer",
-            backends=config.nixl_backends,
-            ucx_error_handling_mode=config.ucx_error_handling_mode,
-            progress_thread=config.nixl_progress_thread,
-            ucx_tls=config.ucx_tls,
-        )
+        self._channel = channel or NixlChannel.from_config(config, role="consumer")
         self._context = zmq.Context()
         self._stop = threading.Event()
         try:

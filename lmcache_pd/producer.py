@@ -76,13 +76,7 @@ class Producer:
         self._pages = PageAllocator(
             num_pages=config.num_pages, page_bytes=config.page_bytes, lease_s=None
         )
-        self._channel = channel or NixlChannel(
-            role="producer",
-            backends=config.nixl_backends,
-            ucx_error_handling_mode=config.ucx_error_handling_mode,
-            progress_thread=config.nixl_progress_thread,
-            ucx_tls=config.ucx_tls,
-        )
+        self._channel = channel or NixlChannel.from_config(config, role="producer")
         try:
             self._registered = self._channel.register(self._staging)
         except BaseException:
