@@ -95,6 +95,24 @@ def unique_agent_name(role: str) -> str:
     return f"lmcache-pd-{role}-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """Set ``name`` while UCX reads its environment (at backend creation), then put it back, so
+    that one channel's choice does not leak into later channels or child processes."""
+    if value is None:
+        yield
+        return
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
+
+
 def _nixl_error_types() -> tuple[type[BaseException], ...]:
     from nixl import _bindings
 
@@ -117,14 +135,11 @@ class NixlChannel:
         progress_thread: bool,
         ucx_tls: str | None = None,
     ) -> None:
-        if ucx_tls is not None:
-            # UCX reads its environment when the backend is created, once per process.
-            os.environ["UCX_TLS"] = ucx_tls
         from nixl._api import nixl_agent, nixl_agent_config
 
         self._errors = _nixl_error_types()
         self.agent_name = unique_agent_name(role)
-        with self._mapped("create agent"):
+        with _environment("UCX_TLS", ucx_tls), self._mapped("create agent"):
             self._agent = nixl_agent(
                 self.agent_name,
                 nixl_agent_config(enable_prog_thread=progress_thread, backends=[]),

@@ -11,6 +11,7 @@ negative controls), ``release`` (req_id), ``stop``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 60.0
 COMMAND_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
+EXIT_GRACE_S = 2.0
 
 
 class ConsumerProcess:
@@ -126,8 +128,13 @@ class ConsumerProcess:
         ready, _, _ = select.select([self._process.stdout], [], [], timeout_s)
         line = self._process.stdout.readline() if ready else ""
         if not line:
-            state = "exited" if self._process.poll() is not None else "silent"
-            raise PeerTimeout(f"consumer process {self.pid} {state} after {timeout_s} s")
+            if ready:  # end of file: the child is exiting; its status follows at once
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._process.wait(EXIT_GRACE_S)
+            code = self._process.poll()
+            if code is not None:
+                raise PeerTimeout(f"consumer process {self.pid} exited with status {code}")
+            raise PeerTimeout(f"consumer process {self.pid} silent for {timeout_s} s")
         return json.loads(line)
 
 

@@ -290,3 +290,14 @@ def test_consumer_killed_mid_transfer_fails_the_push_within_its_deadline(
         with pytest.raises(PeerTimeout):
             producer.push(node.spec("r-after-death"), make_chunks(keyer.chunk_keys(tokens), 8))
         assert time.monotonic() - started < producer.config.handshake_timeout_s + 1.0
+
+
+def test_second_consumer_on_taken_ports_fails_fast_and_says_so(
+    consumer: Consumer, tmp_path: Path
+) -> None:
+    fields = {**consumer.fields}
+    started = time.monotonic()
+    with pytest.raises(PeerTimeout, match="exited with status"):
+        ConsumerProcess(write_config(tmp_path, "clash", **fields), log_path=tmp_path / "clash.log")
+    assert time.monotonic() - started < 30
+    assert "cannot bind" in (tmp_path / "clash.log").read_text()

@@ -1,0 +1,330 @@
+"""Transfer throughput: a full ``Producer.push`` against bare NIXL and memcpy, on one machine.
+
+Why: the protocol around a NIXL WRITE (ZMQ alloc round trip, checksums, WriteDone notification)
+should cost little next to the WRITE, and the WRITE little next to what memory allows. Ratios are
+taken only between numbers of the same run, interleaved run by run, because this machine's speed
+drifts ~2x from one run to the next (see DESIGN.md, "NIXL between two processes on one machine").
+
+For each (chunk size, chunks per request) a consumer runs in a child process (its own NIXL agent)
+on free ports, and a producer here pushes from pages of its registered staging buffer:
+
+- ours: ``Producer.push`` with fresh keys and req_id each run, checksums on (the default) and off;
+- raw NIXL: ``post_write`` + ``wait_for_transfer`` of the same pages, no protocol, no notification;
+- memcpy: single-thread ``Tensor.copy_`` of the same chunks into another buffer.
+
+Raw NIXL is a ceiling only where the initiator alone completes a write (the default: CMA, error
+mode "none"). Over tcp, or in error mode "peer", completion waits on the consumer's progress, and
+an idle consumer polls NIXL every 5 ms, against 0.1 ms while a push's write is pending: there raw
+NIXL reads low and ours/raw can exceed 1.
+
+Reproduce (medians of 7 runs; table on stdout, JSON in benchmarks/results/transfer.json)::
+
+    .venv/bin/python benchmarks/transfer.py
+    .venv/bin/python -m lmcache_pd.benchmarks.transfer --sizes 1M,16M --chunks-per-request 64 \\
+        --runs 5 --ucx-tls tcp --output /tmp/transfer-tcp.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import shlex
+import socket
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import numpy as np
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from lmcache_pd.channel import wait_for_transfer
+from lmcache_pd.config import PDConfig, load_config
+from lmcache_pd.consumer import checksum
+from lmcache_pd.consumer_process import ConsumerProcess
+from lmcache_pd.producer import Peer, Producer
+from lmcache_pd.protocol import DisaggSpec
+
+logger = logging.getLogger(__name__)
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "transfer.json"
+DEFAULT_SIZES = "256K,1M,4M,16M"
+DEFAULT_CHUNKS = "1,64"
+DEFAULTS = (DEFAULT_SIZES, DEFAULT_CHUNKS, 7)
+QUICK = ("64K,1M", "1,8", 3)
+WARMUP_RUNS = 2  # with one spare consumer page, two pushes touch every page of its buffer
+RELEASE_TIMEOUT_S = 10.0
+METHODS = ("ours", "ours_nochecksum", "raw_nixl", "memcpy")
+COLUMNS = ("chunk", "chunks", "ours", "no cksum", "raw NIXL", "memcpy", "ours/raw", "raw/memcpy")
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"256K,1M"`` -> ``[262144, 1048576]``; plain numbers are bytes."""
+    sizes = []
+    for item in filter(None, (part.strip().upper() for part in text.split(","))):
+        scale = UNITS.get(item[-1], 1)
+        sizes.append(int(item[:-1] if item[-1] in UNITS else item) * scale)
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"no positive sizes in {text!r}")
+    return sizes
+
+
+def _free_ports(count: int) -> list[int]:
+    """Ports the kernel just handed out: fixed ports collide with tests running alongside."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+def _push(
+    producer: Producer,
+    config: PDConfig,
+    consumer: ConsumerProcess,
+    spec: DisaggSpec,
+    pages: list[torch.Tensor],
+    verify: bool = False,
+) -> float:
+    """Seconds of one push of ``pages`` under fresh keys; the consumer then frees them."""
+    # Producer reads its config per push; swapping it lets both checksum modes share one
+    # staging buffer, one agent and one handshake, so they differ only in the checksums.
+    producer.config = config
+    spec = msgspec.structs.replace(spec, req_id=f"bench-{uuid.uuid4().hex}")
+    chunks = [(uuid.uuid4().bytes, page) for page in pages]
+    started = time.perf_counter()
+    result = producer.push(spec, chunks)
+    elapsed = time.perf_counter() - started
+    if result.chunks_sent != len(chunks):
+        raise RuntimeError(f"{spec.req_id}: only {result.chunks_sent} of {len(chunks)} sent")
+    if verify:  # the benchmark must measure bytes that really land where they should
+        consumer.wait_until(lambda s: s["pending_writes"] == 0, RELEASE_TIMEOUT_S, "landed")
+        landed = consumer.call("checksums", keys=[key.hex() for key, _ in chunks])
+        if landed != [checksum(page) for page in pages]:
+            raise RuntimeError(f"{spec.req_id}: landed bytes differ from the staged ones")
+    consumer.call("release", req_id=spec.req_id)
+    consumer.wait_until(lambda s: s["used_pages"] == 0, RELEASE_TIMEOUT_S, "pages returned")
+    return elapsed
+
+
+def _raw_write(producer: Producer, peer: Peer, segments: np.ndarray) -> float:
+    """Seconds of one bare NIXL WRITE of ``segments`` with an empty notification."""
+    deadline = time.monotonic() + producer.config.transfer_timeout_s
+    started = time.perf_counter()
+    handle = producer.channel.post_write(peer.name, segments, peer.buffer, b"")
+    try:
+        wait_for_transfer(producer.channel, handle, deadline, "raw NIXL write")
+        return time.perf_counter() - started
+    finally:
+        producer.channel.release(handle)
+
+
+def _memcpy(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
+    """Seconds of copying each source chunk into its target, on one thread. numpy's copy is
+    libc memcpy; torch's single-threaded ``copy_`` of uint8 measured ~3x slower here."""
+    pairs = [
+        (source.numpy(), target.numpy()) for source, target in zip(sources, targets, strict=True)
+    ]
+    started = time.perf_counter()
+    for source, target in pairs:
+        np.copyto(target, source)
+    return time.perf_counter() - started
+
+
+def _measure(chunk_bytes: int, count: int, runs: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """One record: medians and samples of every method for ``count`` chunks of ``chunk_bytes``."""
+    init_port, alloc_port = _free_ports(2)
+    overrides = {
+        **settings,
+        "page_bytes": chunk_bytes,
+        "buffer_size_bytes": (count + 1) * chunk_bytes,
+        "init_port": init_port,
+        "alloc_port": alloc_port,
+    }
+    env = {
+        f"LMCACHE_PD_{name.upper()}": str(value).lower() if isinstance(value, bool) else str(value)
+        for name, value in overrides.items()
+        if value is not None
+    }
+    staging = {"page_bytes": chunk_bytes, "buffer_size_bytes": count * chunk_bytes}
+    checked = load_config(
+        CONFIGS / "producer.yaml", **settings, **staging, integrity_checksums=True
+    )
+    unchecked = msgspec.structs.replace(checked, integrity_checksums=False)
+    spec = DisaggSpec("bench-connect", "127.0.0.1", init_port, alloc_port)
+    with (
+        ConsumerProcess(CONFIGS / "consumer.yaml", env=env) as consumer,
+        Producer(checked) as producer,
+        producer.staged(count) as pages,
+    ):
+        for page in pages:
+            page.random_(0, 256)
+        peer = producer.connect(spec)
+        segments = np.array(
+            [
+                (page.data_ptr(), peer.buffer.base_addr + i * chunk_bytes, chunk_bytes)
+                for i, page in enumerate(pages)
+            ],
+            dtype=np.uint64,
+        )
+        targets = list(torch.empty(count, chunk_bytes, dtype=torch.uint8).unbind())
+        _push(producer, checked, consumer, spec, pages, verify=True)
+        steps: dict[str, Callable[[], float]] = {
+            "ours": lambda: _push(producer, checked, consumer, spec, pages),
+            "ours_nochecksum": lambda: _push(producer, unchecked, consumer, spec, pages),
+            # Runs after the pushes' pages came back: it writes only pages nobody holds.
+            "raw_nixl": lambda: _raw_write(producer, peer, segments),
+            "memcpy": lambda: _memcpy(pages, targets),
+        }
+        samples: dict[str, list[float]] = {name: [] for name in METHODS}
+        for run in range(-WARMUP_RUNS, runs):
+            for name, step in steps.items():
+                elapsed = step()
+                if run >= 0:
+                    samples[name].append(elapsed)
+        stats = consumer.stats()
+    pushes = 1 + 2 * (WARMUP_RUNS + runs)
+    if stats["chunks_landed"] != pushes * count or stats["integrity_failures"]:
+        raise RuntimeError(f"consumer saw {stats}, expected {pushes * count} chunks landed")
+    nbytes = chunk_bytes * count
+    gbps = {name: nbytes / statistics.median(times) / 1e9 for name, times in samples.items()}
+    record = {
+        "chunk_bytes": chunk_bytes,
+        "chunks_per_request": count,
+        "request_bytes": nbytes,
+        **{f"{name}_gbps": value for name, value in gbps.items()},
+        "ratio_vs_raw_nixl": gbps["ours"] / gbps["raw_nixl"],
+        "ratio_nochecksum_vs_raw_nixl": gbps["ours_nochecksum"] / gbps["raw_nixl"],
+        "raw_vs_memcpy": gbps["raw_nixl"] / gbps["memcpy"],
+        "samples_s": samples,
+        "consumer_unknown_notifications": stats["unknown_notifications"],
+    }
+    logger.info("%d x %d B: %s", count, chunk_bytes, {k: round(v, 2) for k, v in gbps.items()})
+    return record
+
+
+def run_benchmark(
+    sizes: Sequence[int] = tuple(parse_sizes(DEFAULT_SIZES)),
+    chunks_per_request: Sequence[int] = tuple(parse_sizes(DEFAULT_CHUNKS)),
+    runs: int = 7,
+    *,
+    ucx_error_mode: str = "none",
+    progress_thread: bool = False,
+    ucx_tls: str | None = None,
+    command: str | None = None,
+) -> dict[str, Any]:
+    """Measure every (size, chunks per request) and return the JSON document (see module doc)."""
+    settings = {
+        "ucx_error_handling_mode": ucx_error_mode,
+        "nixl_progress_thread": progress_thread,
+        "ucx_tls": ucx_tls,
+    }
+    inherited_tls = os.environ.get("UCX_TLS")  # what UCX uses when ucx_tls is None
+    default = load_config(CONFIGS / "producer.yaml")
+    records = [
+        _measure(size, count, runs, settings) for size in sizes for count in chunks_per_request
+    ]
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "machine": platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            **{name: importlib.metadata.version(name) for name in ("nixl", "lmcache-pd")},
+        },
+        "settings": {
+            **settings,
+            "ucx_tls_inherited": inherited_tls,
+            "nixl_backends": default.nixl_backends,
+            "integrity_checksums_default": default.integrity_checksums,
+            "runs": runs,
+            "warmup_runs": WARMUP_RUNS,
+            "memcpy": "numpy.copyto, one thread",
+        },
+        "command": command if command is not None else shlex.join([sys.executable, *sys.argv]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "records": records,
+    }
+
+
+def print_table(document: dict[str, Any], console: Console | None = None) -> None:
+    """The medians as a rich table; "ours" runs with checksums, the default."""
+    settings = document["settings"]
+    table = Table(
+        title=f"Transfer throughput, GB/s (medians of {settings['runs']} runs)",
+        caption="ucx error mode {ucx_error_handling_mode}, progress thread "
+        "{nixl_progress_thread}, UCX_TLS {ucx_tls}; checksums on by default".format(**settings),
+    )
+    for column in COLUMNS:
+        table.add_column(column, justify="right")
+    for record in document["records"]:
+        size = record["chunk_bytes"]
+        table.add_row(
+            f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB",
+            str(record["chunks_per_request"]),
+            *(f"{record[f'{name}_gbps']:.2f}" for name in METHODS),
+            f"{record['ratio_vs_raw_nixl']:.2f}",
+            f"{record['raw_vs_memcpy']:.2f}",
+        )
+    (console or Console()).print(table)
+
+
+app = typer.Typer(add_completion=False, help=__doc__.splitlines()[0])
+
+
+@app.command()
+def main(
+    sizes: Annotated[str | None, typer.Option(help=f"chunk sizes [{DEFAULT_SIZES}]")] = None,
+    chunks_per_request: Annotated[
+        str | None, typer.Option(help=f"chunks per request [{DEFAULT_CHUNKS}]")
+    ] = None,
+    runs: Annotated[int | None, typer.Option(min=1, help="timed runs per method [7]")] = None,
+    output: Annotated[Path, typer.Option(help="where the JSON goes")] = DEFAULT_OUTPUT,
+    ucx_error_mode: Annotated[Literal["none", "peer"], typer.Option()] = "none",
+    progress_thread: Annotated[
+        bool, typer.Option("--progress-thread/--no-progress-thread")
+    ] = False,
+    ucx_tls: Annotated[str | None, typer.Option(help="UCX_TLS for both sides [unset]")] = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="defaults 64K,1M x 1,8 chunks, 3 runs")
+    ] = False,
+) -> None:
+    """Run the benchmark, print the table and write the JSON."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    default_sizes, default_chunks, default_runs = QUICK if quick else DEFAULTS
+    document = run_benchmark(
+        parse_sizes(sizes or default_sizes),
+        parse_sizes(chunks_per_request or default_chunks),
+        runs or default_runs,
+        ucx_error_mode=ucx_error_mode,
+        progress_thread=progress_thread,
+        ucx_tls=ucx_tls,
+    )
+    print_table(document)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(document, indent=2) + "\n")
+    logger.info("wrote %s", output)
+
+
+if __name__ == "__main__":
+    app()
