@@ -90,7 +90,13 @@ class Producer:
     def staged(self, count: int) -> Iterator[list[torch.Tensor]]:
         """``count`` page-sized views of the registered staging buffer, for callers that build
         chunks in place (no copy at push time); returned to the pool on exit."""
-        pages = self._pages.allocate(count, time.monotonic())
+        try:
+            pages = self._pages.allocate(count, time.monotonic())
+        except AllocationError as exc:
+            raise AllocationError(
+                f"the producer's staging buffer has no room for {count} more chunks ({exc}); "
+                "raise buffer_size_bytes"
+            ) from exc
         try:
             yield [self._page_view(page) for page in pages]
         finally:
@@ -101,36 +107,41 @@ class Producer:
         """Write ``chunks`` (key, contiguous CPU tensor) to ``spec``'s consumer.
 
         Tensors inside the staging buffer (see ``staged``) go as they are; others are copied into
-        staging first. Raises ``PeerTimeout``, ``TransferError``, ``AllocationError``
-        (``BufferFull``
-        after ``max_alloc_retries``), ``PeerError`` or ``ProtocolError``.
+        staging first (room for them is taken before the consumer is asked for any). Raises
+        ``PeerTimeout``, ``TransferError``, ``AllocationError`` (``BufferFull`` after
+        ``max_alloc_retries``), ``PeerError`` or ``ProtocolError``.
         """
         if not chunks:
             raise ValueError(f"req {spec.req_id}: nothing to push")
         started = time.monotonic()
         sources = [self._as_bytes(spec.req_id, tensor) for _, tensor in chunks]
+        sizes = [data.numel() for data in sources]
         specs = [
-            protocol.ChunkSpec(key, int(data.numel()))
-            for (key, _), data in zip(chunks, sources, strict=True)
+            protocol.ChunkSpec(key, size) for (key, _), size in zip(chunks, sizes, strict=True)
         ]
+        outside = [i for i, data in enumerate(sources) if not self._is_staged(data, sizes[i])]
         peer = self.connect(spec)
         try:
-            response = self._allocate(spec, peer, specs)
-            to_write = [i for i, page in enumerate(response.pages) if page is not None]
-            if to_write:
-                with self._in_staging(sources, to_write) as addresses:
-                    self._write(spec, peer, response, to_write, sources, addresses)
-        except AllocationError:
+            with self.staged(len(outside)) as spare:
+                response = self._allocate(spec, peer, specs)
+                to_write = [i for i, page in enumerate(response.pages) if page is not None]
+                if to_write:
+                    copies = dict(zip(outside, spare, strict=True))
+                    addresses = [self._staged_address(sources[i], copies.get(i)) for i in to_write]
+                    self._write(spec, peer, response, to_write, sources, sizes, addresses)
+        except AllocationError as exc:
+            logger.warning("req %s: not pushed to %s: %s", spec.req_id, peer.name, exc)
             raise
-        except PDError:
+        except PDError as exc:
             # The peer may be gone or restarted: handshake afresh next time.
+            logger.warning("req %s: push to %s failed: %s", spec.req_id, peer.name, exc)
             self._forget_peer(spec)
             raise
         result = PushResult(
             req_id=spec.req_id,
             chunks_sent=len(to_write),
             chunks_skipped=len(chunks) - len(to_write),
-            bytes_sent=sum(int(sources[i].numel()) for i in to_write),
+            bytes_sent=sum(sizes[i] for i in to_write),
             seconds=time.monotonic() - started,
         )
         logger.debug("req %s pushed to %s: %s", spec.req_id, peer.name, result)
@@ -264,6 +275,7 @@ class Producer:
         response: protocol.AllocResponse,
         to_write: list[int],
         sources: list[torch.Tensor],
+        sizes: list[int],
         addresses: list[int],
     ) -> None:
         """One WRITE of the chunks ``to_write`` and its WriteDone notification."""
@@ -278,17 +290,11 @@ class Producer:
                 checksums=checksums,
             )
         )
-        segments = np.array(
-            [
-                (
-                    address,
-                    peer.buffer.base_addr + response.pages[i] * peer.page_bytes,
-                    sources[i].numel(),
-                )
-                for i, address in zip(to_write, addresses, strict=True)
-            ],
-            dtype=np.uint64,
-        ).reshape(-1, 3)
+        pages = np.array([response.pages[i] for i in to_write], dtype=np.uint64)
+        segments = np.empty((len(to_write), 3), dtype=np.uint64)
+        segments[:, 0] = addresses
+        segments[:, 1] = peer.buffer.base_addr + pages * peer.page_bytes
+        segments[:, 2] = [sizes[i] for i in to_write]
         deadline = time.monotonic() + self.config.transfer_timeout_s
         try:
             handle = self._channel.post_write(peer.name, segments, peer.buffer, notif)
@@ -321,32 +327,32 @@ class Producer:
 
     # ---- helpers ----
 
-    @contextlib.contextmanager
-    def _in_staging(self, sources: list[torch.Tensor], to_write: list[int]) -> Iterator[list[int]]:
-        """Addresses of the chunks to write, copying into staging those that are not there."""
-        outside = [i for i in to_write if not self._is_staged(sources[i])]
-        with self.staged(len(outside)) as pages:
-            copies = dict(zip(outside, pages, strict=True))
-            for i, page in copies.items():
-                page[: sources[i].numel()].copy_(sources[i])
-            yield [(copies[i] if i in copies else sources[i]).data_ptr() for i in to_write]
+    @staticmethod
+    def _staged_address(data: torch.Tensor, copy: torch.Tensor | None) -> int:
+        """Where a chunk to write lies in staging: where it is, or in its copy, made now."""
+        if copy is None:
+            return data.data_ptr()
+        return copy[: data.numel()].copy_(data).data_ptr()
 
-    def _is_staged(self, data: torch.Tensor) -> bool:
+    def _is_staged(self, data: torch.Tensor, nbytes: int) -> bool:
         start = data.data_ptr() - self._registered.base_addr
-        return start >= 0 and start + data.numel() <= self._registered.nbytes
+        return start >= 0 and start + nbytes <= self._registered.nbytes
 
     def _page_view(self, page: int) -> torch.Tensor:
         start = self._pages.offset(page)
         return self._staging[start : start + self.config.page_bytes]
 
     def _as_bytes(self, req_id: str, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
-            raise ValueError(f"req {req_id}: chunks must be non-empty contiguous CPU tensors")
-        data = tensor.view(-1).view(torch.uint8)
-        if data.numel() > self.config.page_bytes:
+        if not tensor.is_cpu or not tensor.is_contiguous():
+            raise ValueError(f"req {req_id}: chunks must be contiguous CPU tensors")
+        # Staged pages are already flat bytes; every view costs microseconds per chunk.
+        flat = tensor.dtype == torch.uint8 and tensor.dim() == 1
+        data = tensor if flat else tensor.view(-1).view(torch.uint8)
+        nbytes = data.numel()
+        if not 0 < nbytes <= self.config.page_bytes:
             raise AllocationError(
-                f"req {req_id}: a chunk of {data.numel()} bytes exceeds page_bytes "
-                f"{self.config.page_bytes}"
+                f"req {req_id}: a chunk of {nbytes} bytes does not fit a page of "
+                f"{self.config.page_bytes} bytes"
             )
         return data
 

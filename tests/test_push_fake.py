@@ -15,7 +15,14 @@ import torch
 
 from lmcache_pd.config import load_config
 from lmcache_pd.consumer import Consumer, checksum
-from lmcache_pd.errors import BufferFull, IntegrityError, PeerError, PeerTimeout, TransferError
+from lmcache_pd.errors import (
+    AllocationError,
+    BufferFull,
+    IntegrityError,
+    PeerError,
+    PeerTimeout,
+    TransferError,
+)
 from lmcache_pd.fake_channel import FakeChannel, FakeFabric
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.producer import Producer
@@ -211,4 +218,18 @@ def test_a_bug_while_answering_gets_an_error_reply_and_serving_goes_on(
         producer.push(spec_for(consumer.config, "r-after-bug"), chunks)
     assert consumer.stats_snapshot()["internal_errors"] == 1
     consumer.release("r-after-bug")
+    assert consumer.used_pages == 0
+
+
+def test_no_room_in_producer_staging_fails_before_the_consumer_is_asked(
+    consumer: Consumer, fabric, keyer
+) -> None:
+    channel = FakeChannel(fabric, "producer")
+    chunks = make_chunks(keyer.chunk_keys(list(range(3 * 256))), seed=13)
+    with Producer(producer_config(num_pages=2), channel=channel) as producer:
+        with pytest.raises(AllocationError, match="staging"):
+            producer.push(spec_for(consumer.config, "r-no-staging"), chunks)
+        with producer.staged(2) as pages:  # the failed push gave back what it took
+            assert len(pages) == 2
+    assert consumer.stats_snapshot()["alloc_requests"] == 0
     assert consumer.used_pages == 0
