@@ -43,7 +43,10 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     alloc_lease_s: Seconds = protocol.ALLOC_LEASE_S
     hold_timeout_s: Seconds = protocol.HOLD_TIMEOUT_S
     max_alloc_retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = protocol.MAX_ALLOC_RETRIES
+    load_timeout_s: Seconds = protocol.LOAD_TIMEOUT_S
     integrity_checksums: bool = True
+    # Where a vLLM worker's connector mirrors its counters as JSON (None: nowhere).
+    stats_path: str | None = None
     nixl_backends: Annotated[list[str], msgspec.Meta(min_length=1)] = msgspec.field(
         default_factory=lambda: ["UCX"]
     )
@@ -71,6 +74,14 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     def num_pages(self) -> int:
         """Pages of ``page_bytes`` that fit in the buffer."""
         return self.buffer_size_bytes // self.page_bytes
+
+
+def replace(config: PDConfig, **changes: object) -> PDConfig:
+    """``config`` with ``changes``, validated again like a loaded one."""
+    try:
+        return msgspec.convert({**msgspec.structs.asdict(config), **changes}, PDConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid config after setting {sorted(changes)}: {exc}") from exc
 
 
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, object]:

@@ -40,6 +40,8 @@ CANCEL_TIMEOUT_S = 0.5
 TRANSFER_TIMEOUT_S = 20.0
 ALLOC_LEASE_S = 60.0
 HOLD_TIMEOUT_S = 300.0
+# How long a consumer waits for a request's KV before it recomputes the prompt instead.
+LOAD_TIMEOUT_S = 30.0
 BUFFER_FULL_RETRY_AFTER_S = 0.05
 MAX_ALLOC_RETRIES = 3
 

