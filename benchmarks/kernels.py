@@ -95,7 +95,7 @@ MODELS = {
 }
 
 
-def _median_pair(
+def _interleaved_samples(
     kernel: Callable[[], None], ceiling: Callable[[], None], runs: int
 ) -> tuple[list[float], list[float]]:
     """Seconds of ``kernel`` and ``ceiling``, interleaved run by run after warm-up runs."""
@@ -120,7 +120,7 @@ def _record(
         "op": op,
         "model": shape.name,
         "layout": layout,
-        **asdict(shape),
+        **{field: value for field, value in asdict(shape).items() if field != "name"},
         "bytes": nbytes,
         "seconds": kernel_s,
         "gbps": gbps,
@@ -183,7 +183,7 @@ def measure_cpu_blocks(
         "cpu_gather_fn": lambda: gather_blocks(layers, block_ids, chunk),
     }
     return [
-        _record(op, shape, "cpu", chunk.numel(), _median_pair(step, memcpy, runs))
+        _record(op, shape, "cpu", chunk.numel(), _interleaved_samples(step, memcpy, runs))
         for op, step in steps.items()
     ]
 
@@ -217,7 +217,7 @@ def measure_tokens(
         f"token_scatter_{name}": lambda: scatter_tokens(chunk, target, slots, layout),
     }
     return [
-        _record(op, shape, layout.value, chunk.numel(), _median_pair(step, memcpy, runs))
+        _record(op, shape, layout.value, chunk.numel(), _interleaved_samples(step, memcpy, runs))
         for op, step in steps.items()
     ]
 

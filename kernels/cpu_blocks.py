@@ -125,7 +125,6 @@ class CpuKVCache:
         """The block ids as ints and the chunk as (layers * blocks, block bytes), both checked."""
         ids = _check_block_ids(block_ids, self.num_blocks)
         expected = self.num_layers * len(ids) * self.block_nbytes
-        # One condition for the common case: these checks run per chunk, ~1 us each here.
         if not (
             chunk.dtype == torch.uint8
             and chunk.dim() == 1

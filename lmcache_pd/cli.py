@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -70,6 +71,94 @@ def consumer(
 
 @app.command()
 def demo(
+    model_dir: Annotated[Path, typer.Option(help="built on first use")] = Path(".cache/tiny-llama"),
+    prompt: str = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    max_tokens: int = 24,
+    log_level: str = "warning",
+) -> None:
+    """The smallest real disaggregation: a producer vLLM prefills one prompt and pushes its KV,
+    a consumer vLLM loads it and decodes; prints the answer and what moved."""
+    import json
+    import tempfile
+
+    import yaml
+
+    from lmcache_pd.model_maker import ensure_model
+    from lmcache_pd.vllm_server import VLLMServer
+
+    _setup_logging(log_level)
+    console = Console()
+    model = ensure_model(model_dir)
+    workdir = Path(tempfile.mkdtemp(prefix="lmcache-pd-demo-"))
+    consumer_settings = load_config(CONFIGS / "consumer.yaml")
+    transfer = {}
+    for role, name in (("kv_producer", "producer"), ("kv_consumer", "consumer")):
+        settings = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+        settings["stats_path"] = str(workdir / f"{name}.stats.json")
+        (workdir / f"{name}.yaml").write_text(yaml.safe_dump(settings))
+        transfer[role] = {
+            "kv_connector": "LMCachePDConnector",
+            "kv_connector_module_path": "lmcache_pd.connector",
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"config_path": str(workdir / f"{name}.yaml")},
+        }
+    console.print(f"starting a producer and a consumer vLLM (logs in {workdir}) ...")
+    with (
+        VLLMServer(
+            model, 8100, workdir / "producer.log", kv_transfer_config=transfer["kv_producer"], cpu=0
+        ) as producer,
+        VLLMServer(
+            model, 8200, workdir / "consumer.log", kv_transfer_config=transfer["kv_consumer"], cpu=1
+        ) as consumer,
+    ):
+        tokens = producer.post("/tokenize", {"model": str(model), "prompt": prompt})["tokens"]
+        spec = {
+            "req_id": "demo-1",
+            "receiver_host": consumer_settings.receiver_host,
+            "receiver_init_port": consumer_settings.init_port,
+            "receiver_alloc_port": consumer_settings.alloc_port,
+        }
+        request = {"model": str(model), "temperature": 0}
+        started = time.monotonic()
+        first = producer.complete(
+            {
+                **request,
+                "prompt": tokens,
+                "max_tokens": 1,
+                "kv_transfer_params": {"ret_first_tok": True, "disagg_spec": spec},
+            }
+        )
+        prefilled = time.monotonic()
+        first_tok = first["kv_transfer_params"]["first_tok"]
+        rest = consumer.complete(
+            {
+                **request,
+                "prompt": [*tokens, first_tok],
+                "max_tokens": max_tokens - 1,
+                "kv_transfer_params": {"disagg_spec": spec},
+            }
+        )
+        finished = time.monotonic()
+        pushed = json.loads((workdir / "producer.stats.json").read_text())
+        loaded = json.loads((workdir / "consumer.stats.json").read_text())
+    console.print(f"[bold]prompt[/bold] ({len(tokens)} tokens): {prompt!r}")
+    console.print(
+        f"[bold]answer[/bold]: {first['choices'][0]['text'] + rest['choices'][0]['text']!r}"
+    )
+    console.print(
+        f"first token from the producer after {1e3 * (prefilled - started):.0f} ms; "
+        f"the consumer decoded the rest in {1e3 * (finished - prefilled):.0f} ms"
+    )
+    console.print(
+        f"producer pushed {pushed['chunks_pushed']} chunks ({pushed['bytes_pushed'] / 2**20:.2f}"
+        f" MiB); consumer loaded {loaded['tokens_loaded']} prompt tokens instead of computing "
+        f"them ({loaded['loads_failed']} loads failed, {loaded['integrity_failures']} bad chunks)"
+    )
+
+
+@app.command("transfer-demo")
+def transfer_demo(
     producer_config: Annotated[Path, typer.Option()] = CONFIGS / "producer.yaml",
     consumer_config: Annotated[Path, typer.Option()] = CONFIGS / "consumer.yaml",
     ceiling: Annotated[bool, typer.Option(help="also measure raw NIXL and memcpy")] = True,

