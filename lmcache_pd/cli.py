@@ -231,3 +231,19 @@ def transfer_demo(
 
         console.print("measuring the same pages with raw NIXL and memcpy in the same run ...")
         print_table(run_benchmark([settings.page_bytes], [16, 64], runs=3), console)
+
+
+@app.command("make-model")
+def make_model_command(
+    directory: Annotated[Path, typer.Argument(help="the Hugging Face folder to write")],
+    seed: Annotated[int, typer.Option(help="seeds the random weights")] = 0,
+    force: Annotated[bool, typer.Option(help="rebuild even if this build is there")] = False,
+) -> None:
+    """Write the tiny random Llama that vLLM serves offline here, and print its folder.
+
+    A folder already holding this seed's build is kept unless --force."""
+    from lmcache_pd.model_maker import ensure_model, make_model
+
+    _setup_logging("info")
+    built = make_model(directory, seed=seed) if force else ensure_model(directory, seed=seed)
+    typer.echo(built)

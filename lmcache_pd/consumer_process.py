@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lmcache_pd.config import load_config
 from lmcache_pd.errors import IntegrityError, PeerTimeout
 
 logger = logging.getLogger(__name__)
@@ -147,7 +148,6 @@ def _serve_commands(config_path: str, model_name: str, kv_dtype: str) -> None:
         replies.write(json.dumps(message) + "\n")
         replies.flush()
 
-    from lmcache_pd.config import load_config
     from lmcache_pd.consumer import Consumer, checksum
     from lmcache_pd.keys import ChunkKeyer
 
@@ -199,7 +199,7 @@ def _serve_commands(config_path: str, model_name: str, kv_dtype: str) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(
-        level=os.environ.get("LMCACHE_PD_LOG_LEVEL_CHILD", "WARNING"),
+        level=load_config(sys.argv[1]).log_level,
         stream=sys.stderr,
         format="%(asctime)s consumer[%(process)d] %(levelname)s %(name)s: %(message)s",
     )

@@ -181,3 +181,13 @@ def test_kv_that_never_lands_fails_the_load_at_its_deadline(workers) -> None:
     assert finish(consumer) == ({"c"}, {"c"})
     assert 2.0 <= time.monotonic() - started < 4.0
     assert not any(layer.any() for layer in target.values())
+
+
+def test_a_failed_load_is_not_awaited_again() -> None:
+    scheduler = ConsumerScheduler(CHUNK)
+    req = request("c", list(range(201)), {"disagg_spec": SPEC})
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)
+    scheduler.update_connector_output({"c"})
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    scheduler.request_finished(req)
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)

@@ -37,9 +37,24 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+def _show_our_logs(level: str) -> None:
+    """vLLM configures only its own loggers; without a handler ours would be silent in its
+    processes, and a request that fell back to recompute would leave no trace."""
+    ours = logging.getLogger("lmcache_pd")
+    if not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(
+            logging.Formatter("(lmcache-pd pid=%(process)d) %(levelname)s %(name)s: %(message)s")
+        )
+        ours.addHandler(handler)
+        ours.setLevel(level)
+        ours.propagate = False
 
 
 def connector_config(vllm_config: VllmConfig) -> PDConfig:
@@ -92,6 +107,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
                 if self._producer
                 else ConsumerScheduler(self._config.chunk_size)
             )
+        _show_our_logs(self._config.log_level)
         logger.info("LMCachePDConnector %s as %s", role.name, self._config.kv_role)
 
     # ---- worker side ----
@@ -163,10 +179,16 @@ class LMCachePDConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if isinstance(self._scheduler, ConsumerScheduler):
+            self._scheduler.update_connector_output(set(connector_output.failed_recving or ()))
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Never delays the free (the KV was copied out); returns ``first_tok`` if asked."""
         if isinstance(self._scheduler, ProducerScheduler):
             return False, self._scheduler.request_finished(request)
+        if isinstance(self._scheduler, ConsumerScheduler):
+            self._scheduler.request_finished(request)
         return False, None

@@ -104,12 +104,14 @@ class ConsumerScheduler:
     def __init__(self, chunk_size: int) -> None:
         self._chunk_size = chunk_size
         self._loads: list[LoadRequest] = []
+        # Requests whose load failed: vLLM asks again before recomputing, and must hear "none".
+        self._failed: set[str] = set()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
         """All of the prompt but its last token (the producer's first output, computed here),
         if loading starts on a chunk boundary; else nothing and the prompt is computed."""
         spec = disagg_spec_of(request)
-        if spec is None or num_computed % self._chunk_size:
+        if spec is None or num_computed % self._chunk_size or request.request_id in self._failed:
             return 0, False
         external = len(request.prompt_token_ids or []) - 1 - num_computed
         return (external, True) if external > 0 else (0, False)
@@ -132,3 +134,10 @@ class ConsumerScheduler:
         meta = PDConnectorMetadata(loads=self._loads, finished=set(output.finished_req_ids))
         self._loads = []
         return meta
+
+    def update_connector_output(self, failed_recving: set[str]) -> None:
+        """Remember failed loads, so that their prompts are computed instead of awaited again."""
+        self._failed |= failed_recving
+
+    def request_finished(self, request: Request) -> None:
+        self._failed.discard(request.request_id)

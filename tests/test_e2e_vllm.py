@@ -1,0 +1,320 @@
+"""End to end with real vLLM: a producer instance pushes prompt KV into a consumer instance,
+whose greedy output must equal a plain instance's token for token and logprob for logprob.
+
+The plain instance runs first (its answers are the reference), then the producer and the
+consumer side by side, each pinned to its own core. Every check also reads the consumer's
+counters, so a run that silently recomputed instead of loading fails.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from lmcache_pd.config import load_config
+from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.model_maker import ensure_model
+from lmcache_pd.producer import Producer
+from lmcache_pd.protocol import DisaggSpec
+from lmcache_pd.vllm_server import VLLMServer
+from tests.helpers import free_port
+
+pytestmark = pytest.mark.vllm
+LENGTHS = [1, 31, 255, 256, 257, 1000, 3000]
+BATCH = 8
+OUTPUT_TOKENS = 6
+LOAD_TIMEOUT_S = 8.0
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    generator = random.Random(seed)
+    return [generator.randrange(10, 1500) for _ in range(length)]
+
+
+PROMPTS = {f"len-{n}": prompt(n, n) for n in LENGTHS}
+PROMPTS |= {f"batch-{i}": prompt(300 + 97 * i, 10_000 + i) for i in range(BATCH)}
+PROMPTS["orphan"] = prompt(700, 777)
+# Fresh prompts for the rogue-producer tests: one the consumer had cached would be partly
+# computed from its own prefix cache and never reach the checks under test.
+PROMPTS |= {f"rogue-{kind}": prompt(1000, seed) for kind, seed in (("bad-sum", 31), ("bad-kv", 32))}
+
+
+def body(model: Path, tokens: list[int], max_tokens: int, params: dict | None = None) -> dict:
+    request: dict[str, Any] = {
+        "model": str(model),
+        "prompt": tokens,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 1,
+    }
+    if params is not None:
+        request["kv_transfer_params"] = params
+    return request
+
+
+def answer(response: dict) -> tuple[list[str], list[float]]:
+    logprobs = response["choices"][0]["logprobs"]
+    return logprobs["tokens"], logprobs["token_logprobs"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_model(Path(__file__).parent.parent / ".cache" / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    logs = tmp_path_factory.mktemp("reference")
+    with VLLMServer(model, free_port(), logs / "plain.log", cpu=0) as plain:
+        return {
+            name: answer(plain.complete(body(model, tokens, OUTPUT_TOKENS)))
+            for name, tokens in PROMPTS.items()
+        }
+
+
+class PDPair:
+    """A producer and a consumer vLLM, with the consumer's ports and counters."""
+
+    def __init__(self, model: Path, workdir: Path) -> None:
+        self.model = model
+        self.init_port, self.alloc_port = free_port(), free_port()
+        self.stats_path = workdir / "consumer.stats.json"
+        configs = {
+            role: self._transfer_config(workdir, role) for role in ("kv_producer", "kv_consumer")
+        }
+        self.producer = VLLMServer(
+            model,
+            free_port(),
+            workdir / "producer.log",
+            kv_transfer_config=configs["kv_producer"],
+            cpu=0,
+        )
+        try:
+            self.consumer = VLLMServer(
+                model,
+                free_port(),
+                workdir / "consumer.log",
+                kv_transfer_config=configs["kv_consumer"],
+                cpu=1,
+            )
+        except BaseException:
+            self.producer.stop()
+            raise
+
+    def _transfer_config(self, workdir: Path, role: str) -> dict[str, Any]:
+        path = workdir / f"{role}.yaml"
+        settings = {
+            "kv_role": role,
+            "chunk_size": 256,
+            "buffer_size_bytes": 1 << 28,
+            "init_port": self.init_port,
+            "alloc_port": self.alloc_port,
+            "load_timeout_s": LOAD_TIMEOUT_S,
+            "stats_path": str(workdir / f"{role[3:]}.stats.json"),
+        }
+        path.write_text(yaml.safe_dump(settings))
+        return {
+            "kv_connector": "LMCachePDConnector",
+            "kv_connector_module_path": "lmcache_pd.connector",
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"config_path": str(path)},
+        }
+
+    def spec(self, req_id: str) -> dict[str, Any]:
+        return {
+            "req_id": req_id,
+            "receiver_host": "127.0.0.1",
+            "receiver_init_port": self.init_port,
+            "receiver_alloc_port": self.alloc_port,
+        }
+
+    def stats(self) -> defaultdict[str, int]:
+        """The consumer worker's counters (all zero before its first load)."""
+        found = json.loads(self.stats_path.read_text()) if self.stats_path.exists() else {}
+        return defaultdict(int, found)
+
+    def disaggregated(self, name: str, tokens: list[int]) -> tuple[list[str], list[float]]:
+        """Prefill on the producer (one token), then decode on the consumer, as the proxy will."""
+        spec = self.spec(f"{name}-{time.monotonic_ns()}")
+        first = self.producer.complete(
+            body(self.model, tokens, 1, {"ret_first_tok": True, "disagg_spec": spec})
+        )
+        first_tok = first["kv_transfer_params"]["first_tok"]
+        rest = self.consumer.complete(
+            body(self.model, [*tokens, first_tok], OUTPUT_TOKENS - 1, {"disagg_spec": spec})
+        )
+        head, tail = answer(first), answer(rest)
+        return head[0] + tail[0], head[1] + tail[1]
+
+    def stop(self) -> None:
+        self.consumer.stop()
+        self.producer.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(
+    model: Path, reference: dict, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PDPair]:
+    pair = PDPair(model, tmp_path_factory.mktemp("pd"))
+    try:
+        yield pair
+    finally:
+        pair.stop()
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_consumer_output_equals_one_instance_and_prompt_was_loaded(
+    pair: PDPair, reference: dict, length: int
+) -> None:
+    before = pair.stats()["tokens_loaded"]
+    got = pair.disaggregated(f"len-{length}", PROMPTS[f"len-{length}"])
+    assert got == reference[f"len-{length}"]  # tokens and logprobs, exactly
+    # The consumer's prompt is the producer's plus its first token: all of the producer's is loaded.
+    stats = pair.stats()
+    assert stats["tokens_loaded"] - before == length
+    assert stats["consumer_used_pages"] == 0
+
+
+def test_a_batch_of_concurrent_requests_matches_one_instance(pair: PDPair, reference: dict) -> None:
+    before = pair.stats()["tokens_loaded"]
+    names = [f"batch-{i}" for i in range(BATCH)]
+    with ThreadPoolExecutor(BATCH) as pool:
+        results = dict(
+            zip(names, pool.map(lambda n: pair.disaggregated(n, PROMPTS[n]), names), strict=True)
+        )
+    for name in names:
+        assert results[name] == reference[name], name
+    assert pair.stats()["tokens_loaded"] - before == sum(len(PROMPTS[n]) for n in names)
+
+
+def test_kv_that_never_comes_is_recomputed_within_the_deadline(
+    pair: PDPair, reference: dict
+) -> None:
+    """The producer's push goes nowhere (its consumer address is dead, as if it died with the
+    request): the consumer waits its deadline, recomputes the prompt, and still answers right."""
+    tokens = PROMPTS["orphan"]
+    dead = {
+        **pair.spec("orphan"),
+        "receiver_init_port": free_port(),
+        "receiver_alloc_port": free_port(),
+    }
+    first = pair.producer.complete(
+        body(pair.model, tokens, 1, {"ret_first_tok": True, "disagg_spec": dead})
+    )
+    first_tok = first["kv_transfer_params"]["first_tok"]
+    before = pair.stats()
+    started = time.monotonic()
+    rest = pair.consumer.complete(
+        body(
+            pair.model,
+            [*tokens, first_tok],
+            OUTPUT_TOKENS - 1,
+            {"disagg_spec": pair.spec("orphan")},
+        )
+    )
+    assert LOAD_TIMEOUT_S <= time.monotonic() - started < LOAD_TIMEOUT_S + 30
+    head, tail = answer(first), answer(rest)
+    assert (head[0] + tail[0], head[1] + tail[1]) == reference["orphan"]
+    after = pair.stats()
+    assert after["load_timeouts"] == before["load_timeouts"] + 1
+    assert after["tokens_loaded"] == before["tokens_loaded"]
+    assert after["consumer_used_pages"] == 0
+    # and it keeps serving disaggregated requests
+    assert pair.disaggregated("len-257", PROMPTS["len-257"]) == reference["len-257"]
+
+
+class RogueProducer:
+    """Pushes chunks of our choosing, under the keys the real producer would use, from this
+    test process: stands for a producer whose bytes went wrong in flight."""
+
+    BLOCK_BYTES = 2 * 128 * 2 * 64 * 4  # KV heads x block size x (K+V) x head size x fp32
+    LAYERS = 4
+
+    def __init__(self, pair: PDPair) -> None:
+        self.pair = pair
+        self.keyer = ChunkKeyer(
+            model_name=str(pair.model),
+            world_size=1,
+            worker_id=0,
+            kv_dtype="float32",
+            chunk_size=256,
+        )
+
+    def push(self, req_id: str, tokens: list[int]) -> None:
+        chunks = []
+        generator = torch.Generator().manual_seed(1)
+        for chunk in self.keyer.chunk_keys(tokens):
+            blocks = -(-(chunk.end - chunk.start) // 128)
+            nbytes = blocks * self.LAYERS * self.BLOCK_BYTES
+            chunks.append(
+                (
+                    chunk.key,
+                    torch.randn(nbytes // 4, generator=generator).view(torch.uint8),  # finite KV
+                )
+            )
+        config = load_config(
+            None, environ={}, kv_role="kv_producer", page_bytes=1 << 20, buffer_size_bytes=16 << 20
+        )
+        with Producer(config) as producer:
+            spec = DisaggSpec.from_dict(self.pair.spec(req_id))
+            assert producer.push(spec, chunks).chunks_sent == len(chunks)
+
+
+def decode_after_rogue_push(pair: PDPair, name: str) -> tuple[list, list]:
+    """Prefill on the producer with nowhere to push, put the rogue chunks into the consumer
+    under the request's id, then decode there."""
+    tokens = PROMPTS[name]
+    req_id = f"{name}-rogue-{time.monotonic_ns()}"
+    nowhere = {**pair.spec(req_id + "-p"), "receiver_init_port": free_port()}
+    first = pair.producer.complete(
+        body(pair.model, tokens, 1, {"ret_first_tok": True, "disagg_spec": nowhere})
+    )
+    RogueProducer(pair).push(req_id, tokens)
+    rest = pair.consumer.complete(
+        body(
+            pair.model,
+            [*tokens, first["kv_transfer_params"]["first_tok"]],
+            OUTPUT_TOKENS - 1,
+            {"disagg_spec": pair.spec(req_id)},
+        )
+    )
+    head, tail = answer(first), answer(rest)
+    return head[0] + tail[0], head[1] + tail[1]
+
+
+def test_chunk_corrupted_in_flight_is_caught_and_the_prompt_recomputed(
+    pair: PDPair, reference: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rogue bytes arrive with checksums that do not match them, as if changed in flight:
+    the consumer must refuse them and recompute, so the answer is still the reference."""
+    import lmcache_pd.producer
+
+    real = lmcache_pd.producer.checksum
+    monkeypatch.setattr(lmcache_pd.producer, "checksum", lambda data: real(data) ^ 1)
+    before = pair.stats()
+    assert decode_after_rogue_push(pair, "rogue-bad-sum") == reference["rogue-bad-sum"]
+    after = pair.stats()
+    assert after["integrity_failures"] == before["integrity_failures"] + 1
+    assert after["tokens_loaded"] == before["tokens_loaded"]
+    assert after["consumer_used_pages"] == 0
+
+
+def test_wrong_kv_with_good_checksums_changes_the_answer(pair: PDPair, reference: dict) -> None:
+    """Negative control for every comparison above: KV that is loaded but wrong must show in
+    the output, so matching outputs do prove the transferred KV was right."""
+    before = pair.stats()
+    got = decode_after_rogue_push(pair, "rogue-bad-kv")
+    assert pair.stats()["tokens_loaded"] == before["tokens_loaded"] + 1000
+    assert got[0][0] == reference["rogue-bad-kv"][0][0]  # the producer's own first token
+    assert got[0][1:] != reference["rogue-bad-kv"][0][1:]

@@ -1,0 +1,142 @@
+"""The tiny Llama maker: what it writes loads in transformers, and builds are reproducible."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from lmcache_pd import model_maker
+from lmcache_pd.cli import app
+from lmcache_pd.model_maker import MARKER, ensure_model, make_model
+
+FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    MARKER,
+)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One build shared by the module's tests: a build takes several seconds."""
+    return make_model(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+def digests(directory: Path) -> dict[str, str]:
+    return {name: hashlib.sha256((directory / name).read_bytes()).hexdigest() for name in FILES}
+
+
+def test_config_is_a_small_gqa_llama_with_long_context(built: Path) -> None:
+    config = json.loads((built / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    assert config["num_key_value_heads"] < config["num_attention_heads"]
+    assert config["max_position_embeddings"] >= 4096
+    assert config["torch_dtype"] == "float32"
+    tokenizer = json.loads((built / "tokenizer.json").read_text())
+    assert config["vocab_size"] == len(tokenizer["model"]["vocab"])
+    assert 4000 <= config["vocab_size"] <= 8000
+    generation = json.loads((built / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == config["eos_token_id"]
+
+
+def test_weights_load_into_transformers_llama(built: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    model, info = LlamaForCausalLM.from_pretrained(built, output_loading_info=True)
+    assert info["missing_keys"] == set()
+    assert info["unexpected_keys"] == set()
+    assert info["mismatched_keys"] == set()
+    assert {parameter.dtype for parameter in model.parameters()} == {model.dtype}
+    assert str(model.dtype) == "torch.float32"
+
+
+def test_tokenizer_round_trips_and_starts_with_bos(built: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(built)
+    text = 'def f(x):\n    """Docs, «unicode» too."""\n\treturn x  # 🙂\n'
+    ids = tokenizer(text)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id
+    assert ids.count(tokenizer.bos_token_id) == 1
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    code = "import os\n\n\ndef main(path):\n    return os.path.join(path, 'self')\n"
+    assert len(tokenizer(code)["input_ids"]) < len(code) / 2  # merges learnt from local code
+    assert tokenizer.eos_token == "</s>"
+    assert tokenizer.pad_token == "<pad>"
+
+
+def test_chat_template_renders_one_bos_and_a_generation_prompt(built: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(built)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello?"},
+    ]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt == "<s><|system|>\nBe brief.</s>\n<|user|>\nHello?</s>\n<|assistant|>\n"
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]  # as vLLM tokenizes chats
+    assert ids.count(tokenizer.bos_token_id) == 1
+    assert ids.count(tokenizer.eos_token_id) == 2
+
+
+def test_two_builds_are_byte_identical(built: Path, tmp_path: Path) -> None:
+    again = make_model(tmp_path / "again")
+    assert digests(again) == digests(built)
+
+
+def test_ensure_model_keeps_a_matching_build(built: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = digests(built)
+    calls: list[int] = []
+    monkeypatch.setattr(model_maker, "make_model", lambda d, *, seed: calls.append(seed) or d)
+    assert ensure_model(built) == built
+    assert calls == []
+    assert ensure_model(built, seed=7) == built  # another seed is another model: rebuilt
+    assert calls == [7]
+    assert digests(built) == before
+
+
+def test_ensure_model_rebuilds_a_half_written_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / MARKER).write_text("not json")
+    calls: list[int] = []
+    monkeypatch.setattr(model_maker, "make_model", lambda d, *, seed: calls.append(seed) or d)
+    ensure_model(tmp_path)
+    assert calls == [0]
+
+
+def test_a_folder_it_did_not_write_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError):
+        make_model(tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_cli_make_model_keeps_an_existing_build(built: Path) -> None:
+    before = digests(built)
+    result = CliRunner().invoke(app, ["make-model", str(built)])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().endswith(built.name)
+    assert digests(built) == before
+
+
+def test_importing_the_cli_and_maker_loads_no_model_libraries() -> None:
+    code = (
+        "import sys, lmcache_pd.cli, lmcache_pd.model_maker; "
+        "print(sorted({'vllm', 'transformers', 'tokenizers', 'safetensors'} & set(sys.modules)))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert loaded.strip() == "[]"
