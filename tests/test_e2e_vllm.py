@@ -29,7 +29,8 @@ from lmcache_pd.protocol import DisaggSpec
 from lmcache_pd.vllm_server import VLLMServer
 from tests.helpers import free_port
 
-pytestmark = pytest.mark.vllm
+# Starting three vLLM instances takes minutes on two cores: the first test pays for it.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 LENGTHS = [1, 31, 255, 256, 257, 1000, 3000]
 BATCH = 8
 OUTPUT_TOKENS = 6
