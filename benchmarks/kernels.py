@@ -30,14 +30,9 @@ Reproduce (medians of 7 runs; table on stdout, JSON in benchmarks/results/kernel
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
-import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -47,6 +42,10 @@ from typing import Annotated, Any
 import numpy as np
 import torch
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from lmcache_pd.benchmarks.environment import run_environment
 from lmcache_pd.kernels import (
     CpuKVCache,
     KVLayout,
@@ -56,8 +55,6 @@ from lmcache_pd.kernels import (
     token_chunk_nbytes,
     validate_chunk_size,
 )
-from rich.console import Console
-from rich.table import Table
 
 logger = logging.getLogger(__name__)
 
@@ -238,19 +235,9 @@ def run_benchmark(
         records += measure_cpu_blocks(shape, chunk_tokens, cache_bytes, runs)
         for layout in KVLayout:
             records += measure_tokens(shape, layout, chunk_tokens, cache_bytes, runs)
+    environment = run_environment(("torch", "numpy"), command)
     return {
-        "machine": {
-            "platform": platform.platform(),
-            "machine": platform.machine(),
-            "processor": _cpu_model(),
-            "cpu_count": os.cpu_count(),
-            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        },
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "numpy": np.__version__,
-        },
+        **environment,
         "settings": {
             "runs": runs,
             "warmup_runs": WARMUP_RUNS,
@@ -260,19 +247,8 @@ def run_benchmark(
             "memcpy": "numpy.copyto, one thread, same bytes, interleaved with each kernel",
             "models": {name: asdict(MODELS[name]) for name in models},
         },
-        "command": command if command is not None else shlex.join([sys.executable, *sys.argv]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "records": records,
     }
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            lines = [line for line in cpuinfo if line.startswith("model name")]
-    except OSError:
-        return platform.processor()
-    return lines[0].split(":", 1)[1].strip() if lines else platform.processor()
 
 
 def print_table(document: dict[str, Any], console: Console | None = None) -> None:

@@ -27,16 +27,11 @@ Reproduce (medians of 7 runs; table on stdout, JSON in benchmarks/results/transf
 from __future__ import annotations
 
 import contextlib
-import datetime
-import importlib.metadata
 import json
 import logging
 import os
-import platform
-import shlex
 import socket
 import statistics
-import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -50,6 +45,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from lmcache_pd.benchmarks.environment import run_environment
 from lmcache_pd.channel import wait_for_transfer
 from lmcache_pd.config import PDConfig, load_config
 from lmcache_pd.consumer import checksum
@@ -238,18 +234,9 @@ def run_benchmark(
     records = [
         _measure(size, count, runs, settings) for size in sizes for count in chunks_per_request
     ]
+    environment = run_environment(("torch", "nixl", "lmcache-pd"), command)
     return {
-        "machine": {
-            "platform": platform.platform(),
-            "machine": platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        },
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            **{name: importlib.metadata.version(name) for name in ("nixl", "lmcache-pd")},
-        },
+        **environment,
         "settings": {
             **settings,
             "ucx_tls_inherited": inherited_tls,
@@ -259,8 +246,6 @@ def run_benchmark(
             "warmup_runs": WARMUP_RUNS,
             "memcpy": "numpy.copyto, one thread",
         },
-        "command": command if command is not None else shlex.join([sys.executable, *sys.argv]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "records": records,
     }
 

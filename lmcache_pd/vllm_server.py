@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,11 @@ class VLLMServer:
         kv_transfer_config: dict[str, Any] | None = None,
         cpu: int = 0,
         env: dict[str, str] | None = None,
+        extra_args: Sequence[str] = (),
+        wait: bool = True,
     ) -> None:
+        """Start the server; with ``wait`` (else call ``wait_until_healthy``, e.g. after starting
+        a second one so that both start at once) block until it answers /health."""
         command = [
             sys.executable,
             "-m",
@@ -53,6 +58,7 @@ class VLLMServer:
             "0",
             "--disable-log-stats",
         ]
+        command += list(extra_args)
         if kv_transfer_config is not None:
             command += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         self.url = f"http://127.0.0.1:{port}"
@@ -72,6 +78,12 @@ class VLLMServer:
                 **(env or {}),
             },
         )
+        if wait:
+            self.wait_until_healthy()
+
+    def wait_until_healthy(self) -> None:
+        """Block until /health answers; on failure or timeout the server is stopped and the
+        error carries the end of its log."""
         try:
             self._wait_healthy()
         except BaseException:

@@ -27,7 +27,7 @@ from lmcache_pd.model_maker import ensure_model
 from lmcache_pd.producer import Producer
 from lmcache_pd.protocol import DisaggSpec
 from lmcache_pd.vllm_server import VLLMServer
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_for
 
 # Starting three vLLM instances takes minutes on two cores: the first test pays for it.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -35,6 +35,9 @@ LENGTHS = [1, 31, 255, 256, 257, 1000, 3000]
 BATCH = 8
 OUTPUT_TOKENS = 6
 LOAD_TIMEOUT_S = 8.0
+# Prefill in steps of at most this many tokens, so that long prompts are pushed chunk by chunk
+# as prefill goes (the same on every instance, so that all compute alike).
+SERVER_ARGS = ("--max-num-batched-tokens", "1024")
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -76,7 +79,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
     logs = tmp_path_factory.mktemp("reference")
-    with VLLMServer(model, free_port(), logs / "plain.log", cpu=0) as plain:
+    with VLLMServer(model, free_port(), logs / "plain.log", cpu=0, extra_args=SERVER_ARGS) as plain:
         return {
             name: answer(plain.complete(body(model, tokens, OUTPUT_TOKENS)))
             for name, tokens in PROMPTS.items()
@@ -99,17 +102,23 @@ class PDPair:
             workdir / "producer.log",
             kv_transfer_config=configs["kv_producer"],
             cpu=0,
+            extra_args=SERVER_ARGS,
+            wait=False,
         )
-        try:
-            self.consumer = VLLMServer(
-                model,
-                free_port(),
-                workdir / "consumer.log",
-                kv_transfer_config=configs["kv_consumer"],
-                cpu=1,
-            )
+        self.consumer = VLLMServer(
+            model,
+            free_port(),
+            workdir / "consumer.log",
+            kv_transfer_config=configs["kv_consumer"],
+            cpu=1,
+            extra_args=SERVER_ARGS,
+            wait=False,
+        )
+        try:  # both start at once
+            self.producer.wait_until_healthy()
+            self.consumer.wait_until_healthy()
         except BaseException:
-            self.producer.stop()
+            self.stop()
             raise
 
     def _transfer_config(self, workdir: Path, role: str) -> dict[str, Any]:
@@ -140,9 +149,10 @@ class PDPair:
             "receiver_alloc_port": self.alloc_port,
         }
 
-    def stats(self) -> defaultdict[str, int]:
-        """The consumer worker's counters (all zero before its first load)."""
-        found = json.loads(self.stats_path.read_text()) if self.stats_path.exists() else {}
+    def stats(self, side: str = "consumer") -> defaultdict[str, int]:
+        """A worker's counters (all zero before its first push or load)."""
+        path = self.stats_path.with_name(f"{side}.stats.json")
+        found = json.loads(path.read_text()) if path.exists() else {}
         return defaultdict(int, found)
 
     def disaggregated(self, name: str, tokens: list[int]) -> tuple[list[str], list[float]]:
@@ -178,13 +188,18 @@ def pair(
 def test_consumer_output_equals_one_instance_and_prompt_was_loaded(
     pair: PDPair, reference: dict, length: int
 ) -> None:
-    before = pair.stats()["tokens_loaded"]
+    before, pushes = pair.stats()["tokens_loaded"], pair.stats("producer")["pushes"]
     got = pair.disaggregated(f"len-{length}", PROMPTS[f"len-{length}"])
     assert got == reference[f"len-{length}"]  # tokens and logprobs, exactly
     # The consumer's prompt is the producer's plus its first token: all of the producer's is loaded.
     stats = pair.stats()
     assert stats["tokens_loaded"] - before == length
     assert stats["consumer_used_pages"] == 0
+    # Chunked prefill: one push per prefill step, as each step completes its chunks (the
+    # producer counts a push when its sender thread is done with it, a moment after it landed).
+    steps = -(-length // int(SERVER_ARGS[1]))
+    wait_for(lambda: pair.stats("producer")["pushes"] - pushes >= steps, what="pushes counted")
+    assert pair.stats("producer")["pushes"] - pushes == steps
 
 
 def test_a_batch_of_concurrent_requests_matches_one_instance(pair: PDPair, reference: dict) -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from lmcache_pd.kernels import (
     CpuKVCache,
     KVLayout,

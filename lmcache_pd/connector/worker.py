@@ -41,6 +41,7 @@ STOP_TIMEOUT_S = 10.0
 class WorkerStats:
     """Counters of one worker's connector, also written to ``stats_path`` when set."""
 
+    pushes: int = 0
     chunks_pushed: int = 0
     chunks_skipped: int = 0
     bytes_pushed: int = 0
@@ -166,6 +167,7 @@ class ProducerWorker:
                 )
             else:
                 with self._stats.update() as stats:
+                    stats.pushes += 1
                     stats.chunks_pushed += result.chunks_sent
                     stats.chunks_skipped += result.chunks_skipped
                     stats.bytes_pushed += result.bytes_sent
