@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -79,7 +80,6 @@ def demo(
 ) -> None:
     """The smallest real disaggregation: a producer vLLM prefills one prompt and pushes its KV,
     a consumer vLLM loads it and decodes; prints the answer and what moved."""
-    import json
     import tempfile
 
     import yaml
@@ -132,11 +132,15 @@ def demo(
         }
         # The first request of each instance pays one-off costs (kernels, handshake): not shown.
         _disaggregate(producer, consumer, model, tokens[::-1], {"req_id": "warm-up", **receiver}, 2)
+        counters = [_read_counters(workdir)]
         answer, timings = _disaggregate(
             producer, consumer, model, tokens, {"req_id": "demo-1", **receiver}, max_tokens
         )
-        pushed = json.loads((workdir / "producer.stats.json").read_text())
-        loaded = json.loads((workdir / "consumer.stats.json").read_text())
+        counters.append(_read_counters(workdir))
+        pushed, loaded = (
+            {name: after[name] - before[name] for name in after}
+            for before, after in zip(*counters, strict=True)
+        )
     console.print(f"[bold]prompt[/bold] ({len(tokens)} tokens): {prompt!r}")
     console.print(f"[bold]answer[/bold]: {answer!r}")
     console.print(
@@ -148,6 +152,14 @@ def demo(
         f" MiB) in {pushed['pushes']} pushes; consumer loaded {loaded['tokens_loaded']} prompt "
         f"tokens instead of computing them ({loaded['loads_failed']} loads failed, "
         f"{loaded['integrity_failures']} bad chunks)"
+    )
+
+
+def _read_counters(workdir: Path) -> tuple[dict[str, int], dict[str, int]]:
+    """The producer's and the consumer's connector counters (their workers write them)."""
+    return tuple(
+        json.loads((workdir / f"{side}.stats.json").read_text())
+        for side in ("producer", "consumer")
     )
 
 
