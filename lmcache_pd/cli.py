@@ -1,16 +1,19 @@
-"""The ``lmcache-pd`` command: run a consumer rank, or the transfer demo."""
+"""The ``lmcache-pd`` command: serve pools behind the proxy, run the proxy or a consumer rank
+alone, the demos, and make the tiny model."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import signal
+import tempfile
 import threading
 import time
+from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import torch
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
@@ -18,7 +21,10 @@ from rich.table import Table
 
 from lmcache_pd.config import load_config
 from lmcache_pd.keys import ChunkKeyer
-from lmcache_pd.vllm_server import VLLMServer
+from lmcache_pd.proxy.launcher import PoolLauncher, PoolsConfig, load_pools
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 logger = logging.getLogger(__name__)
@@ -43,8 +49,10 @@ def _keyer(chunk_size: int, model_name: str, kv_dtype: str) -> ChunkKeyer:
     )
 
 
-def _fake_kv(key: bytes, tokens: int, floats_per_token: int) -> torch.Tensor:
+def _fake_kv(key: bytes, tokens: int, floats_per_token: int) -> Tensor:
     """Stand-in KV for the demo, a function of the chunk key as real KV is of its prefix."""
+    import torch
+
     seed = int.from_bytes(key[:8], "little") & (2**63 - 1)
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(tokens, floats_per_token, generator=generator)
@@ -72,129 +80,128 @@ def consumer(
 
 
 @app.command()
+def serve(
+    pools: Annotated[Path, typer.Argument(help="pools YAML")] = CONFIGS / "pools.yaml",
+    workdir: Annotated[Path | None, typer.Option(help="instance logs and configs")] = None,
+    log_level: str = "info",
+) -> None:
+    """Start the prefill and decode pools of POOLS and the proxy in front of them; serve until
+    Ctrl-C or SIGTERM, then stop every process started."""
+    from lmcache_pd.proxy.app import run_proxy
+
+    _setup_logging(log_level)
+    console = Console(stderr=True)
+    settings, workdir = _pools_and_model(pools, workdir)
+    with _terminate_on_sigterm(), PoolLauncher(settings, workdir, console) as launcher:
+        proxy = launcher.start()
+        run_proxy(
+            proxy,
+            ready=lambda url: console.print(
+                f"[bold green]serving {settings.model} at {url}/v1[/bold green] "
+                f"({len(proxy.prefill)} prefill, {len(proxy.decode)} decode; logs in {workdir}); "
+                "Ctrl-C stops everything"
+            ),
+        )
+
+
+@app.command()
+def proxy(
+    config: Annotated[Path, typer.Argument(help="proxy YAML (model, prefill and decode URLs)")],
+    log_level: str = "info",
+) -> None:
+    """Run the routing proxy alone, in front of instances started elsewhere."""
+    from lmcache_pd.proxy.app import run_proxy
+    from lmcache_pd.proxy.config import load_proxy_config
+
+    _setup_logging(log_level)
+    settings = load_proxy_config(config)
+    run_proxy(settings, ready=lambda url: logger.info("proxy listening at %s/v1", url))
+
+
+@app.command()
 def demo(
-    model_dir: Annotated[Path, typer.Option(help="built on first use")] = Path(".cache/tiny-llama"),
+    pools: Annotated[Path, typer.Argument(help="pools YAML")] = CONFIGS / "pools.yaml",
     prompt: str = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     max_tokens: int = 24,
     log_level: str = "warning",
 ) -> None:
-    """The smallest real disaggregation: a producer vLLM prefills one prompt and pushes its KV,
-    a consumer vLLM loads it and decodes; prints the answer and what moved."""
+    """The real thing at its smallest: 1 prefill and 1 decode vLLM behind the proxy, one
+    completion streamed as it arrives, what moved, then a clean shutdown."""
     import tempfile
 
-    import yaml
+    from openai import OpenAI
 
-    from lmcache_pd.model_maker import ensure_model
+    from lmcache_pd.proxy.app import proxy_thread
 
     _setup_logging(log_level)
     console = Console()
-    model = ensure_model(model_dir)
-    workdir = Path(tempfile.mkdtemp(prefix="lmcache-pd-demo-"))
-    consumer_settings = load_config(CONFIGS / "consumer.yaml")
-    transfer = {}
-    for role, name in (("kv_producer", "producer"), ("kv_consumer", "consumer")):
-        settings = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
-        settings["stats_path"] = str(workdir / f"{name}.stats.json")
-        (workdir / f"{name}.yaml").write_text(yaml.safe_dump(settings))
-        transfer[role] = {
-            "kv_connector": "LMCachePDConnector",
-            "kv_connector_module_path": "lmcache_pd.connector",
-            "kv_role": role,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"config_path": str(workdir / f"{name}.yaml")},
-        }
-    console.print(f"starting a producer and a consumer vLLM (logs in {workdir}) ...")
+    settings, workdir = _pools_and_model(pools, Path(tempfile.mkdtemp(prefix="lmcache-pd-demo-")))
+    console.print(f"starting the pools of {pools} (logs in {workdir}) ...")
     with (
-        VLLMServer(
-            model,
-            8100,
-            workdir / "producer.log",
-            kv_transfer_config=transfer["kv_producer"],
-            cpu=0,
-            wait=False,
-        ) as producer,
-        VLLMServer(
-            model,
-            8200,
-            workdir / "consumer.log",
-            kv_transfer_config=transfer["kv_consumer"],
-            cpu=1,
-            wait=False,
-        ) as consumer,
+        _terminate_on_sigterm(),
+        PoolLauncher(settings, workdir, console) as launcher,
+        proxy_thread(launcher.start()) as running,
     ):
-        producer.wait_until_healthy()
-        consumer.wait_until_healthy()
-        tokens = producer.post("/tokenize", {"model": str(model), "prompt": prompt})["tokens"]
-        receiver = {
-            "receiver_host": consumer_settings.receiver_host,
-            "receiver_init_port": consumer_settings.init_port,
-            "receiver_alloc_port": consumer_settings.alloc_port,
-        }
+        client = OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)
         # The first request of each instance pays one-off costs (kernels, handshake): not shown.
-        _disaggregate(producer, consumer, model, tokens[::-1], {"req_id": "warm-up", **receiver}, 2)
-        counters = [_read_counters(workdir)]
-        answer, timings = _disaggregate(
-            producer, consumer, model, tokens, {"req_id": "demo-1", **receiver}, max_tokens
+        client.completions.create(model=settings.model, prompt=prompt[::-1], max_tokens=2)
+        before = launcher.counters()
+        console.print(f"[bold]prompt[/bold]: {prompt!r}\n[bold]answer[/bold]: ", end="")
+        started = time.monotonic()
+        ttft = None
+        stream = client.completions.create(
+            model=settings.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
         )
-        counters.append(_read_counters(workdir))
-        pushed, loaded = (
-            {name: after[name] - before[name] for name in after}
-            for before, after in zip(*counters, strict=True)
-        )
-    console.print(f"[bold]prompt[/bold] ({len(tokens)} tokens): {prompt!r}")
-    console.print(f"[bold]answer[/bold]: {answer!r}")
+        for chunk in stream:
+            ttft = ttft or time.monotonic() - started
+            console.print(chunk.choices[0].text, end="", markup=False, highlight=False)
+        total = time.monotonic() - started
+        console.print()
+        moved = _counter_changes(before, launcher.counters())
     console.print(
-        f"first token from the producer after {1e3 * timings[0]:.0f} ms; "
-        f"the consumer loaded the KV and decoded the rest in {1e3 * timings[1]:.0f} ms"
+        f"first token after {1e3 * (ttft or 0):.0f} ms (from prefill, through the proxy); "
+        f"all {max_tokens} tokens after {1e3 * total:.0f} ms"
     )
     console.print(
-        f"producer pushed {pushed['chunks_pushed']} chunks ({pushed['bytes_pushed'] / 2**20:.2f}"
-        f" MiB) in {pushed['pushes']} pushes; consumer loaded {loaded['tokens_loaded']} prompt "
-        f"tokens instead of computing them ({loaded['loads_failed']} loads failed, "
-        f"{loaded['integrity_failures']} bad chunks)"
+        f"prefill pushed {moved['chunks_pushed']} chunks ({moved['bytes_pushed'] / 2**20:.2f} MiB)"
+        f" in {moved['pushes']} pushes; decode loaded {moved['tokens_loaded']} prompt tokens "
+        f"instead of computing them ({moved['loads_failed']} loads failed, "
+        f"{moved['integrity_failures']} bad chunks); all instances and the proxy stopped"
     )
 
 
-def _read_counters(workdir: Path) -> tuple[dict[str, int], dict[str, int]]:
-    """The producer's and the consumer's connector counters (their workers write them)."""
-    return tuple(
-        json.loads((workdir / f"{side}.stats.json").read_text())
-        for side in ("producer", "consumer")
-    )
+def _pools_and_model(pools: Path, workdir: Path | None) -> tuple[PoolsConfig, Path]:
+    """The pools config, with its model built first if it is not there yet."""
+    from lmcache_pd.model_maker import ensure_model
+
+    settings = load_pools(pools)
+    ensure_model(Path(settings.model))
+    return settings, workdir or Path(tempfile.mkdtemp(prefix="lmcache-pd-serve-"))
 
 
-def _disaggregate(
-    producer: VLLMServer,
-    consumer: VLLMServer,
-    model: Path,
-    tokens: list[int],
-    spec: dict[str, object],
-    max_tokens: int,
-) -> tuple[str, tuple[float, float]]:
-    """What the proxy will do: prefill one token on the producer, which pushes the prompt's KV
-    to the consumer named in ``spec``; then decode the rest there. Returns the text and the
-    seconds of both steps."""
-    request = {"model": str(model), "temperature": 0}
-    started = time.monotonic()
-    first = producer.complete(
-        {
-            **request,
-            "prompt": tokens,
-            "max_tokens": 1,
-            "kv_transfer_params": {"ret_first_tok": True, "disagg_spec": spec},
-        }
-    )
-    prefilled = time.monotonic()
-    rest = consumer.complete(
-        {
-            **request,
-            "prompt": [*tokens, first["kv_transfer_params"]["first_tok"]],
-            "max_tokens": max_tokens - 1,
-            "kv_transfer_params": {"disagg_spec": spec},
-        }
-    )
-    text = first["choices"][0]["text"] + rest["choices"][0]["text"]
-    return text, (prefilled - started, time.monotonic() - prefilled)
+@contextlib.contextmanager
+def _terminate_on_sigterm() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so that every ``with`` block stops what it started."""
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _counter_changes(
+    before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
+) -> defaultdict[str, int]:
+    """Per counter, its change summed over all instances."""
+    moved: defaultdict[str, int] = defaultdict(int)
+    for name, counters in after.items():
+        for counter, value in counters.items():
+            moved[counter] += value - before.get(name, {}).get(counter, 0)
+    return moved
 
 
 @app.command("transfer-demo")
@@ -206,6 +213,8 @@ def transfer_demo(
 ) -> None:
     """Push a few requests' chunks from this process into a consumer process, check every byte,
     and print what moved, how fast, and how that compares with raw NIXL."""
+    import torch
+
     from lmcache_pd.consumer import checksum
     from lmcache_pd.consumer_process import ConsumerProcess
     from lmcache_pd.producer import Producer

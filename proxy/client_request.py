@@ -1,0 +1,199 @@
+"""A client's OpenAI request, checked at the door, and the two requests made of it: prefill's
+(one token, non-streaming, with the DisaggSpec) and decode's (the exact prompt token ids plus the
+first token, as a completion, for the remaining tokens).
+
+Only the fields the proxy interprets are validated here; every other field goes to prefill as the
+client sent it (vLLM checks those), and the sampling ones go on to decode too.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import msgspec
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+TokenIds = list[NonNegative]
+
+# vLLM's default max_tokens for /v1/completions (chat has none: up to the context length).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+# Sampling fields that decode must see exactly as the client gave them (chat and completions
+# name them alike). min_tokens and max_tokens are adjusted for the token prefill produced.
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+    "bad_words", "allowed_token_ids", "user", "priority", "return_tokens_as_token_ids",
+)  # fmt: skip
+
+# Fields whose meaning would change if split between two instances; refused with a clear 400.
+UNSUPPORTED_FIELDS = {
+    "echo": "echo",
+    "suffix": "suffix",
+    "best_of": "best_of",
+    "use_beam_search": "beam search",
+    "prompt_logprobs": "prompt_logprobs",
+    "response_format": "structured output (response_format)",
+    "structured_outputs": "structured output",
+    "tools": "tool calling",
+    "functions": "function calling",
+    "kv_transfer_params": "kv_transfer_params (the proxy sets them)",
+}
+
+
+class Endpoint(enum.Enum):
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+
+class BadRequest(Exception):
+    """The client's request cannot be served as sent; the message says why."""
+
+    def __init__(self, message: str, *, status: int = 400, kind: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+class _StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str
+    stream: bool | None = None
+    stream_options: _StreamOptions | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = None
+    min_tokens: NonNegative | None = None
+    max_tokens: Positive | None = None
+
+
+class _CompletionFields(_Common):
+    # A text, token ids, or a batch of one of either (checked in ``_one_prompt``).
+    prompt: str | list[Any]
+    logprobs: NonNegative | None = None
+
+
+class _ChatFields(_Common):
+    messages: Annotated[list[dict[str, Any]], msgspec.Meta(min_length=1)]
+    max_completion_tokens: Positive | None = None
+    logprobs: bool | None = None
+    top_logprobs: NonNegative | None = None
+
+
+def _validate(endpoint: Endpoint, body: dict[str, Any]) -> _CompletionFields | _ChatFields:
+    fields_type = _CompletionFields if endpoint is Endpoint.COMPLETIONS else _ChatFields
+    try:
+        fields = msgspec.convert(body, fields_type)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        if "n`" in message:
+            message = f"only n=1 is served by the disaggregating proxy ({message})"
+        raise BadRequest(message) from exc
+    for name, what in UNSUPPORTED_FIELDS.items():
+        if body.get(name) not in (None, False, [], {}):
+            raise BadRequest(f"{what} is not supported by the disaggregating proxy")
+    if isinstance(fields, _CompletionFields):
+        _one_prompt(fields.prompt)
+    return fields
+
+
+def _one_prompt(prompt: str | list[Any]) -> None:
+    """Refuse batches and malformed prompts; vLLM would answer n prompts with n choices."""
+    if isinstance(prompt, str):
+        return
+    if len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+        if isinstance(prompt, str):
+            return
+    elif prompt and not isinstance(prompt[0], int):
+        raise BadRequest("one prompt per request: batched prompts are not supported")
+    try:
+        msgspec.convert(prompt, Annotated[TokenIds, msgspec.Meta(min_length=1)])
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"prompt must be a text or a list of token ids: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRequest:
+    """A validated client request and what the proxy derived from it."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    include_usage: bool
+    # Output tokens the client wants in all; None: up to the model's context (chat default).
+    max_tokens: int | None
+    min_tokens: int
+    # Completions-style top-k logprobs to ask decode for; None: no logprobs.
+    logprobs: int | None
+
+    @classmethod
+    def parse(cls, endpoint: Endpoint, body: object, served_model: str) -> ClientRequest:
+        """Check ``body``; raises ``BadRequest`` (400, or 404 for an unknown model)."""
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        fields = _validate(endpoint, body)
+        if fields.model != served_model:
+            raise BadRequest(
+                f"The model `{fields.model}` does not exist.", status=404, kind="NotFoundError"
+            )
+        if isinstance(fields, _ChatFields):
+            max_tokens = fields.max_completion_tokens or fields.max_tokens
+            logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
+        else:
+            max_tokens = fields.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+            logprobs = fields.logprobs
+        return cls(
+            endpoint=endpoint,
+            body=body,
+            model=fields.model,
+            stream=bool(fields.stream),
+            include_usage=bool(fields.stream_options and fields.stream_options.include_usage),
+            max_tokens=max_tokens,
+            min_tokens=fields.min_tokens or 0,
+            logprobs=logprobs,
+        )
+
+    @property
+    def needs_decode(self) -> bool:
+        """False when prefill's one token is the whole answer: no KV needs to move."""
+        return self.max_tokens is None or self.max_tokens > 1
+
+    def prefill_body(self, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+        """The client's request, cut to one non-streamed token that returns the prompt's ids."""
+        body = {
+            key: value
+            for key, value in self.body.items()
+            if key not in ("stream_options", "max_completion_tokens")
+        }
+        body |= {
+            "stream": False,
+            "max_tokens": 1,
+            "min_tokens": min(self.min_tokens, 1),
+            "return_token_ids": True,
+            "kv_transfer_params": kv_transfer_params,
+        }
+        return body
+
+    def decode_body(
+        self, prompt_token_ids: list[int], first_token: int, kv_transfer_params: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A streamed completion that continues after the first token, on the same token ids."""
+        body = {key: self.body[key] for key in SAMPLING_FIELDS if key in self.body}
+        body |= {
+            "model": self.model,
+            "prompt": [*prompt_token_ids, first_token],
+            "max_tokens": None if self.max_tokens is None else self.max_tokens - 1,
+            "min_tokens": max(self.min_tokens - 1, 0),
+            "logprobs": self.logprobs,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "kv_transfer_params": kv_transfer_params,
+        }
+        return body

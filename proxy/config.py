@@ -1,0 +1,78 @@
+"""The proxy's settings: which prefill and decode instances exist, and every deadline it keeps.
+
+Validated by msgspec like the transfer config: unknown keys, wrong types and bad ranges are
+refused with the key's name before a socket opens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+import yaml
+
+from lmcache_pd.errors import ConfigError
+from lmcache_pd.protocol import Port
+
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=3600)]
+Url = Annotated[str, msgspec.Meta(pattern=r"^https?://[^/]+$")]
+
+
+class PrefillInstance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A producer vLLM: only its HTTP address matters to the proxy."""
+
+    url: Url
+
+
+class DecodeInstance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A consumer vLLM: its HTTP address, and where its connector receives KV (the DisaggSpec
+    that prefill is told to push to)."""
+
+    url: Url
+    receiver_host: Annotated[str, msgspec.Meta(min_length=1)]
+    init_port: Port
+    alloc_port: Port
+
+
+class Timeouts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Upstream deadlines. Decode's read timeout is the longest gap allowed between two events of
+    its stream, so it must cover the consumer's own wait for KV (``load_timeout_s``) plus the
+    recompute that may follow."""
+
+    connect_s: Seconds = 3.0
+    prefill_read_s: Seconds = 120.0
+    decode_read_s: Seconds = 120.0
+    health_s: Seconds = 2.0
+
+
+class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One proxy in front of prefill and decode pools serving one model."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1)]
+    prefill: Annotated[list[PrefillInstance], msgspec.Meta(min_length=1)]
+    decode: Annotated[list[DecodeInstance], msgspec.Meta(min_length=1)]
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
+    # How often every instance's /health is asked; one failure marks it down, one success up.
+    health_interval_s: Seconds = 2.0
+    # Upper bound on a client's request body; larger ones are refused before parsing.
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 8 << 20
+
+
+def proxy_config(raw: object, source: str = "<dict>") -> ProxyConfig:
+    """Validate a decoded mapping; raises ``ConfigError`` naming ``source`` and the bad key."""
+    try:
+        return msgspec.convert(raw, ProxyConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid proxy config {source}: {exc}") from exc
+
+
+def load_proxy_config(path: str | Path) -> ProxyConfig:
+    """Read and validate a proxy YAML file."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read proxy config {path}: {exc}") from exc
+    return proxy_config(raw, str(path))

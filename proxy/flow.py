@@ -1,0 +1,204 @@
+"""One disaggregated request's two upstream calls: prefill for the first token (retried once on
+another prefill instance if it fails before answering), then decode's stream of the rest.
+
+Every call has a connect and a read deadline; every failure becomes an ``UpstreamFailed`` that
+names the instance, counted and logged by the caller. Cancelling the calling task (the client
+went away) closes the upstream connection, and vLLM aborts a request whose client is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
+from lmcache_pd.proxy.config import Timeouts
+from lmcache_pd.proxy.metrics import ProxyMetrics
+from lmcache_pd.proxy.openai_format import Piece, Usage, piece_from_completion, piece_from_prefill
+from lmcache_pd.proxy.routing import NoHealthyInstance, Pool, Upstream
+
+logger = logging.getLogger(__name__)
+
+# Longest SSE line accepted from decode (a chunk with many top logprobs is a few KiB).
+MAX_EVENT_BYTES = 1 << 20
+PREFILL_ATTEMPTS = 2
+
+
+class UpstreamFailed(Exception):
+    """An upstream call failed: ``kind`` is a short label for metrics, the message is for people."""
+
+    def __init__(self, member: Upstream, kind: str, message: str) -> None:
+        super().__init__(f"{member.role.value} instance {member.url}: {message}")
+        self.member = member
+        self.kind = kind
+
+
+class UpstreamRejected(Exception):
+    """Prefill refused the request itself (a 4xx): the client gets vLLM's own answer."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"prefill answered {status}")
+        self.status = status
+        self.body = body
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    """Prefill's answer: the first token, and the prompt's token ids that decode continues."""
+
+    piece: Piece
+    prompt_token_ids: list[int]
+    first_token: int
+    prompt_tokens: int
+
+
+def _prefilled(endpoint: Endpoint, answer: dict[str, Any]) -> Prefilled | None:
+    """Read prefill's JSON answer; None if it lacks what decode needs."""
+    choices = answer.get("choices") or []
+    if len(choices) != 1:
+        return None
+    choice = choices[0]
+    prompt_ids = choice.get("prompt_token_ids") or answer.get("prompt_token_ids")
+    first = (answer.get("kv_transfer_params") or {}).get("first_tok")
+    if first is None and choice.get("token_ids"):
+        first = choice["token_ids"][0]
+    if not prompt_ids or not isinstance(first, int):
+        return None
+    usage = answer.get("usage") or {}
+    return Prefilled(
+        piece_from_prefill(endpoint, choice),
+        list(prompt_ids),
+        first,
+        usage.get("prompt_tokens", len(prompt_ids)),
+    )
+
+
+class Disaggregator:
+    """Makes the upstream calls of one request, on a shared HTTP session."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        prefill: Pool,
+        timeouts: Timeouts,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self._session = session
+        self._prefill = prefill
+        self._metrics = metrics
+        self._prefill_timeout = aiohttp.ClientTimeout(
+            sock_connect=timeouts.connect_s, sock_read=timeouts.prefill_read_s
+        )
+        self._decode_timeout = aiohttp.ClientTimeout(
+            sock_connect=timeouts.connect_s, sock_read=timeouts.decode_read_s
+        )
+
+    async def prefill(
+        self, request: ClientRequest, req_id: str, kv_transfer_params: dict[str, Any]
+    ) -> Prefilled:
+        """The first token, from the least busy prefill instance, or from a second one if the
+        first fails without answering. A 4xx is the client's problem and is not retried."""
+        body = request.prefill_body(kv_transfer_params)
+        failed: UpstreamFailed | None = None
+        for _ in range(PREFILL_ATTEMPTS):
+            try:
+                member = self._prefill.pick(exclude=failed.member if failed else None)
+            except NoHealthyInstance:
+                if failed is None:
+                    raise
+                raise failed from None
+            if failed is not None:
+                self._metrics.prefill_retries.inc()
+                logger.warning(
+                    "req %s: retrying prefill on %s after: %s", req_id, member.url, failed
+                )
+            try:
+                with member.busy():
+                    return await self._prefill_once(member, request.endpoint, req_id, body)
+            except UpstreamFailed as exc:
+                self._metrics.upstream_error(member, exc.kind)
+                failed = exc
+        assert failed is not None
+        raise failed
+
+    async def _prefill_once(
+        self, member: Upstream, endpoint: Endpoint, req_id: str, body: dict[str, Any]
+    ) -> Prefilled:
+        try:
+            async with self._session.post(
+                f"{member.url}{endpoint.value}",
+                data=msgspec.json.encode(body),
+                headers={"Content-Type": "application/json", "X-Request-Id": req_id},
+                timeout=self._prefill_timeout,
+            ) as response:
+                raw = await response.read()
+        except aiohttp.ClientConnectionError as exc:
+            member.mark(False, f"connection failed: {exc!r}")
+            raise UpstreamFailed(member, "connect", f"cannot reach it: {exc!r}") from exc
+        except TimeoutError as exc:
+            raise UpstreamFailed(member, "timeout", "no answer before the read deadline") from exc
+        if 400 <= response.status < 500:
+            raise UpstreamRejected(response.status, raw)
+        if response.status != 200:
+            raise UpstreamFailed(member, "status", f"answered {response.status}: {raw[:300]!r}")
+        try:
+            prefilled = _prefilled(endpoint, msgspec.json.decode(raw))
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+            raise UpstreamFailed(member, "bad_answer", f"unreadable answer: {exc}") from exc
+        if prefilled is None:
+            raise UpstreamFailed(member, "bad_answer", "answer lacks token ids")
+        return prefilled
+
+    async def decode(
+        self, member: Upstream, request: ClientRequest, req_id: str, body: dict[str, Any]
+    ) -> AsyncIterator[Piece | Usage]:
+        """Decode's stream as pieces, then its usage. Raises ``UpstreamFailed`` on any failure,
+        including a stream that ends without ``[DONE]``."""
+        try:
+            async with self._session.post(
+                f"{member.url}{Endpoint.COMPLETIONS.value}",
+                data=msgspec.json.encode(body),
+                headers={"Content-Type": "application/json", "X-Request-Id": req_id},
+                timeout=self._decode_timeout,
+            ) as response:
+                if response.status != 200:
+                    raw = await response.read()
+                    raise UpstreamFailed(
+                        member, "status", f"answered {response.status}: {raw[:300]!r}"
+                    )
+                async for event in _sse_events(response):
+                    if event is None:
+                        return
+                    if "error" in event:
+                        raise UpstreamFailed(member, "stream_error", str(event["error"]))
+                    if event.get("usage"):
+                        yield Usage(completion_tokens=event["usage"]["completion_tokens"])
+                    for choice in event.get("choices") or ():
+                        yield piece_from_completion(choice)
+                raise UpstreamFailed(member, "truncated", "stream ended without [DONE]")
+        except aiohttp.ClientConnectionError as exc:
+            member.mark(False, f"connection failed: {exc!r}")
+            raise UpstreamFailed(member, "connect", f"connection failed: {exc!r}") from exc
+        except TimeoutError as exc:
+            raise UpstreamFailed(
+                member, "timeout", "no event within the read deadline (decode_read_s)"
+            ) from exc
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+            raise UpstreamFailed(member, "bad_answer", f"unreadable stream: {exc}") from exc
+
+
+async def _sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any] | None]:
+    """The JSON events of an SSE body, then None for ``[DONE]``."""
+    async for line in response.content:
+        if not line.startswith(b"data:"):
+            continue  # blank separators, comments
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            yield None
+            return
+        yield msgspec.json.decode(data)

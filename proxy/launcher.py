@@ -1,0 +1,201 @@
+"""Start prefill and decode pools of vLLM from one YAML file, and the proxy in front of them.
+
+Every instance gets its own HTTP port and, for decode, its own KV receive ports, picked free at
+start; its transfer config is a copy of the named YAML with those ports and a stats file. All
+instances start at once; the launcher waits for each to be healthy (with a progress display) and
+fails with the instance's name and the end of its log if one does not come up. Stopping (Ctrl-C,
+SIGTERM, or leaving the ``with`` block) stops every process it started, process group and all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+import yaml
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from lmcache_pd.errors import ConfigError, PDError
+from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig, Timeouts
+from lmcache_pd.vllm_server import VLLMServer
+
+logger = logging.getLogger(__name__)
+
+
+class InstanceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One vLLM instance of a pool."""
+
+    # lmcache-pd transfer config (producer or consumer YAML); ports in it are replaced.
+    config: str
+    # Cores for vLLM's CPU threads (VLLM_CPU_OMP_THREADS_BIND), e.g. "0" or "2-3".
+    cpus: str | None = None
+    port: int | None = None
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class ProxySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    decode_read_timeout_s: float = 120.0
+
+
+class PoolsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What ``lmcache-pd serve`` starts."""
+
+    model: str
+    prefill: Annotated[list[InstanceSpec], msgspec.Meta(min_length=1)]
+    decode: Annotated[list[InstanceSpec], msgspec.Meta(min_length=1)]
+    proxy: ProxySpec = msgspec.field(default_factory=ProxySpec)
+    # Arguments every instance gets after the launcher's own (model, port, fp32, eager).
+    vllm_args: list[str] = msgspec.field(default_factory=list)
+    kv_cache_gib: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+
+def load_pools(path: str | Path) -> PoolsConfig:
+    """Read and validate a pools YAML; relative paths in it are relative to the current folder."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+        return msgspec.convert(raw, PoolsConfig)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read pools config {path}: {exc}") from exc
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid pools config {path}: {exc}") from exc
+
+
+class LaunchError(PDError):
+    """An instance did not start; the message names it and ends with its last log lines."""
+
+
+class _Ports:
+    """Ports of one launch: those the config names, each at most once, and free ones that
+    collide with none of them."""
+
+    def __init__(self, named: list[int]) -> None:
+        self._named = set(named)
+        self._given: set[int] = set()
+        repeated = sorted({port for port in named if named.count(port) > 1})
+        if repeated:
+            raise ConfigError(f"ports used twice in the pools config: {repeated}")
+
+    def take(self, wanted: int | None = None) -> int:
+        if wanted is not None:
+            return wanted
+        while True:  # a few tries at most: the OS rotates through its ephemeral range
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            if port not in self._named and port not in self._given:
+                self._given.add(port)
+                return port
+
+
+class PoolLauncher:
+    """Starts the pools of ``PoolsConfig``; a context manager that stops them all on exit."""
+
+    def __init__(self, pools: PoolsConfig, workdir: Path, console: Console | None = None) -> None:
+        self.pools = pools
+        self.workdir = workdir
+        self.console = console or Console(stderr=True)
+        self.servers: dict[str, VLLMServer] = {}
+        self.stats_paths: dict[str, Path] = {}
+
+    def start(self) -> ProxyConfig:
+        """Start every instance, wait until all are healthy, and return the proxy's config."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        instances = (*self.pools.prefill, *self.pools.decode)
+        ports = _Ports([self.pools.proxy.port, *(spec.port for spec in instances if spec.port)])
+        prefill, decode = [], []
+        try:
+            for index, spec in enumerate(self.pools.prefill):
+                port = ports.take(spec.port)
+                self._launch(f"prefill-{index}", spec, "kv_producer", port, {})
+                prefill.append(PrefillInstance(f"http://127.0.0.1:{port}"))
+            for index, spec in enumerate(self.pools.decode):
+                port = ports.take(spec.port)
+                receive = {"init_port": ports.take(), "alloc_port": ports.take()}
+                self._launch(f"decode-{index}", spec, "kv_consumer", port, receive)
+                decode.append(DecodeInstance(f"http://127.0.0.1:{port}", "127.0.0.1", **receive))
+            self._wait_all_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return ProxyConfig(
+            model=self.pools.model,
+            prefill=prefill,
+            decode=decode,
+            host=self.pools.proxy.host,
+            port=self.pools.proxy.port,
+            timeouts=Timeouts(decode_read_s=self.pools.proxy.decode_read_timeout_s),
+        )
+
+    def _launch(
+        self, name: str, spec: InstanceSpec, role: str, port: int, receive: dict[str, int]
+    ) -> None:
+        try:
+            settings: dict[str, Any] = yaml.safe_load(Path(spec.config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"{name}: cannot read its config {spec.config}: {exc}") from exc
+        stats = self.workdir / f"{name}.stats.json"
+        settings |= {"kv_role": role, "stats_path": str(stats), **receive}
+        config_path = self.workdir / f"{name}.yaml"
+        config_path.write_text(yaml.safe_dump(settings))
+        self.stats_paths[name] = stats
+        self.servers[name] = VLLMServer(
+            Path(self.pools.model),
+            port,
+            self.workdir / f"{name}.log",
+            kv_transfer_config={
+                "kv_connector": "LMCachePDConnector",
+                "kv_connector_module_path": "lmcache_pd.connector",
+                "kv_role": role,
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"config_path": str(config_path)},
+            },
+            cpu=spec.cpus,
+            env={"VLLM_CPU_KVCACHE_SPACE": str(self.pools.kv_cache_gib), **spec.env},
+            extra_args=self.pools.vllm_args,
+            log_stats=True,
+            wait=False,
+        )
+        logger.info("%s starting on port %d (log %s)", name, port, self.workdir / f"{name}.log")
+
+    def _wait_all_healthy(self) -> None:
+        columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+        with Progress(*columns, console=self.console, transient=True) as progress:
+            tasks = {name: progress.add_task(f"{name}: starting", total=1) for name in self.servers}
+            started = time.monotonic()
+            for name, server in self.servers.items():
+                try:
+                    server.wait_until_healthy()
+                except (RuntimeError, TimeoutError) as exc:
+                    raise LaunchError(f"{name} did not start: {exc}") from None
+                progress.update(
+                    tasks[name],
+                    completed=1,
+                    description=f"{name}: healthy after {time.monotonic() - started:.0f} s",
+                )
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Each instance's connector counters (empty until its first push or load)."""
+        return {
+            name: json.loads(path.read_text()) if path.exists() else {}
+            for name, path in self.stats_paths.items()
+        }
+
+    def stop(self) -> None:
+        """Stop every instance (idempotent); decode first, so no push lands in a stopping one."""
+        for name in sorted(self.servers, reverse=True):
+            self.servers[name].stop()
+            logger.info("%s stopped", name)
+
+    def __enter__(self) -> PoolLauncher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

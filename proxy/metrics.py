@@ -1,0 +1,85 @@
+"""The proxy's Prometheus metrics, in a registry owned by one proxy (no process-wide state)."""
+
+from __future__ import annotations
+
+import enum
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from lmcache_pd.proxy.routing import Upstream
+
+# Buckets for CPU-served tiny models up to real GPU serving: 1 ms to 60 s.
+LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+
+class Outcome(enum.Enum):
+    """How a request ended, as counted in ``lmcache_pd_proxy_requests_total``."""
+
+    OK = "ok"
+    BAD_REQUEST = "bad_request"
+    UPSTREAM_REJECTED = "upstream_rejected"
+    PREFILL_FAILED = "prefill_failed"
+    DECODE_FAILED = "decode_failed"
+    NO_INSTANCE = "no_instance"
+    CLIENT_DISCONNECTED = "client_disconnected"
+
+
+class ProxyMetrics:
+    """Counters and histograms of one proxy; ``/metrics`` serves ``exposition()``."""
+
+    def __init__(self, upstreams: list[Upstream]) -> None:
+        self.registry = CollectorRegistry()
+        prefix = "lmcache_pd_proxy"
+        self.requests = Counter(
+            f"{prefix}_requests",
+            "Client requests by endpoint and outcome",
+            ["endpoint", "outcome"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            f"{prefix}_ttft_seconds",
+            "From the client's request to its first token leaving the proxy",
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            f"{prefix}_inter_token_seconds",
+            "Between consecutive streamed events of one response, as forwarded",
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.upstream_errors = Counter(
+            f"{prefix}_upstream_errors",
+            "Failed upstream calls by instance and kind",
+            ["role", "instance", "kind"],
+            registry=self.registry,
+        )
+        self.prefill_retries = Counter(
+            f"{prefix}_prefill_retries",
+            "Requests retried on another prefill instance before their first token",
+            registry=self.registry,
+        )
+        outstanding = Gauge(
+            f"{prefix}_outstanding",
+            "Requests in flight per instance",
+            ["role", "instance"],
+            registry=self.registry,
+        )
+        up = Gauge(
+            f"{prefix}_instance_up",
+            "1 while an instance is considered healthy",
+            ["role", "instance"],
+            registry=self.registry,
+        )
+        for member in upstreams:  # read at scrape time, never stale
+            labels = {"role": member.role.value, "instance": member.url}
+            outstanding.labels(**labels).set_function(lambda m=member: m.outstanding)
+            up.labels(**labels).set_function(lambda m=member: float(m.healthy))
+
+    def upstream_error(self, member: Upstream, kind: str) -> None:
+        self.upstream_errors.labels(member.role.value, member.url, kind).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

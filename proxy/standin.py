@@ -1,0 +1,166 @@
+"""A stand-in for a vLLM instance, speaking just enough of its OpenAI API for the proxy: for the
+proxy's fault tests and its overhead benchmark, where the proxy is what is under test.
+
+Its tokens are a function of the prompt (so answers can be checked), it answers at once or after
+set delays, and it can misbehave on demand. It records what it was sent and which streams were
+cut by the proxy, so tests can see upstream cancellations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+EOS = 2
+VOCAB = 1000
+
+
+class Fault(enum.Enum):
+    NONE = "none"
+    STATUS_500 = "500"  # answer every generation request with an internal error
+    HANG = "hang"  # accept, then never answer
+    DIE_MID_STREAM = "die_mid_stream"  # cut the connection after a few streamed tokens
+    EOS_FIRST = "eos_first"  # the first generated token is EOS
+
+
+@dataclass
+class StandinState:
+    """What the stand-in does and what it has seen."""
+
+    fault: Fault = Fault.NONE
+    first_delay_s: float = 0.0  # before answering (prefill time)
+    token_delay_s: float = 0.0  # between streamed tokens (decode time)
+    received: list[tuple[float, str, dict[str, Any]]] = field(default_factory=list)
+    cancelled: int = 0
+    in_flight: int = 0
+
+
+def next_token(context: list[int]) -> int:
+    """Deterministic 'greedy' token after ``context``, never EOS."""
+    return 3 + (sum(context) * 31 + len(context)) % (VOCAB - 3)
+
+
+def _prompt_ids(body: dict[str, Any]) -> list[int]:
+    prompt = body.get("prompt")
+    if prompt is None:  # chat: a token per character of the messages' contents
+        prompt = "".join(str(m.get("content", "")) for m in body.get("messages", ()))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+        prompt = prompt[0]
+    return [ord(c) % VOCAB for c in prompt] if isinstance(prompt, str) else list(prompt)
+
+
+def _text(token: int) -> str:
+    return f" t{token}"
+
+
+def _logprobs(token: int, k: int | None) -> dict[str, Any] | None:
+    if k is None:
+        return None
+    return {
+        "tokens": [_text(token)],
+        "token_logprobs": [-1.0 - token / VOCAB],
+        "top_logprobs": [{_text(token): -1.0 - token / VOCAB}] if k else [None],
+        "text_offset": [0],
+    }
+
+
+class Standin:
+    """The stand-in's aiohttp app around one ``StandinState``."""
+
+    def __init__(self, state: StandinState | None = None) -> None:
+        self.state = state or StandinState()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        return app
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "standin"}]})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = msgspec.json.decode(await request.read())
+        state = self.state
+        state.received.append((time.monotonic(), request.path, body))
+        state.in_flight += 1
+        try:
+            if state.fault is Fault.HANG:
+                await asyncio.sleep(3600)
+            if state.fault is Fault.STATUS_500:
+                return web.json_response({"error": {"message": "boom", "code": 500}}, status=500)
+            await asyncio.sleep(state.first_delay_s)
+            if body.get("stream"):
+                return await self._stream(request, body)
+            return self._whole(request, body)
+        except asyncio.CancelledError:
+            state.cancelled += 1
+            raise
+        finally:
+            state.in_flight -= 1
+
+    def _whole(self, request: web.Request, body: dict[str, Any]) -> web.Response:
+        prompt = _prompt_ids(body)
+        token = EOS if self.state.fault is Fault.EOS_FIRST else next_token(prompt)
+        finish = "stop" if token == EOS else "length"
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": [token]}
+        text = "" if token == EOS else _text(token)
+        if request.path.endswith("chat/completions"):
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = None
+        else:
+            choice["text"] = text
+            choice["logprobs"] = _logprobs(token, body.get("logprobs"))
+            choice["prompt_token_ids"] = prompt
+        return web.json_response(
+            {
+                "id": "standin",
+                "choices": [choice],
+                "prompt_token_ids": prompt,
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1},
+                "kv_transfer_params": {"first_tok": token},
+            }
+        )
+
+    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        context = _prompt_ids(body)
+        count = body.get("max_tokens") or 16
+        for index in range(count):
+            if self.state.fault is Fault.DIE_MID_STREAM and index == 2:
+                assert request.transport is not None
+                request.transport.close()
+                return response
+            token = next_token(context)
+            context.append(token)
+            chunk = {
+                "id": "standin",
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": _text(token),
+                        "logprobs": _logprobs(token, body.get("logprobs")),
+                        "finish_reason": "length" if index == count - 1 else None,
+                    }
+                ],
+            }
+            await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+            if self.state.token_delay_s:
+                await asyncio.sleep(self.state.token_delay_s)
+        usage = {"prompt_tokens": len(_prompt_ids(body)), "completion_tokens": count}
+        await response.write(b"data: " + msgspec.json.encode({"choices": [], "usage": usage}))
+        await response.write(b"\n\ndata: [DONE]\n\n")
+        await response.write_eof()
+        return response
