@@ -137,11 +137,13 @@ class Disaggregator:
                 timeout=self._prefill_timeout,
             ) as response:
                 raw = await response.read()
-        except aiohttp.ClientConnectionError as exc:
+        except TimeoutError as exc:  # aiohttp's connect and read timeouts are TimeoutErrors
+            raise UpstreamFailed(member, "timeout", "no answer before the deadline") from exc
+        except aiohttp.ClientConnectorError as exc:
             member.mark(False, f"connection failed: {exc!r}")
             raise UpstreamFailed(member, "connect", f"cannot reach it: {exc!r}") from exc
-        except TimeoutError as exc:
-            raise UpstreamFailed(member, "timeout", "no answer before the read deadline") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamFailed(member, "broken", f"answer cut short: {exc!r}") from exc
         if 400 <= response.status < 500:
             raise UpstreamRejected(response.status, raw)
         if response.status != 200:
@@ -181,13 +183,15 @@ class Disaggregator:
                     for choice in event.get("choices") or ():
                         yield piece_from_completion(choice)
                 raise UpstreamFailed(member, "truncated", "stream ended without [DONE]")
-        except aiohttp.ClientConnectionError as exc:
-            member.mark(False, f"connection failed: {exc!r}")
-            raise UpstreamFailed(member, "connect", f"connection failed: {exc!r}") from exc
         except TimeoutError as exc:
             raise UpstreamFailed(
-                member, "timeout", "no event within the read deadline (decode_read_s)"
+                member, "timeout", "no event within the deadline (connect_s, decode_read_s)"
             ) from exc
+        except aiohttp.ClientConnectorError as exc:
+            member.mark(False, f"connection failed: {exc!r}")
+            raise UpstreamFailed(member, "connect", f"cannot reach it: {exc!r}") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamFailed(member, "broken", f"stream cut short: {exc!r}") from exc
         except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
             raise UpstreamFailed(member, "bad_answer", f"unreadable stream: {exc}") from exc
 

@@ -1,0 +1,356 @@
+"""The routing proxy over real HTTP, in front of stand-in vLLM servers that can misbehave.
+
+The proxy is what is under test here; the stand-ins (``proxy/standin.py``) answer like vLLM's
+OpenAI API with tokens that are a function of the prompt, and record what they were sent and
+which of their requests the proxy cut. The same proxy in front of real vLLM instances is
+tested in ``test_proxy_vllm.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from lmcache_pd.proxy.app import AppThread, proxy_thread
+from lmcache_pd.proxy.config import proxy_config
+from lmcache_pd.proxy.routing import NoHealthyInstance, Pool, Role, Upstream
+from lmcache_pd.proxy.standin import EOS, Fault, Standin, StandinState, next_token
+from tests.helpers import free_port, wait_for
+
+MODEL = "tiny"
+
+
+Instance = Standin | int | None
+
+
+class Stack:
+    """Stand-in prefill and decode servers and a proxy in front of them. An instance given as
+    None is dead (nobody listens on its port); one given as a port is the test's to run."""
+
+    def __init__(self, prefill: list[Instance], decode: list[Instance], **settings):
+        self._exit = ExitStack()
+        self.prefill, self.decode = prefill, decode
+        self.urls = []
+        for instance in (*prefill, *decode):
+            port = instance if isinstance(instance, int) else free_port()
+            if isinstance(instance, Standin):
+                self._exit.enter_context(AppThread(instance.app(), "127.0.0.1", port))
+            self.urls.append(f"http://127.0.0.1:{port}")
+        config = proxy_config(
+            {
+                "model": MODEL,
+                "port": free_port(),
+                "prefill": [{"url": url} for url in self.urls[: len(prefill)]],
+                "decode": [
+                    {"url": url, "receiver_host": "127.0.0.1", "init_port": 1, "alloc_port": 2}
+                    for url in self.urls[len(prefill) :]
+                ],
+                **settings,
+            }
+        )
+        self.proxy = self._exit.enter_context(proxy_thread(config))
+        self.client = openai.OpenAI(
+            base_url=f"{self.proxy.url}/v1", api_key="none", max_retries=0, timeout=30
+        )
+
+    def post(self, path: str, timeout: float = 30, **kwargs: Any) -> httpx.Response:
+        return httpx.post(f"{self.proxy.url}{path}", timeout=timeout, **kwargs)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of the proxy's /metrics (0 if absent)."""
+        text = httpx.get(f"{self.proxy.url}/metrics").text
+        wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in text.splitlines():
+            sample, _, value = line.rpartition(" ")
+            if sample == (f"{name}{{{wanted}}}" if labels else name):
+                return float(value)
+        return 0.0
+
+    def close(self) -> None:
+        self._exit.close()
+
+
+@pytest.fixture
+def stacks() -> Iterator[Any]:
+    made: list[Stack] = []
+
+    def make(prefill=None, decode=None, **settings) -> Stack:
+        stack = Stack(prefill or [Standin()], decode or [Standin()], **settings)
+        made.append(stack)
+        return stack
+
+    yield make
+    for stack in made:
+        stack.close()
+
+
+def expected_tokens(prompt: list[int], count: int) -> list[str]:
+    """What one greedy instance would answer: the stand-in's tokens continue the prompt."""
+    context, texts = list(prompt), []
+    for _ in range(count):
+        token = next_token(context)
+        context.append(token)
+        texts.append(f" t{token}")
+    return texts
+
+
+# ---- routing ----
+
+
+def test_pick_prefers_fewest_outstanding_then_goes_round_robin() -> None:
+    members = [Upstream(f"http://h{i}:1", Role.PREFILL) for i in range(3)]
+    pool = Pool(Role.PREFILL, members)
+    assert [pool.pick() for _ in range(4)] == [members[0], members[1], members[2], members[0]]
+    members[0].outstanding = members[1].outstanding = 2
+    assert pool.pick() is members[2]
+    assert pool.pick(exclude=members[2]) in members[:2]
+
+
+def test_pick_skips_instances_marked_down_and_fails_when_none_is_left() -> None:
+    members = [Upstream(f"http://h{i}:1", Role.DECODE) for i in range(2)]
+    pool = Pool(Role.DECODE, members)
+    members[0].mark(False, "test")
+    assert {pool.pick() for _ in range(3)} == {members[1]}
+    with pytest.raises(NoHealthyInstance):
+        pool.pick(exclude=members[1])
+
+
+# ---- one request's life ----
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_is_prefill_token_then_decode_tokens_on_the_same_ids(stacks, stream) -> None:
+    stack = stacks()
+    prompt = [5, 6, 7, 8]
+    if stream:
+        chunks = list(
+            stack.client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=5,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finish == [None] * 4 + ["length"]
+        usage = chunks[-1].usage
+        assert len({c.id for c in chunks}) == 1
+    else:
+        answer = stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=5)
+        text, usage = answer.choices[0].text, answer.usage
+        assert answer.choices[0].finish_reason == "length"
+    assert text == "".join(expected_tokens(prompt, 5))
+    assert (usage.prompt_tokens, usage.completion_tokens) == (4, 5)
+    [(_, _, to_prefill)] = stack.prefill[0].state.received
+    [(_, _, to_decode)] = stack.decode[0].state.received
+    first = next_token(prompt)
+    assert to_prefill["max_tokens"] == 1 and to_prefill["stream"] is False
+    assert to_decode["prompt"] == [*prompt, first]
+    assert to_decode["max_tokens"] == 4
+    spec = to_prefill["kv_transfer_params"]["disagg_spec"]
+    assert to_decode["kv_transfer_params"]["disagg_spec"] == spec
+    assert spec["req_id"].startswith("pd-")
+    assert stack.metric("lmcache_pd_proxy_requests_total", endpoint="/v1/completions", outcome="ok")
+
+
+def test_chat_answers_in_chat_shape_streamed_and_whole(stacks) -> None:
+    stack = stacks()
+    messages = [{"role": "user", "content": "hello"}]
+    whole = stack.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
+    chunks = list(
+        stack.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=3, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert whole.choices[0].message.content == streamed
+    assert whole.object == "chat.completion" and chunks[0].object == "chat.completion.chunk"
+    assert whole.usage.completion_tokens == 3
+    # prefill was asked in chat form (it templates); decode continues on token ids
+    assert [path for _, path, _ in stack.prefill[0].state.received] == ["/v1/chat/completions"] * 2
+    assert [path for _, path, _ in stack.decode[0].state.received] == ["/v1/completions"] * 2
+
+
+def test_one_token_requests_never_reach_decode_nor_push_kv(stacks) -> None:
+    stack = stacks()
+    answer = stack.client.completions.create(model=MODEL, prompt=[9, 9], max_tokens=1)
+    assert answer.choices[0].text == expected_tokens([9, 9], 1)[0]
+    assert answer.choices[0].finish_reason == "length"
+    [(_, _, to_prefill)] = stack.prefill[0].state.received
+    assert "disagg_spec" not in to_prefill["kv_transfer_params"]
+    assert stack.decode[0].state.received == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_eos_as_first_token_ends_the_answer_without_decode(stacks, stream) -> None:
+    stack = stacks(prefill=[Standin(StandinState(fault=Fault.EOS_FIRST))])
+    request = {"model": MODEL, "prompt": [1, 2], "max_tokens": 8}
+    if stream:
+        chunks = list(stack.client.completions.create(**request, stream=True))
+        assert [c.choices[0].finish_reason for c in chunks] == ["stop"]
+    else:
+        answer = stack.client.completions.create(**request)
+        assert (answer.choices[0].text, answer.choices[0].finish_reason) == ("", "stop")
+        assert answer.usage.completion_tokens == 1
+    assert stack.prefill[0].state.received[0][2]["kv_transfer_params"]["disagg_spec"]
+    assert stack.decode[0].state.received == []
+    assert EOS == 2
+
+
+# ---- bad input ----
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        (b"{not json", 400, "malformed JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (b'{"model": "nope", "prompt": "x"}', 404, "does not exist"),
+        (b'{"prompt": "x"}', 400, "model"),
+        (b'{"model": "tiny"}', 400, "prompt"),
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": "many"}', 400, "max_tokens"),
+        (b'{"model": "tiny", "prompt": "x", "n": 2}', 400, "n=1"),
+        (b'{"model": "tiny", "prompt": ["a", "b"]}', 400, "batched"),
+        (b'{"model": "tiny", "prompt": [1, -3]}', 400, "token ids"),
+        (b'{"model": "tiny", "prompt": "x", "echo": true}', 400, "echo"),
+    ],
+)
+def test_bad_requests_get_a_clear_error_and_the_proxy_keeps_serving(
+    stacks, body: bytes, status: int, says: str
+) -> None:
+    stack = stacks()
+    response = stack.post("/v1/completions", content=body)
+    assert response.status_code == status
+    assert says in response.json()["error"]["message"]
+    assert stack.prefill[0].state.received == []
+    assert stack.client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices
+    assert stack.metric(
+        "lmcache_pd_proxy_requests_total", endpoint="/v1/completions", outcome="bad_request"
+    )
+
+
+def test_a_body_over_the_limit_is_refused(stacks) -> None:
+    stack = stacks(max_body_bytes=4096)
+    response = stack.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 10_000})
+    assert response.status_code == 413
+
+
+# ---- faults ----
+
+
+def test_dead_prefill_is_retried_once_on_another_and_marked_down(stacks) -> None:
+    stack = stacks(prefill=[None, Standin()], health_interval_s=60)
+    for _ in range(3):  # whichever is picked first, every request is answered
+        answer = stack.client.completions.create(model=MODEL, prompt=[3], max_tokens=3)
+        assert answer.choices[0].text == "".join(expected_tokens([3], 3))
+    assert stack.metric("lmcache_pd_proxy_instance_up", role="prefill", instance=stack.urls[0]) == 0
+
+
+def test_no_live_prefill_is_a_502_within_the_connect_deadline(stacks) -> None:
+    stack = stacks(prefill=[None, None], health_interval_s=60)
+    started = time.monotonic()
+    response = stack.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert response.status_code in (502, 503)
+    assert time.monotonic() - started < 5
+    assert stack.metric("lmcache_pd_proxy_prefill_retries_total") <= 1
+
+
+def test_prefill_500_is_retried_then_reported(stacks) -> None:
+    broken = StandinState(fault=Fault.STATUS_500)
+    stack = stacks(prefill=[Standin(broken), Standin(StandinState(fault=Fault.STATUS_500))])
+    response = stack.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert response.status_code == 502
+    assert "answered 500" in response.json()["error"]["message"]
+    assert stack.metric("lmcache_pd_proxy_prefill_retries_total") == 1
+
+
+@pytest.mark.parametrize(
+    "decode", [None, Fault.HANG, Fault.DIE_MID_STREAM, Fault.STATUS_500], ids=str
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_failed_decode_is_a_clear_error_within_the_read_deadline(stacks, decode, stream) -> None:
+    """``None``: decode was up when last checked, and is dead when the request comes."""
+    settings = {"timeouts": {"decode_read_s": 1.0}, "health_interval_s": 60}
+    if decode is None:
+        port = free_port()
+        with AppThread(Standin().app(), "127.0.0.1", port):
+            stack = stacks(decode=[port], **settings)
+    else:
+        stack = stacks(decode=[Standin(StandinState(fault=decode))], **settings)
+    started = time.monotonic()
+    request = {"model": MODEL, "prompt": [4, 2], "max_tokens": 6}
+    with pytest.raises(openai.APIError) as failure:
+        if stream:
+            list(stack.client.completions.create(**request, stream=True))
+        else:
+            stack.client.completions.create(**request)
+    assert time.monotonic() - started < 5
+    assert "decode instance" in str(failure.value)
+    assert stack.metric(
+        "lmcache_pd_proxy_requests_total", endpoint="/v1/completions", outcome="decode_failed"
+    )
+    # and the next request is served
+    healthy = stacks()
+    assert healthy.client.completions.create(model=MODEL, prompt=[1], max_tokens=2).choices
+
+
+def test_client_that_disconnects_mid_stream_cancels_decode(stacks) -> None:
+    decode = Standin(StandinState(token_delay_s=0.2))
+    stack = stacks(decode=[decode])
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", f"{stack.proxy.url}/v1/completions", json=body) as response:
+        events = (line for line in response.iter_lines() if line)
+        assert all(next(events).startswith("data: ") for _ in range(2))
+    wait_for(lambda: decode.state.cancelled == 1, 5, "decode's stream cut")
+    assert decode.state.in_flight == 0 and stack.prefill[0].state.in_flight == 0
+    wait_for(
+        lambda: (
+            stack.metric(
+                "lmcache_pd_proxy_requests_total",
+                endpoint="/v1/completions",
+                outcome="client_disconnected",
+            )
+            == 1
+        ),
+        5,
+        "the disconnect counted",
+    )
+
+
+def test_client_that_disconnects_during_prefill_cancels_it_and_never_reaches_decode(
+    stacks,
+) -> None:
+    prefill = Standin(StandinState(first_delay_s=5))
+    stack = stacks(prefill=[prefill])
+    with pytest.raises(httpx.ReadTimeout):
+        stack.post("/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=0.5)
+    wait_for(lambda: prefill.state.cancelled == 1, 5, "prefill's request cut")
+    assert prefill.state.in_flight == 0
+    time.sleep(0.2)
+    assert stack.decode[0].state.received == []
+
+
+def test_health_checks_mark_an_instance_down_and_back_up(stacks) -> None:
+    port = free_port()
+    stack = stacks(decode=[port], health_interval_s=0.1, timeouts={"health_s": 0.5})
+
+    def health() -> int:
+        return httpx.get(f"{stack.proxy.url}/health").status_code
+
+    assert health() == 503  # its only decode instance is not there
+    with pytest.raises(openai.InternalServerError):
+        stack.client.completions.create(model=MODEL, prompt=[1], max_tokens=3)
+    with AppThread(Standin().app(), "127.0.0.1", port):
+        wait_for(lambda: health() == 200, 5, "decode marked up")
+        assert stack.client.completions.create(model=MODEL, prompt=[1], max_tokens=3).choices
+    wait_for(lambda: health() == 503, 5, "decode marked down")
+    assert stack.metric("lmcache_pd_proxy_instance_up", role="decode", instance=stack.urls[-1]) == 0
