@@ -296,3 +296,7 @@ def make_model_command(
     _setup_logging("info")
     built = make_model(directory, seed=seed) if force else ensure_model(directory, seed=seed)
     typer.echo(built)
+
+
+if __name__ == "__main__":
+    app()

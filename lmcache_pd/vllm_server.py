@@ -120,6 +120,10 @@ class VLLMServer:
             time.sleep(0.5)
         raise TimeoutError(f"vLLM not healthy after {START_TIMEOUT_S} s:\n{self.tail()}")
 
+    @property
+    def running(self) -> bool:
+        return self._process.poll() is None
+
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 

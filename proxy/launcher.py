@@ -125,7 +125,7 @@ class PoolLauncher:
         except BaseException:
             self.stop()
             raise
-        return ProxyConfig(
+        proxy = ProxyConfig(
             model=self.pools.model,
             prefill=prefill,
             decode=decode,
@@ -133,6 +133,9 @@ class PoolLauncher:
             port=self.pools.proxy.port,
             timeouts=Timeouts(decode_read_s=self.pools.proxy.decode_read_timeout_s),
         )
+        # What `lmcache-pd proxy` would need to front these same instances.
+        (self.workdir / "proxy.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(proxy)))
+        return proxy
 
     def _launch(
         self, name: str, spec: InstanceSpec, role: str, port: int, receive: dict[str, int]

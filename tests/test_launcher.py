@@ -1,0 +1,66 @@
+"""The pool launcher: its config is checked before anything starts, and an instance that cannot
+start fails the launch with its name and its log, leaving no process behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lmcache_pd.errors import ConfigError
+from lmcache_pd.proxy.launcher import LaunchError, PoolLauncher, load_pools
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+
+
+def write(tmp_path: Path, pools: dict) -> Path:
+    path = tmp_path / "pools.yaml"
+    path.write_text(yaml.safe_dump(pools))
+    return path
+
+
+@pytest.mark.parametrize("name", ["pools.yaml", "pools-2p1d.yaml"])
+def test_shipped_pools_configs_are_valid(name: str) -> None:
+    pools = load_pools(CONFIGS / name)
+    assert pools.proxy.port == 8000 and pools.prefill and pools.decode
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"colour": "blue"}, "colour"),
+        ({"prefill": []}, "prefill"),
+        ({"decode": [{"cpus": "1"}]}, "config"),
+        ({"proxy": {"port": "eighty"}}, "port"),
+    ],
+)
+def test_bad_pools_config_is_refused_naming_the_key(
+    tmp_path: Path, change: dict, says: str
+) -> None:
+    pools = yaml.safe_load((CONFIGS / "pools.yaml").read_text()) | change
+    with pytest.raises(ConfigError, match=says):
+        load_pools(write(tmp_path, pools))
+
+
+def test_a_port_named_twice_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    pools = yaml.safe_load((CONFIGS / "pools.yaml").read_text())
+    pools["prefill"][0]["port"] = pools["decode"][0]["port"] = 8100
+    launcher = PoolLauncher(load_pools(write(tmp_path, pools)), tmp_path / "run")
+    with pytest.raises(ConfigError, match="8100"):
+        launcher.start()
+    assert launcher.servers == {}
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_an_instance_that_cannot_start_fails_the_launch_with_its_name_and_log(
+    tmp_path: Path,
+) -> None:
+    pools = yaml.safe_load((CONFIGS / "pools.yaml").read_text())
+    pools["model"] = str(tmp_path / "no-such-model")
+    launcher = PoolLauncher(load_pools(write(tmp_path, pools)), tmp_path / "run")
+    with pytest.raises(LaunchError, match=r"prefill-0 did not start: vLLM exited") as failure:
+        launcher.start()
+    assert "no-such-model" in str(failure.value)  # the end of its log says why
+    assert not any(server.running for server in launcher.servers.values())

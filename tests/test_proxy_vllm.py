@@ -1,0 +1,373 @@
+"""``lmcache-pd serve`` for real: a prefill and a decode vLLM behind the proxy, driven with the
+official ``openai`` client over HTTP, against one plain vLLM instance as the reference.
+
+The served pools run as one child process, exactly as a user starts them; its last test stops it
+with SIGTERM and checks that nothing it started is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from lmcache_pd.model_maker import ensure_model
+from lmcache_pd.vllm_server import VLLMServer
+from tests.helpers import free_port, wait_for
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+SERVE_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+OUTPUT_TOKENS = 8
+SERVER_ARGS = ["--max-num-batched-tokens", "1024"]
+MODES = ["whole", "streamed"]
+LENGTHS = [31, 300, 1000]
+
+
+def token_prompt(length: int, seed: int = 0) -> list[int]:
+    generator = random.Random(length * 100 + seed)
+    return [generator.randrange(10, 1500) for _ in range(length)]
+
+
+# Each mode gets prompts of its own: a prompt seen before is partly served from vLLM's prefix
+# cache, whose differently shaped steps move logprobs in the last bits (in a plain instance too).
+PROMPTS: dict[str, str | list[int]] = {}
+for mode_index, mode in enumerate(MODES):
+    PROMPTS[f"short-{mode}"] = f"def add_{mode}(a, b):"
+    PROMPTS[f"code-{mode}"] = f'import os\n\ndef walk_{mode}(path):\n    """Yield files."""\n' * 6
+    PROMPTS |= {f"len-{n}-{mode}": token_prompt(n, mode_index) for n in LENGTHS}
+NAMES = sorted({name.rsplit("-", 1)[0] for name in PROMPTS})
+
+
+def chat_messages(mode: str) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": "You answer in Python."},
+        {"role": "user", "content": f"Write a function that reverses a list ({mode})."},
+    ]
+
+
+class Served:
+    """``lmcache-pd serve`` in a child process, and what it wrote to its work folder."""
+
+    def __init__(self, model: Path, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        pools = {
+            "model": str(model),
+            "proxy": {"host": "127.0.0.1", "port": self.port},
+            "vllm_args": SERVER_ARGS,
+            "prefill": [{"config": "configs/producer.yaml", "cpus": "0"}],
+            "decode": [{"config": "configs/consumer.yaml", "cpus": "1"}],
+        }
+        path = workdir / "pools.yaml"
+        path.write_text(yaml.safe_dump(pools))
+        self.log = workdir / "serve.log"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "lmcache_pd.cli", "serve", str(path), "--workdir", str(workdir)],
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).parent.parent,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_until_serving(self) -> None:
+        deadline = time.monotonic() + SERVE_TIMEOUT_S
+        while "serving" not in self.log.read_text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"lmcache-pd serve did not come up:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def proxy_config(self) -> dict[str, Any]:
+        return yaml.safe_load((self.workdir / "proxy.yaml").read_text())
+
+    def stats(self, name: str) -> dict[str, int]:
+        path = self.workdir / f"{name}.stats.json"
+        return yaml.safe_load(path.read_text()) if path.exists() else {}
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(STOP_TIMEOUT_S)
+        return self.process.returncode
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return ensure_model(Path(__file__).parent.parent / ".cache" / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def served_and_plain(
+    model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Served, VLLMServer]]:
+    workdir = tmp_path_factory.mktemp("served")
+    served = Served(model, workdir)
+    plain = VLLMServer(
+        model, free_port(), workdir / "plain.log", cpu=0, extra_args=SERVER_ARGS, wait=False
+    )
+    try:
+        plain.wait_until_healthy()
+        served.wait_until_serving()
+        yield served, plain
+    finally:
+        plain.stop()
+        served.stop()
+
+
+@pytest.fixture(scope="module")
+def served(served_and_plain: tuple[Served, VLLMServer]) -> Served:
+    return served_and_plain[0]
+
+
+def client_of(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def completion_request(model: Path, prompt: str | list[int]) -> dict[str, Any]:
+    return {
+        "model": str(model),
+        "prompt": prompt,
+        "max_tokens": OUTPUT_TOKENS,
+        "temperature": 0,
+        "logprobs": 1,
+    }
+
+
+def completion_answer(client: openai.OpenAI, request: dict[str, Any], stream: bool) -> tuple:
+    """(tokens, logprobs, finish reason) of a completion, streamed or not."""
+    if not stream:
+        choice = client.completions.create(**request).choices[0]
+        return choice.logprobs.tokens, choice.logprobs.token_logprobs, choice.finish_reason
+    tokens, logprobs, finish = [], [], None
+    for chunk in client.completions.create(**request, stream=True):
+        choice = chunk.choices[0]
+        tokens += choice.logprobs.tokens
+        logprobs += choice.logprobs.token_logprobs
+        finish = choice.finish_reason or finish
+    return tokens, logprobs, finish
+
+
+def chat_answer(client: openai.OpenAI, model: Path, stream: bool) -> tuple:
+    request = {
+        "model": str(model),
+        "messages": chat_messages(MODES[stream]),
+        "max_tokens": OUTPUT_TOKENS,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 1,
+    }
+    if not stream:
+        choice = client.chat.completions.create(**request).choices[0]
+        entries = choice.logprobs.content
+        text = choice.message.content
+    else:
+        entries, text = [], ""
+        for chunk in client.chat.completions.create(**request, stream=True):
+            entries += chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else []
+            text += chunk.choices[0].delta.content or ""
+    return text, [e.token for e in entries], [e.logprob for e in entries]
+
+
+@pytest.fixture(scope="module")
+def reference(served_and_plain: tuple[Served, VLLMServer], model: Path) -> dict[str, tuple]:
+    plain = client_of(served_and_plain[1].url)
+    answers = {
+        name: completion_answer(plain, completion_request(model, prompt), stream=False)
+        for name, prompt in PROMPTS.items()
+    }
+    for stream, mode in enumerate(MODES):
+        answers[f"chat-{mode}"] = chat_answer(plain, model, stream=bool(stream))
+    return answers
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", NAMES)
+def test_completions_through_the_proxy_equal_one_instance(
+    served: Served, reference: dict, model: Path, name: str, mode: str
+) -> None:
+    prompt = PROMPTS[f"{name}-{mode}"]
+    loaded = served.stats("decode-0").get("tokens_loaded", 0)
+    request = completion_request(model, prompt)
+    got = completion_answer(client_of(served.url), request, stream=mode == "streamed")
+    # tokens, logprobs (bit for bit) and finish reason
+    assert got == reference[f"{name}-{mode}"]
+    assert served.stats("decode-0")["tokens_loaded"] > loaded  # decode loaded, not recomputed
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chat_through_the_proxy_equals_one_instance(
+    served: Served, reference: dict, model: Path, mode: str
+) -> None:
+    got = chat_answer(client_of(served.url), model, stream=mode == "streamed")
+    assert got == reference[f"chat-{mode}"]
+
+
+def test_usage_and_models_read_as_from_one_instance(
+    served_and_plain: tuple[Served, VLLMServer], model: Path
+) -> None:
+    served, plain = served_and_plain
+    prompt = {"model": str(model), "prompt": "usage counts", "max_tokens": 5, "temperature": 0}
+    want = client_of(plain.url).completions.create(**prompt).usage
+    assert client_of(served.url).completions.create(**prompt).usage == want
+    chunks = list(
+        client_of(served.url).completions.create(
+            **prompt, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[-1].usage == want
+    assert [m.id for m in client_of(served.url).models.list()] == [str(model)]
+
+
+class RequestClock:
+    """A TCP relay in front of an instance that notes when each HTTP request starts through it."""
+
+    def __init__(self, target_port: int) -> None:
+        self.port = free_port()
+        self.requests: list[float] = []
+        self._target = target_port
+        self._ready = threading.Event()
+        threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True).start()
+        assert self._ready.wait(5)
+
+    async def _serve(self) -> None:
+        server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+        self._ready.set()
+        async with server:
+            await server.serve_forever()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._target)
+
+        async def pipe(src, dst, note: bool) -> None:
+            while data := await src.read(1 << 16):
+                if note and data.startswith(b"POST "):
+                    self.requests.append(time.monotonic())
+                dst.write(data)
+                await dst.drain()
+            dst.close()
+
+        await asyncio.gather(
+            pipe(reader, up_writer, True), pipe(up_reader, writer, False), return_exceptions=True
+        )
+
+
+def test_first_token_reaches_the_client_before_decode_is_asked(
+    served: Served, model: Path, tmp_path: Path
+) -> None:
+    """A second proxy, in its own process, fronts the same instances with decode behind a relay
+    that notes when requests reach it."""
+    config = served.proxy_config()
+    decode = config["decode"][0]
+    clock = RequestClock(int(decode["url"].rsplit(":", 1)[1]))
+    config |= {"port": free_port(), "decode": [{**decode, "url": f"http://127.0.0.1:{clock.port}"}]}
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "lmcache_pd.cli", "proxy", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{config['port']}"
+    try:
+        wait_for(lambda: _answers(f"{url}/health"), 20, "the second proxy")
+        for length in (300, 1000):
+            sent = len(clock.requests)
+            request = completion_request(model, token_prompt(length, seed=7))
+            stream = client_of(url).completions.create(**request, stream=True)
+            next(iter(stream))
+            first_token_at = time.monotonic()
+            rest = list(stream)
+            assert len(clock.requests) == sent + 1 and rest
+            assert first_token_at < clock.requests[-1], "decode was asked before the first token"
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _running(instance_url: str) -> float:
+    """Requests running or waiting in a vLLM instance, from its Prometheus metrics."""
+    total = 0.0
+    for line in httpx.get(f"{instance_url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_client_that_disconnects_leaves_nothing_running_upstream(
+    served: Served, model: Path
+) -> None:
+    config = served.proxy_config()
+    prefill, decode = config["prefill"][0]["url"], config["decode"][0]["url"]
+    request = {
+        **completion_request(model, token_prompt(500, seed=8)),
+        "max_tokens": 1000,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=request, timeout=60) as response:
+        events = (line for line in response.iter_lines() if line)
+        for _ in range(3):
+            next(events)
+        wait_for(lambda: _running(decode) == 1, 10, "decode running the request")  # control
+    wait_for(lambda: _running(decode) == 0 and _running(prefill) == 0, 15, "upstreams idle")
+    wait_for(lambda: served.stats("decode-0")["consumer_used_pages"] == 0, 15, "pages freed")
+    # and the proxy keeps serving
+    assert client_of(served.url).completions.create(model=str(model), prompt="x", max_tokens=3)
+
+
+def test_sigterm_stops_every_process_and_frees_every_port(served: Served) -> None:
+    config = served.proxy_config()
+    ports = [served.port] + [
+        int(instance["url"].rsplit(":", 1)[1]) for instance in config["prefill"] + config["decode"]
+    ]
+    ports += [config["decode"][0]["init_port"], config["decode"][0]["alloc_port"]]
+    started = _descendants(served.process.pid)
+    assert len(started) >= 2  # control: the vLLM instances (and their engine processes)
+    assert served.stop() == 0
+    assert not [pid for pid in started if Path(f"/proc/{pid}").exists()]
+    for port in ports:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(("127.0.0.1", port))  # fails if anything still holds it
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root``, from the parent ids in /proc."""
+    parents = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        parents[int(pid)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
