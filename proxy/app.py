@@ -175,10 +175,17 @@ class Proxy:
             self.metrics.requests.labels(label, Outcome.BAD_REQUEST.value).inc()
             return _error(exc.text or "request body too large", "BadRequestError", 413)
         req_id = f"pd-{uuid.uuid4().hex}"
-        outcome = Outcome.CLIENT_DISCONNECTED  # unless set otherwise before leaving
+        outcome = Outcome.INTERNAL_ERROR
         try:
             response, outcome = await self._disaggregate(http, client, req_id, started)
             return response
+        except asyncio.CancelledError:  # the client went away; aiohttp cancels its handler
+            outcome = Outcome.CLIENT_DISCONNECTED
+            logger.info("req %s: client disconnected; upstream requests cancelled", req_id)
+            raise
+        except Exception:  # a bug of ours: this request is lost, the proxy keeps serving
+            logger.exception("req %s: failed inside the proxy", req_id)
+            return _error(f"internal error in the proxy (req {req_id})", "InternalError", 500)
         finally:
             self.metrics.requests.labels(label, outcome.value).inc()
 

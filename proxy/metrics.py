@@ -24,6 +24,7 @@ class Outcome(enum.Enum):
     DECODE_FAILED = "decode_failed"
     NO_INSTANCE = "no_instance"
     CLIENT_DISCONNECTED = "client_disconnected"
+    INTERNAL_ERROR = "internal_error"
 
 
 class ProxyMetrics:

@@ -3,6 +3,7 @@ two workers moving a paged cache from one to the other over real NIXL."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -180,6 +181,28 @@ def test_kv_that_never_lands_fails_the_load_at_its_deadline(workers) -> None:
     started = time.monotonic()
     assert finish(consumer) == ({"c"}, {"c"})
     assert 2.0 <= time.monotonic() - started < 4.0
+    assert not any(layer.any() for layer in target.values())
+
+
+def test_a_request_that_ends_while_its_kv_is_awaited_is_released_at_once(
+    workers, tmp_path: Path
+) -> None:
+    """The client went away: vLLM holds the request's blocks until the load is reported, so the
+    worker reports it at the next step (not at the deadline) and gives its pages back."""
+    _, consumer, _, target, _ = workers
+    consumer.start_load_kv(
+        PDConnectorMetadata(loads=[LoadRequest("c", "gone", list(range(70)), [1, 2, 3], 0)])
+    )
+    assert consumer.finished_loads() == (set(), set())  # control: still awaited
+    consumer.start_load_kv(PDConnectorMetadata(finished={"c"}))
+    assert consumer.finished_loads() == ({"c"}, set())
+    assert consumer.finished_loads() == (set(), set())
+    stats = json.loads((tmp_path / "c.json").read_text())
+    assert (stats["loads_aborted"], stats["load_timeouts"], stats["consumer_used_pages"]) == (
+        1,
+        0,
+        0,
+    )
     assert not any(layer.any() for layer in target.values())
 
 

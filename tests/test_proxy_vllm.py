@@ -8,6 +8,8 @@ with SIGTERM and checks that nothing it started is left behind.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import random
 import signal
@@ -237,12 +239,16 @@ def test_usage_and_models_read_as_from_one_instance(
     assert [m.id for m in client_of(served.url).models.list()] == [str(model)]
 
 
-class RequestClock:
-    """A TCP relay in front of an instance that notes when each HTTP request starts through it."""
+class DecodeWatch:
+    """A TCP relay in front of decode. When a request reaches it, it notes the time and looks,
+    without reading, at what the client's socket has already received: on loopback a send lands
+    in the receiver's buffer within the sender's own send call, so the bytes found there are
+    exactly those the proxy had sent the client before it asked decode."""
 
     def __init__(self, target_port: int) -> None:
         self.port = free_port()
-        self.requests: list[float] = []
+        self.client: socket.socket | None = None
+        self.seen: list[tuple[float, bytes]] = []  # (arrival, what the client had by then)
         self._target = target_port
         self._ready = threading.Event()
         threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True).start()
@@ -254,13 +260,21 @@ class RequestClock:
         async with server:
             await server.serve_forever()
 
+    def _note(self) -> None:
+        assert self.client is not None
+        try:
+            had = self.client.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            had = b""
+        self.seen.append((time.monotonic(), had))
+
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._target)
 
         async def pipe(src, dst, note: bool) -> None:
             while data := await src.read(1 << 16):
                 if note and data.startswith(b"POST "):
-                    self.requests.append(time.monotonic())
+                    self._note()
                 dst.write(data)
                 await dst.drain()
             dst.close()
@@ -270,15 +284,25 @@ class RequestClock:
         )
 
 
+def send_by_hand(connection: socket.socket, body: dict[str, Any]) -> None:
+    """Send a completion request on a raw socket, so that nothing reads the answer unasked."""
+    payload = json.dumps(body).encode()
+    connection.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload
+    )
+    return connection
+
+
 def test_first_token_reaches_the_client_before_decode_is_asked(
     served: Served, model: Path, tmp_path: Path
 ) -> None:
     """A second proxy, in its own process, fronts the same instances with decode behind a relay
-    that notes when requests reach it."""
+    that notes what the client had received when decode's request arrived."""
     config = served.proxy_config()
     decode = config["decode"][0]
-    clock = RequestClock(int(decode["url"].rsplit(":", 1)[1]))
-    config |= {"port": free_port(), "decode": [{**decode, "url": f"http://127.0.0.1:{clock.port}"}]}
+    watch = DecodeWatch(int(decode["url"].rsplit(":", 1)[1]))
+    config |= {"port": free_port(), "decode": [{**decode, "url": f"http://127.0.0.1:{watch.port}"}]}
     path = tmp_path / "proxy.yaml"
     path.write_text(yaml.safe_dump(config))
     proxy = subprocess.Popen(
@@ -290,14 +314,27 @@ def test_first_token_reaches_the_client_before_decode_is_asked(
     try:
         wait_for(lambda: _answers(f"{url}/health"), 20, "the second proxy")
         for length in (300, 1000):
-            sent = len(clock.requests)
-            request = completion_request(model, token_prompt(length, seed=7))
-            stream = client_of(url).completions.create(**request, stream=True)
-            next(iter(stream))
-            first_token_at = time.monotonic()
-            rest = list(stream)
-            assert len(clock.requests) == sent + 1 and rest
-            assert first_token_at < clock.requests[-1], "decode was asked before the first token"
+            request = {**completion_request(model, token_prompt(length, seed=7)), "stream": True}
+            asked = len(watch.seen)
+            with socket.create_connection(("127.0.0.1", config["port"]), timeout=120) as connection:
+                watch.client = connection
+                started = time.monotonic()
+                send_by_hand(connection, request)
+                wait_for(lambda n=asked: len(watch.seen) > n, 60, "decode's request")
+                asked_at, had = watch.seen[-1]
+                received = b""
+                while chunk := connection.recv(1 << 16):
+                    received += chunk
+            events = [line for line in received.split(b"\n") if line.startswith(b"data: {")]
+            first = events[0]
+            # the first token's event was in the client's socket when decode was asked
+            assert first in had, had
+            assert len(events) == OUTPUT_TOKENS and b"[DONE]" in received
+            logging.getLogger(__name__).info(
+                "%d tokens: decode asked %.1f ms after the request, first token already sent",
+                length,
+                1e3 * (asked_at - started),
+            )
     finally:
         proxy.terminate()
         proxy.wait(10)

@@ -50,6 +50,7 @@ class WorkerStats:
     loads_completed: int = 0
     tokens_loaded: int = 0
     loads_failed: int = 0
+    loads_aborted: int = 0
     load_timeouts: int = 0
     integrity_failures: int = 0
     consumer_used_pages: int = 0
@@ -192,14 +193,34 @@ class ConsumerWorker:
         self._consumer = Consumer(replace(config, page_bytes=page_bytes), keyer)
         self._stats = _StatsFile(Path(config.stats_path) if config.stats_path else None)
         self._pending: list[_PendingLoad] = []
+        self._aborted: set[str] = set()
 
     def start_load_kv(self, meta: PDConnectorMetadata) -> None:
         deadline = time.monotonic() + self._config.load_timeout_s
         self._pending.extend(_PendingLoad(load, deadline) for load in meta.loads)
+        if meta.finished:
+            self._drop_aborted(meta.finished)
+
+    def _drop_aborted(self, finished: set[str]) -> None:
+        """Requests that ended (client gone) while their KV was awaited: their pages go back now,
+        and they are reported received, since vLLM holds their blocks until then."""
+        for pending in [p for p in self._pending if p.load.req_id in finished]:
+            self._pending.remove(pending)
+            self._consumer.release(pending.load.disagg_req_id)
+            self._aborted.add(pending.load.req_id)
+            with self._stats.update() as stats:
+                stats.loads_aborted += 1
+                stats.consumer_used_pages = self._consumer.used_pages
+            logger.info(
+                "req %s (%s): ended while its KV was awaited; pages released",
+                pending.load.req_id,
+                pending.load.disagg_req_id,
+            )
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
         """(received, failed) request ids; a failed one is in both, as vLLM asks."""
-        received: set[str] = set()
+        received: set[str] = self._aborted
+        self._aborted = set()
         failed: set[str] = set()
         still: list[_PendingLoad] = []
         for pending in self._pending:
