@@ -251,19 +251,24 @@ class Sample:
     gaps_s: list[float]
 
 
-async def _read_tokens(response: aiohttp.ClientResponse, arrivals: list[float]) -> None:
-    """Append each streamed token's arrival time until ``[DONE]``."""
+async def _read_tokens(response: aiohttp.ClientResponse, arrivals: list[float]) -> float:
+    """Append each streamed token's arrival time; return when ``[DONE]`` came. Reads on to the
+    body's end, as HTTP clients do: a body left unread closes the connection instead of
+    returning it to the pool."""
     if response.status != 200:
         raise RuntimeError(f"{response.url} answered {response.status}: {await response.read()!r}")
+    done = None
     async for line in response.content:
-        if not line.startswith(b"data:"):
+        if done is not None or not line.startswith(b"data:"):
             continue
         data = line[5:].strip()
         if data == b"[DONE]":
-            return
-        if any(choice.text for choice in _decode_event(data).choices):
+            done = time.perf_counter()
+        elif any(choice.text for choice in _decode_event(data).choices):
             arrivals.append(time.perf_counter())
-    raise RuntimeError(f"{response.url}: stream ended without [DONE]")
+    if done is None:
+        raise RuntimeError(f"{response.url}: stream ended without [DONE]")
+    return done
 
 
 class LoadGenerator:
@@ -293,8 +298,7 @@ class LoadGenerator:
         client = ClientRequest.parse(Endpoint.COMPLETIONS, body, MODEL)
         return lambda: self._direct(client)
 
-    def _sample(self, started: float, arrivals: list[float]) -> Sample:
-        done = time.perf_counter()
+    def _sample(self, started: float, arrivals: list[float], done: float) -> Sample:
         if len(arrivals) != self._output_tokens:
             raise RuntimeError(f"{len(arrivals)} tokens streamed, {self._output_tokens} asked")
         gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
@@ -308,8 +312,8 @@ class LoadGenerator:
             data=body,
             headers={"Content-Type": "application/json"},
         ) as response:
-            await _read_tokens(response, arrivals)
-        return self._sample(started, arrivals)
+            done = await _read_tokens(response, arrivals)
+        return self._sample(started, arrivals, done)
 
     async def _direct(self, client: ClientRequest) -> Sample:
         """Prefill for the first token, then decode's stream, as the proxy would."""
@@ -342,8 +346,8 @@ class LoadGenerator:
             data=msgspec.json.encode(decode),
             headers=headers,
         ) as response:
-            await _read_tokens(response, arrivals)
-        return self._sample(started, arrivals)
+            done = await _read_tokens(response, arrivals)
+        return self._sample(started, arrivals, done)
 
 
 async def _one_run(

@@ -35,6 +35,7 @@ from lmcache_pd.proxy.flow import (
 from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
 from lmcache_pd.proxy.openai_format import Piece, ResponseWriter, Usage, error_body
 from lmcache_pd.proxy.routing import HealthChecker, NoHealthyInstance, Pool, Role, Upstream
+from lmcache_pd.trace import TraceFile
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class Proxy:
         self._session: aiohttp.ClientSession | None = None
         self._health: HealthChecker | None = None
         self._flow: Disaggregator | None = None
+        self._trace = TraceFile(config.trace_path)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
@@ -176,8 +178,9 @@ class Proxy:
             return _error(exc.text or "request body too large", "BadRequestError", 413)
         req_id = f"pd-{uuid.uuid4().hex}"
         outcome = Outcome.INTERNAL_ERROR
+        trace: dict[str, Any] = {"event": "proxy", "req_id": req_id, "arrived": time.time()}
         try:
-            response, outcome = await self._disaggregate(http, client, req_id, started)
+            response, outcome = await self._disaggregate(http, client, req_id, started, trace)
             return response
         except asyncio.CancelledError:  # the client went away; aiohttp cancels its handler
             outcome = Outcome.CLIENT_DISCONNECTED
@@ -188,9 +191,16 @@ class Proxy:
             return _error(f"internal error in the proxy (req {req_id})", "InternalError", 500)
         finally:
             self.metrics.requests.labels(label, outcome.value).inc()
+            if self._trace.enabled:
+                self._trace.write(trace | {"outcome": outcome.value, "done": time.time()})
 
     async def _disaggregate(
-        self, http: web.Request, client: ClientRequest, req_id: str, started: float
+        self,
+        http: web.Request,
+        client: ClientRequest,
+        req_id: str,
+        started: float,
+        trace: dict[str, Any],
     ) -> tuple[web.StreamResponse, Outcome]:
         assert self._flow is not None
         try:
@@ -216,10 +226,20 @@ class Proxy:
             except UpstreamFailed as exc:
                 logger.error("req %s: lost before its first token: %s", req_id, exc)
                 return _error(str(exc), "BadGateway", 502), Outcome.PREFILL_FAILED
+            trace |= {"prefill": prefilled.instance, "prefilled": time.time()}
             prefix = "cmpl-" if client.endpoint is Endpoint.COMPLETIONS else "chatcmpl-"
             writer = ResponseWriter(client.endpoint, client.model, prefix + req_id)
             answer = _Answer(
-                self._flow, self.metrics, client, req_id, writer, prefilled, decoder, spec, started
+                self._flow,
+                self.metrics,
+                client,
+                req_id,
+                writer,
+                prefilled,
+                decoder,
+                spec,
+                trace,
+                started,
             )
             if client.stream:
                 return await answer.stream(http)
@@ -239,11 +259,15 @@ class _Answer:
         prefilled: Prefilled,
         decoder: Upstream | None,
         spec: dict[str, Any] | None,
+        trace: dict[str, Any],
         started: float,
     ) -> None:
+        """``started`` is the request's arrival (``perf_counter``); ``trace`` holds its phase
+        times (wall clock) for the proxy's trace file, from ``arrived`` on."""
         self.flow, self.metrics = flow, metrics
         self.client, self.req_id, self.writer = client, req_id, writer
-        self.prefilled, self.decoder, self.spec, self.started = prefilled, decoder, spec, started
+        self.prefilled, self.decoder, self.spec = prefilled, decoder, spec
+        self.trace, self.started = trace, started
         self.usage = Usage(prefilled.prompt_tokens, 1)
         first = prefilled.piece
         # Prefill stopped at its one-token limit; the answer goes on at decode unless it
@@ -261,7 +285,9 @@ class _Answer:
             self.prefilled.first_token,
             {"disagg_spec": self.spec},
         )
+        self.trace |= {"decode": self.decoder.url, "decode_sent": time.time()}
         async for item in self.flow.decode(self.decoder, self.client, self.req_id, body):
+            self.trace.setdefault("decode_first", time.time())
             if isinstance(item, Usage):
                 self.usage.completion_tokens = 1 + item.completion_tokens
             else:
@@ -276,6 +302,7 @@ class _Answer:
         await response.prepare(http)
         try:
             await _write(response, _sse(self.writer.chunk(self.prefilled.piece)))
+            self.trace["first_sent"] = time.time()
             last = time.perf_counter()
             self.metrics.ttft.observe(last - self.started)
             outcome = Outcome.OK
@@ -313,6 +340,10 @@ class _Answer:
         return _json(self.writer.body(pieces, self.usage)), Outcome.OK
 
     def _log_done(self, outcome: Outcome) -> None:
+        self.trace |= {
+            "prompt_tokens": self.usage.prompt_tokens,
+            "completion_tokens": self.usage.completion_tokens,
+        }
         logger.debug(
             "req %s: %s, %d+%d tokens, decode %s, %.1f ms",
             self.req_id,

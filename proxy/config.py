@@ -59,6 +59,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     health_interval_s: Seconds = 2.0
     # Upper bound on a client's request body; larger ones are refused before parsing.
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 8 << 20
+    # Where to append one JSON line per request with its phases' times (None: nowhere).
+    trace_path: str | None = None
 
 
 def proxy_config(raw: object, source: str = "<dict>") -> ProxyConfig:

@@ -8,6 +8,7 @@ went away) closes the upstream connection, and vLLM aborts a request whose clien
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ class Prefilled:
     prompt_token_ids: list[int]
     first_token: int
     prompt_tokens: int
+    instance: str = ""  # the prefill instance that answered
 
 
 def _prefilled(endpoint: Endpoint, answer: dict[str, Any]) -> Prefilled | None:
@@ -119,7 +121,8 @@ class Disaggregator:
                 )
             try:
                 with member.busy():
-                    return await self._prefill_once(member, request.endpoint, req_id, body)
+                    prefilled = await self._prefill_once(member, request.endpoint, req_id, body)
+                return dataclasses.replace(prefilled, instance=member.url)
             except UpstreamFailed as exc:
                 self._metrics.upstream_error(member, exc.kind)
                 failed = exc

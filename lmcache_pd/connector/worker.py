@@ -30,6 +30,7 @@ from lmcache_pd.kernels.cpu_blocks import CpuKVCache, validate_chunk_size
 from lmcache_pd.keys import ChunkKey, ChunkKeyer
 from lmcache_pd.producer import Producer
 from lmcache_pd.protocol import DisaggSpec
+from lmcache_pd.trace import TraceFile
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class _PushJob:
     spec: DisaggSpec
     chunks: list[tuple[bytes, torch.Tensor]]
     pages: contextlib.AbstractContextManager
+    staged_at: float  # wall clock, for the trace
 
 
 class ProducerWorker:
@@ -104,6 +106,7 @@ class ProducerWorker:
         page_bytes = self._cache.chunk_nbytes(config.chunk_size)
         self._producer = Producer(replace(config, page_bytes=page_bytes))
         self._stats = _StatsFile(Path(config.stats_path) if config.stats_path else None)
+        self._trace = TraceFile(config.trace_path)
         self._progress: dict[str, int] = {}
         self._jobs: queue.Queue[_PushJob] = queue.Queue()
         self._stop = threading.Event()
@@ -149,7 +152,7 @@ class ProducerWorker:
             data = page[: self._cache.chunk_nbytes(chunk.end - chunk.start)]
             self._cache.gather(blocks, data)
             staged.append((chunk.key, data))
-        self._jobs.put(_PushJob(save.spec, staged, pages_context))
+        self._jobs.put(_PushJob(save.spec, staged, pages_context, time.time()))
 
     def _send(self) -> None:
         """The sender thread: the only caller of NIXL after start-up."""
@@ -158,6 +161,8 @@ class ProducerWorker:
                 job = self._jobs.get(timeout=SENDER_POLL_S)
             except queue.Empty:
                 continue
+            started = time.time()
+            record = {"event": "push", "req_id": job.spec.req_id, "staged_at": job.staged_at}
             try:
                 result = self._producer.push(job.spec, job.chunks)
             except PDError as exc:
@@ -166,20 +171,28 @@ class ProducerWorker:
                 logger.warning(
                     "req %s: push failed, the consumer will recompute: %s", job.spec.req_id, exc
                 )
+                record["error"] = str(exc)
             else:
                 with self._stats.update() as stats:
                     stats.pushes += 1
                     stats.chunks_pushed += result.chunks_sent
                     stats.chunks_skipped += result.chunks_skipped
                     stats.bytes_pushed += result.bytes_sent
+                record |= {
+                    "chunks": result.chunks_sent,
+                    "skipped": result.chunks_skipped,
+                    "bytes": result.bytes_sent,
+                }
             finally:
                 job.pages.__exit__(None, None, None)
+            self._trace.write(record | {"start": started, "end": time.time()})
 
 
 @dataclass(slots=True)
 class _PendingLoad:
     load: LoadRequest
     deadline: float
+    queued_at: float  # wall clock, for the trace
 
 
 class ConsumerWorker:
@@ -192,12 +205,14 @@ class ConsumerWorker:
         page_bytes = self._cache.chunk_nbytes(config.chunk_size)
         self._consumer = Consumer(replace(config, page_bytes=page_bytes), keyer)
         self._stats = _StatsFile(Path(config.stats_path) if config.stats_path else None)
+        self._trace = TraceFile(config.trace_path)
         self._pending: list[_PendingLoad] = []
         self._aborted: set[str] = set()
 
     def start_load_kv(self, meta: PDConnectorMetadata) -> None:
         deadline = time.monotonic() + self._config.load_timeout_s
-        self._pending.extend(_PendingLoad(load, deadline) for load in meta.loads)
+        now = time.time()
+        self._pending.extend(_PendingLoad(load, deadline, now) for load in meta.loads)
         if meta.finished:
             self._drop_aborted(meta.finished)
 
@@ -208,6 +223,7 @@ class ConsumerWorker:
             self._pending.remove(pending)
             self._consumer.release(pending.load.disagg_req_id)
             self._aborted.add(pending.load.req_id)
+            self._traced(pending, "aborted")
             with self._stats.update() as stats:
                 stats.loads_aborted += 1
                 stats.consumer_used_pages = self._consumer.used_pages
@@ -237,6 +253,18 @@ class ConsumerWorker:
     def close(self) -> None:
         self._consumer.close()
 
+    def _traced(self, pending: _PendingLoad, outcome: str, tokens: int = 0) -> None:
+        self._trace.write(
+            {
+                "event": "load",
+                "req_id": pending.load.disagg_req_id,
+                "queued_at": pending.queued_at,
+                "done_at": time.time(),
+                "outcome": outcome,
+                "tokens": tokens,
+            }
+        )
+
     def _try_load(self, pending: _PendingLoad) -> bool | None:
         """True once loaded, False if it failed, None while its chunks are still on the way."""
         load = pending.load
@@ -244,6 +272,7 @@ class ConsumerWorker:
             if time.monotonic() < pending.deadline:
                 return None
             self._consumer.release(load.disagg_req_id)
+            self._traced(pending, "timeout")
             with self._stats.update() as stats:
                 stats.load_timeouts += 1
                 stats.loads_failed += 1
@@ -263,6 +292,7 @@ class ConsumerWorker:
                 blocks = _chunk_blocks(load.block_ids, chunk, self._cache.block_size)
                 self._cache.scatter(data, blocks)
         except (IntegrityError, KeyError) as exc:
+            self._traced(pending, "unusable")
             with self._stats.update() as stats:
                 stats.integrity_failures += isinstance(exc, IntegrityError)
                 stats.loads_failed += 1
@@ -275,6 +305,7 @@ class ConsumerWorker:
             return False
         finally:
             self._consumer.release(load.disagg_req_id)
+        self._traced(pending, "loaded", len(load.prompt) - load.start)
         with self._stats.update() as stats:
             stats.loads_completed += 1
             stats.tokens_loaded += len(load.prompt) - load.start
