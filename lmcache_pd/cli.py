@@ -282,6 +282,15 @@ def transfer_demo(
         print_table(run_benchmark([settings.page_bytes], [16, 64], runs=3), console)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(context: typer.Context) -> None:
+    """The serving benchmark (lmcache-pd vs one plain vLLM vs vLLM's NixlConnector): the options
+    of benchmarks/serving.py, e.g. ``lmcache-pd bench -- --help``."""
+    from lmcache_pd.benchmarks.serving import app as serving
+
+    serving(context.args, prog_name="lmcache-pd bench")
+
+
 @app.command("make-model")
 def make_model_command(
     directory: Annotated[Path, typer.Argument(help="the Hugging Face folder to write")],

@@ -55,6 +55,8 @@ class PoolsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Arguments every instance gets after the launcher's own (model, port, fp32, eager).
     vllm_args: list[str] = msgspec.field(default_factory=list)
     kv_cache_gib: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # Per-request trace lines from the proxy and every connector, in the work folder.
+    trace: bool = False
 
 
 def load_pools(path: str | Path) -> PoolsConfig:
@@ -132,6 +134,7 @@ class PoolLauncher:
             host=self.pools.proxy.host,
             port=self.pools.proxy.port,
             timeouts=Timeouts(decode_read_s=self.pools.proxy.decode_read_timeout_s),
+            trace_path=str(self.workdir / "proxy.trace.jsonl") if self.pools.trace else None,
         )
         # What `lmcache-pd proxy` would need to front these same instances.
         (self.workdir / "proxy.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(proxy)))
@@ -146,6 +149,8 @@ class PoolLauncher:
             raise ConfigError(f"{name}: cannot read its config {spec.config}: {exc}") from exc
         stats = self.workdir / f"{name}.stats.json"
         settings |= {"kv_role": role, "stats_path": str(stats), **receive}
+        if self.pools.trace:
+            settings["trace_path"] = str(self.workdir / f"{name}.trace.jsonl")
         config_path = self.workdir / f"{name}.yaml"
         config_path.write_text(yaml.safe_dump(settings))
         self.stats_paths[name] = stats

@@ -377,6 +377,42 @@ def test_client_that_disconnects_leaves_nothing_running_upstream(
     assert client_of(served.url).completions.create(model=str(model), prompt="x", max_tokens=3)
 
 
+def test_vllm_benchmark_client_runs_against_the_proxy(served: Served, tmp_path: Path) -> None:
+    """vLLM's own serving benchmark, as documented in benchmarks/vllm_bench_client.py."""
+    script = Path(__file__).parent.parent / "benchmarks" / "vllm_bench_client.py"
+    result_file = "vllm-bench.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--backend",
+            "openai",
+            "--base-url",
+            served.url,
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            "200",
+            "--random-output-len",
+            "8",
+            "--num-prompts",
+            "4",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            result_file,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    result = json.loads((tmp_path / result_file).read_text())
+    assert (result["completed"], result["failed"]) == (4, 0)
+    assert result["total_output_tokens"] == 4 * 8
+
+
 def test_sigterm_stops_every_process_and_frees_every_port(served: Served) -> None:
     config = served.proxy_config()
     ports = [served.port] + [

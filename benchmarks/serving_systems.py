@@ -1,0 +1,181 @@
+"""The systems the serving benchmark compares, each a context manager with a base ``url``:
+
+- ``lmcache-pd``: 1 prefill + 1 decode vLLM with our connector (the pool launcher), behind our
+  proxy in its own process, every process tracing its per-request phases;
+- ``colocated``: one plain vLLM instance doing prefill and decode;
+- ``nixl``: vLLM's own NixlConnector, 1 prefill + 1 decode, behind the small router of
+  ``nixl_baseline.py`` that follows vLLM's documented protocol.
+
+All run the same model with the same flags (fp32, eager, the same vLLM arguments); the PD pairs
+get one core per instance and the colocated instance the same two cores.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from lmcache_pd.proxy.launcher import InstanceSpec, PoolLauncher, PoolsConfig, ProxySpec
+from lmcache_pd.trace import read_trace
+from lmcache_pd.vllm_server import VLLMServer
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+PROXY_START_TIMEOUT_S = 30.0
+SYSTEMS = ("lmcache-pd", "colocated", "nixl")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url} exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
+
+
+class LmcachePD:
+    """Our 1P1D pools and proxy, as ``lmcache-pd serve`` would run them, with tracing on."""
+
+    name = "lmcache-pd"
+
+    def __init__(self, model: Path, workdir: Path, vllm_args: list[str]) -> None:
+        self.workdir = workdir
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        pools = PoolsConfig(
+            model=str(model),
+            prefill=[InstanceSpec(config=str(CONFIGS / "producer.yaml"), cpus="0")],
+            decode=[InstanceSpec(config=str(CONFIGS / "consumer.yaml"), cpus="1")],
+            proxy=ProxySpec(port=port),
+            vllm_args=vllm_args,
+            trace=True,
+        )
+        self._launcher = PoolLauncher(pools, workdir)
+        self._proxy: subprocess.Popen | None = None
+
+    def __enter__(self) -> LmcachePD:
+        self._launcher.start()
+        try:
+            self._proxy = subprocess.Popen(
+                [sys.executable, "-m", "lmcache_pd.cli", "proxy", str(self.workdir / "proxy.yaml")],
+                stdout=(self.workdir / "proxy.log").open("w"),
+                stderr=subprocess.STDOUT,
+            )
+            _wait_healthy(self.url, self._proxy, PROXY_START_TIMEOUT_S)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proxy is not None:
+            self._proxy.terminate()
+            self._proxy.wait(30)
+        self._launcher.stop()
+
+    def breakdown(self) -> dict[str, dict[str, Any]]:
+        """Per request (keyed by the proxy's response id): where its time went."""
+        pushes: dict[str, list[dict]] = {}
+        for record in read_trace(self.workdir / "prefill-0.trace.jsonl"):
+            pushes.setdefault(record["req_id"], []).append(record)
+        loads = {r["req_id"]: r for r in read_trace(self.workdir / "decode-0.trace.jsonl")}
+        phases = {}
+        for record in read_trace(self.workdir / "proxy.trace.jsonl"):
+            req_id, prefilled = record["req_id"], record.get("prefilled")
+            own_pushes, load = pushes.get(req_id, []), loads.get(req_id)
+            if prefilled is None or load is None or not own_pushes:
+                continue
+            push_start = min(p["start"] for p in own_pushes)
+            push_end = max(p["end"] for p in own_pushes)
+            phases[f"cmpl-{req_id}"] = {
+                "prefill_ms": (prefilled - record["arrived"]) * 1e3,
+                "kv_bytes": sum(p.get("bytes", 0) for p in own_pushes),
+                "chunks_skipped": sum(p.get("skipped", 0) for p in own_pushes),
+                "transfer_ms": (push_end - push_start) * 1e3,
+                "exposed_transfer_ms": (load["done_at"] - prefilled) * 1e3,
+                "loaded": load["outcome"] == "loaded",
+                "arrived": record["arrived"],
+                "prefilled": prefilled,
+                "push_start": push_start,
+                "push_end": push_end,
+                "decode_sent": record.get("decode_sent"),
+                "kv_loaded": load["done_at"],
+                "done": record["done"],
+            }
+        return phases
+
+
+class Colocated:
+    """One plain vLLM instance, on the cores the PD pairs use between them."""
+
+    name = "colocated"
+
+    def __init__(self, model: Path, workdir: Path, vllm_args: list[str], cpus: str = "0-1"):
+        self._server = VLLMServer(
+            model,
+            _free_port(),
+            workdir / "colocated.log",
+            cpu=cpus,
+            extra_args=vllm_args,
+            wait=False,
+        )
+        self.url = self._server.url
+
+    def __enter__(self) -> Colocated:
+        self._server.wait_until_healthy()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.stop()
+
+    def breakdown(self) -> dict[str, dict[str, Any]]:
+        return {}
+
+
+class NixlPD:
+    """vLLM's NixlConnector 1P1D behind its protocol's router."""
+
+    name = "nixl"
+
+    def __init__(self, model: Path, workdir: Path, vllm_args: list[str]) -> None:
+        from lmcache_pd.benchmarks.nixl_baseline import NixlBaseline
+
+        self._baseline = NixlBaseline(model, workdir, extra_args=vllm_args)
+        self.url = ""
+
+    def __enter__(self) -> NixlPD:
+        self._baseline.__enter__()
+        self.url = self._baseline.url
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._baseline.__exit__(*exc)
+
+    def breakdown(self) -> dict[str, dict[str, Any]]:
+        return {}
+
+
+def make_system(name: str, model: Path, workdir: Path, vllm_args: list[str]):
+    """The system called ``name`` (one of ``SYSTEMS``), not yet started."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    kinds = {"lmcache-pd": LmcachePD, "colocated": Colocated, "nixl": NixlPD}
+    if name not in kinds:
+        raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
+    return kinds[name](model, workdir, vllm_args)
