@@ -70,6 +70,7 @@ def _phase_summary(phases: list[dict[str, Any]]) -> dict[str, float]:
         "exposed_transfer_ms_p50": exposed,
         "exposed_over_prefill": exposed / prefill if prefill else 0.0,
         "chunks_skipped_per_request": median(p["chunks_skipped"] for p in phases),
+        "chunks_skipped_total": sum(p["chunks_skipped"] for p in phases),
         "loaded_fraction": sum(p["loaded"] for p in phases) / len(phases),
     }
 
