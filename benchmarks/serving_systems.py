@@ -15,15 +15,12 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from lmcache_pd.proxy.launcher import InstanceSpec, PoolLauncher, PoolsConfig, ProxySpec
 from lmcache_pd.trace import read_trace
-from lmcache_pd.vllm_server import VLLMServer
+from lmcache_pd.vllm_server import VLLMServer, wait_until_healthy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PROXY_START_TIMEOUT_S = 30.0
@@ -34,20 +31,6 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url} exited with {process.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
 
 
 class LmcachePD:
@@ -78,7 +61,7 @@ class LmcachePD:
                 stdout=(self.workdir / "proxy.log").open("w"),
                 stderr=subprocess.STDOUT,
             )
-            _wait_healthy(self.url, self._proxy, PROXY_START_TIMEOUT_S)
+            wait_until_healthy(self.url, self._proxy, PROXY_START_TIMEOUT_S)
         except BaseException:
             self.__exit__()
             raise

@@ -33,6 +33,22 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def wait_until_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
+    """Poll ``url``/health until it answers 200; ``RuntimeError`` if ``process`` exits first,
+    ``TimeoutError`` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"exited ({process.returncode})")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"not healthy after {timeout_s} s")
+
+
 def _group_gone(group: int, timeout_s: float) -> bool:
     """Wait until no process of ``group`` is left; False if some still are at the deadline."""
     deadline = time.monotonic() + timeout_s
@@ -121,17 +137,10 @@ class VLLMServer:
             raise
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                raise RuntimeError(f"vLLM exited ({self._process.returncode}):\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"vLLM not healthy after {START_TIMEOUT_S} s:\n{self.tail()}")
+        try:
+            wait_until_healthy(self.url, self._process, START_TIMEOUT_S)
+        except (RuntimeError, TimeoutError) as exc:
+            raise type(exc)(f"vLLM {exc}:\n{self.tail()}") from None
 
     @property
     def running(self) -> bool:

@@ -8,6 +8,7 @@ went away) closes the upstream connection, and vLLM aborts a request whose clien
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -129,32 +130,47 @@ class Disaggregator:
         assert failed is not None
         raise failed
 
-    async def _prefill_once(
-        self, member: Upstream, endpoint: Endpoint, req_id: str, body: dict[str, Any]
-    ) -> Prefilled:
+    @contextlib.asynccontextmanager
+    async def _call(
+        self,
+        member: Upstream,
+        endpoint: Endpoint,
+        req_id: str,
+        body: dict[str, Any],
+        timeout: aiohttp.ClientTimeout,
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """POST ``body`` to ``member``; any failure in the call or in reading its answer inside
+        the block becomes an ``UpstreamFailed``, and a refused connection marks it down."""
         try:
             async with self._session.post(
                 f"{member.url}{endpoint.value}",
                 data=msgspec.json.encode(body),
                 headers={"Content-Type": "application/json", "X-Request-Id": req_id},
-                timeout=self._prefill_timeout,
+                timeout=timeout,
             ) as response:
-                raw = await response.read()
+                yield response
         except TimeoutError as exc:  # aiohttp's connect and read timeouts are TimeoutErrors
-            raise UpstreamFailed(member, "timeout", "no answer before the deadline") from exc
+            raise UpstreamFailed(
+                member, "timeout", "nothing came before the deadline (connect_s, *_read_s)"
+            ) from exc
         except aiohttp.ClientConnectorError as exc:
             member.mark(False, f"connection failed: {exc!r}")
             raise UpstreamFailed(member, "connect", f"cannot reach it: {exc!r}") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamFailed(member, "broken", f"answer cut short: {exc!r}") from exc
-        if 400 <= response.status < 500:
-            raise UpstreamRejected(response.status, raw)
-        if response.status != 200:
-            raise UpstreamFailed(member, "status", f"answered {response.status}: {raw[:300]!r}")
-        try:
-            prefilled = _prefilled(endpoint, msgspec.json.decode(raw))
         except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
             raise UpstreamFailed(member, "bad_answer", f"unreadable answer: {exc}") from exc
+
+    async def _prefill_once(
+        self, member: Upstream, endpoint: Endpoint, req_id: str, body: dict[str, Any]
+    ) -> Prefilled:
+        async with self._call(member, endpoint, req_id, body, self._prefill_timeout) as response:
+            raw = await response.read()
+            if 400 <= response.status < 500:
+                raise UpstreamRejected(response.status, raw)
+            if response.status != 200:
+                raise UpstreamFailed(member, "status", f"answered {response.status}: {raw[:300]!r}")
+            prefilled = _prefilled(endpoint, msgspec.json.decode(raw))
         if prefilled is None:
             raise UpstreamFailed(member, "bad_answer", "answer lacks token ids")
         return prefilled
@@ -164,39 +180,21 @@ class Disaggregator:
     ) -> AsyncIterator[Piece | Usage]:
         """Decode's stream as pieces, then its usage. Raises ``UpstreamFailed`` on any failure,
         including a stream that ends without ``[DONE]``."""
-        try:
-            async with self._session.post(
-                f"{member.url}{Endpoint.COMPLETIONS.value}",
-                data=msgspec.json.encode(body),
-                headers={"Content-Type": "application/json", "X-Request-Id": req_id},
-                timeout=self._decode_timeout,
-            ) as response:
-                if response.status != 200:
-                    raw = await response.read()
-                    raise UpstreamFailed(
-                        member, "status", f"answered {response.status}: {raw[:300]!r}"
-                    )
-                async for event in _sse_events(response):
-                    if event is None:
-                        return
-                    if "error" in event:
-                        raise UpstreamFailed(member, "stream_error", str(event["error"]))
-                    if event.get("usage"):
-                        yield Usage(completion_tokens=event["usage"]["completion_tokens"])
-                    for choice in event.get("choices") or ():
-                        yield piece_from_completion(choice)
-                raise UpstreamFailed(member, "truncated", "stream ended without [DONE]")
-        except TimeoutError as exc:
-            raise UpstreamFailed(
-                member, "timeout", "no event within the deadline (connect_s, decode_read_s)"
-            ) from exc
-        except aiohttp.ClientConnectorError as exc:
-            member.mark(False, f"connection failed: {exc!r}")
-            raise UpstreamFailed(member, "connect", f"cannot reach it: {exc!r}") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamFailed(member, "broken", f"stream cut short: {exc!r}") from exc
-        except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
-            raise UpstreamFailed(member, "bad_answer", f"unreadable stream: {exc}") from exc
+        endpoint, timeout = Endpoint.COMPLETIONS, self._decode_timeout
+        async with self._call(member, endpoint, req_id, body, timeout) as response:
+            if response.status != 200:
+                raw = await response.read()
+                raise UpstreamFailed(member, "status", f"answered {response.status}: {raw[:300]!r}")
+            async for event in _sse_events(response):
+                if event is None:
+                    return
+                if "error" in event:
+                    raise UpstreamFailed(member, "stream_error", str(event["error"]))
+                if event.get("usage"):
+                    yield Usage(completion_tokens=event["usage"]["completion_tokens"])
+                for choice in event.get("choices") or ():
+                    yield piece_from_completion(choice)
+            raise UpstreamFailed(member, "truncated", "stream ended without [DONE]")
 
 
 async def _sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any] | None]:

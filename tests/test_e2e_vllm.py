@@ -328,15 +328,22 @@ class RogueProducer:
         assert all(page is not None for page in reply.pages)
 
 
+def prefill_pushing_nowhere(pair: PDPair, name: str) -> tuple[str, dict]:
+    """A fresh req_id, and the producer's one-token answer for ``name``'s prompt, whose push
+    went to a dead address (so the test decides what the consumer receives)."""
+    req_id = f"{name}-{time.monotonic_ns()}"
+    nowhere = {**pair.spec(req_id + "-p"), "receiver_init_port": free_port()}
+    first = pair.producer.complete(
+        body(pair.model, PROMPTS[name], 1, {"ret_first_tok": True, "disagg_spec": nowhere})
+    )
+    return req_id, first
+
+
 def decode_after_rogue_push(pair: PDPair, name: str) -> tuple[list, list]:
     """Prefill on the producer with nowhere to push, put the rogue chunks into the consumer
     under the request's id, then decode there."""
     tokens = PROMPTS[name]
-    req_id = f"{name}-rogue-{time.monotonic_ns()}"
-    nowhere = {**pair.spec(req_id + "-p"), "receiver_init_port": free_port()}
-    first = pair.producer.complete(
-        body(pair.model, tokens, 1, {"ret_first_tok": True, "disagg_spec": nowhere})
-    )
+    req_id, first = prefill_pushing_nowhere(pair, name)
     RogueProducer(pair).push(req_id, tokens)
     rest = pair.consumer.complete(
         body(
@@ -389,11 +396,7 @@ def test_producer_that_dies_after_allocating_costs_a_recompute_and_no_pages(
     deadline, answers right, and the lease gives the pages back."""
     name = "rogue-dies"
     tokens = PROMPTS[name]
-    req_id = f"{name}-{time.monotonic_ns()}"
-    nowhere = {**pair.spec(req_id + "-p"), "receiver_init_port": free_port()}
-    first = pair.producer.complete(
-        body(pair.model, tokens, 1, {"ret_first_tok": True, "disagg_spec": nowhere})
-    )
+    req_id, first = prefill_pushing_nowhere(pair, name)
     RogueProducer(pair).allocate_and_die(req_id, tokens)
     before = pair.stats()
     started = time.monotonic()
