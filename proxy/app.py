@@ -324,6 +324,13 @@ class _Answer:
         except _ClientGone:
             logger.info("req %s: client disconnected; upstream requests cancelled", self.req_id)
             return response, Outcome.CLIENT_DISCONNECTED
+        except Exception:  # a bug of ours after the headers went out: end the stream clearly
+            logger.exception("req %s: failed inside the proxy while streaming", self.req_id)
+            with contextlib.suppress(_ClientGone):
+                message = f"internal error in the proxy (req {self.req_id})"
+                await _write(response, _sse(error_body(message, "InternalError", 500)))
+                await _write(response, _sse("[DONE]"))
+            return response, Outcome.INTERNAL_ERROR
         self._log_done(outcome)
         return response, outcome
 

@@ -187,6 +187,9 @@ class Disaggregator:
                 raise UpstreamFailed(member, "status", f"answered {response.status}: {raw[:300]!r}")
             async for event in _sse_events(response):
                 if event is None:
+                    # Read the body's end too: a response left unread is not pooled, and the
+                    # next request would pay for a new connection.
+                    await response.content.read()
                     return
                 if "error" in event:
                     raise UpstreamFailed(member, "stream_error", str(event["error"]))

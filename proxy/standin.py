@@ -36,9 +36,12 @@ class StandinState:
     fault: Fault = Fault.NONE
     first_delay_s: float = 0.0  # before answering (prefill time)
     token_delay_s: float = 0.0  # between streamed tokens (decode time)
+    end_delay_s: float = 0.0  # between [DONE] and the end of the HTTP body
     received: list[tuple[float, str, dict[str, Any]]] = field(default_factory=list)
     cancelled: int = 0
     in_flight: int = 0
+    # Client addresses seen: one per TCP connection, so reuse shows.
+    peers: set[tuple[str, int]] = field(default_factory=set)
 
 
 def next_token(context: list[int]) -> int:
@@ -94,6 +97,8 @@ class Standin:
         body = msgspec.json.decode(await request.read())
         state = self.state
         state.received.append((time.monotonic(), request.path, body))
+        if request.transport is not None:
+            state.peers.add(request.transport.get_extra_info("peername"))
         state.in_flight += 1
         try:
             if state.fault is Fault.HANG:
@@ -162,5 +167,6 @@ class Standin:
         usage = {"prompt_tokens": len(_prompt_ids(body)), "completion_tokens": count}
         await response.write(b"data: " + msgspec.json.encode({"choices": [], "usage": usage}))
         await response.write(b"\n\ndata: [DONE]\n\n")
+        await asyncio.sleep(self.state.end_delay_s)
         await response.write_eof()
         return response

@@ -161,6 +161,21 @@ def test_completion_is_prefill_token_then_decode_tokens_on_the_same_ids(stacks, 
     assert stack.metric("lmcache_pd_proxy_requests_total", endpoint="/v1/completions", outcome="ok")
 
 
+def test_upstream_connections_are_reused_across_requests(stacks) -> None:
+    """Decode's body ends a moment after its [DONE], as vLLM's can: read to the end anyway, or
+    the connection is not pooled."""
+    stack = stacks(decode=[Standin(StandinState(end_delay_s=0.05))])
+    for stream in (True, False, True, True, False):
+        request = {"model": MODEL, "prompt": [1, 2], "max_tokens": 4}
+        if stream:
+            list(stack.client.completions.create(**request, stream=True))
+        else:
+            stack.client.completions.create(**request)
+    assert len(stack.decode[0].state.received) == 5
+    assert len(stack.decode[0].state.peers) == 1
+    assert len(stack.prefill[0].state.peers) == 1
+
+
 def test_chat_answers_in_chat_shape_streamed_and_whole(stacks) -> None:
     stack = stacks()
     messages = [{"role": "user", "content": "hello"}]
