@@ -223,9 +223,14 @@ def start_servers(workdir: Path, first_delay_s: float, token_delay_s: float) -> 
             name: stack.enter_context(_Child(name, argv, workdir / f"{name}.log"))
             for name, argv in argvs.items()
         }
-        for name in ("prefill", "decode", "proxy"):  # the proxy checks the others at start
-            children[name].wait_healthy(f"{urls[name]}/health", deadline)
-        yield Servers(urls["proxy"], urls["prefill"], urls["decode"], children)
+        try:
+            for name in ("prefill", "decode", "proxy"):  # the proxy checks the others at start
+                children[name].wait_healthy(f"{urls[name]}/health", deadline)
+            yield Servers(urls["proxy"], urls["prefill"], urls["decode"], children)
+        except Exception:
+            for child in children.values():  # their logs go with the temp folder
+                logger.error("%s's log ends:\n%s", child.name, child.log())
+            raise
 
 
 # ---- the load generator ----
@@ -237,6 +242,7 @@ class _Choice(msgspec.Struct):
 
 class _Event(msgspec.Struct):
     choices: list[_Choice] = []
+    error: dict[str, Any] | None = None  # the proxy's event when decode failed mid-stream
 
 
 _decode_event = msgspec.json.Decoder(_Event).decode
@@ -264,7 +270,11 @@ async def _read_tokens(response: aiohttp.ClientResponse, arrivals: list[float]) 
         data = line[5:].strip()
         if data == b"[DONE]":
             done = time.perf_counter()
-        elif any(choice.text for choice in _decode_event(data).choices):
+            continue
+        event = _decode_event(data)
+        if event.error is not None:
+            raise RuntimeError(f"{response.url} streamed an error: {event.error}")
+        if any(choice.text for choice in event.choices):
             arrivals.append(time.perf_counter())
     if done is None:
         raise RuntimeError(f"{response.url}: stream ended without [DONE]")
@@ -356,12 +366,18 @@ async def _one_run(
     """``concurrency`` streams sending requests back to back for ``seconds``; its figures."""
     ends = time.perf_counter() + seconds
 
-    async def stream(index: int) -> list[Sample]:
+    async def attempt(make: Callable[[], Awaitable[Sample]]) -> Sample | str:
+        try:
+            return await make()
+        except (RuntimeError, aiohttp.ClientError, TimeoutError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    async def stream(index: int) -> list[Sample | str]:
         make = generator.request_maker(mode, index)
-        samples = [await make()]  # at least one, however short the run
+        outcomes = [await attempt(make)]  # at least one, however short the run
         while time.perf_counter() < ends:
-            samples.append(await make())
-        return samples
+            outcomes.append(await attempt(make))
+        return outcomes
 
     cpu_before = servers.cpu_s()
     started = time.perf_counter()
@@ -369,7 +385,17 @@ async def _one_run(
     results = await asyncio.wait_for(streams, seconds + REQUEST_TIMEOUT_S)
     elapsed = time.perf_counter() - started
     cpu = {name: used - cpu_before[name] for name, used in servers.cpu_s().items()}
-    return _summary([sample for samples in results for sample in samples], elapsed, cpu)
+    outcomes = [outcome for outcomes in results for outcome in outcomes]
+    samples = [outcome for outcome in outcomes if isinstance(outcome, Sample)]
+    errors = [outcome for outcome in outcomes if isinstance(outcome, str)]
+    if not samples:
+        raise RuntimeError(f"{mode}, {concurrency} streams: every request failed: {errors[0]}")
+    first_error = errors[0] if errors else None
+    if first_error is not None:
+        logger.warning(
+            "%s, %d streams: %d failed, first: %s", mode, concurrency, len(errors), first_error
+        )
+    return _summary(samples, elapsed, cpu) | {"errors": len(errors), "first_error": first_error}
 
 
 def _summary(samples: list[Sample], elapsed_s: float, cpu_s: dict[str, float]) -> dict[str, Any]:
@@ -398,6 +424,7 @@ def _record(concurrency: int, mode: str, runs: list[dict[str, Any]]) -> dict[str
     record: dict[str, Any] = {"concurrency": concurrency, "mode": mode}
     record |= {name: statistics.median(run[name] for run in runs) for name in FIGURES}
     record["requests_per_run"] = statistics.median(run["requests"] for run in runs)
+    record["errors"] = sum(run["errors"] for run in runs)  # failed requests, left out above
     record["cpu_ms_per_request"] = {
         name: statistics.median(run["cpu_ms_per_request"][name] for run in runs)
         for name in PROCESSES
@@ -504,15 +531,19 @@ def run_benchmark(
 
 def print_tables(document: dict[str, Any], console: Console | None = None) -> None:
     """Both modes' medians, then what the proxy adds and whether that meets the goal."""
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a log or a pipe: rich's 80 columns would cut the figures
+            console = Console(width=132)
     settings = document["settings"]
     table = Table(
         title=f"Streamed completions, {settings['output_tokens']} tokens, through the proxy "
         f"and direct (medians of {settings['runs']} runs of {settings['run_s']} s)",
-        caption="latencies in ms; CPU: ms per request in that process",
+        caption="latencies in ms; CPU: ms per request in that process; errors: failed requests "
+        "in all runs, left out of the figures",
     )
     columns = ("streams", "mode", "req/s", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99")
-    for column in (*columns, "ITL p50", "ITL p99", "proxy CPU", "client CPU"):
+    for column in (*columns, "ITL p50", "ITL p99", "proxy CPU", "client CPU", "errors"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for record in document["records"]:
         cpu = record["cpu_ms_per_request"]
@@ -523,6 +554,7 @@ def print_tables(document: dict[str, Any], console: Console | None = None) -> No
             *(f"{record[name]:.3f}" for name in FIGURES[1:]),
             f"{cpu['proxy']:.3f}",
             f"{cpu['client']:.3f}",
+            str(record["errors"]),
         )
     console.print(table)
     added = Table(
@@ -565,6 +597,7 @@ def main(
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health poll otherwise
     counts = [int(item) for item in concurrency.split(",") if item.strip()]
     if not counts or min(counts) < 1:
         raise typer.BadParameter(f"no positive stream counts in {concurrency!r}")
