@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import socket
 import time
 from pathlib import Path
@@ -74,27 +75,45 @@ class LaunchError(PDError):
     """An instance did not start; the message names it and ends with its last log lines."""
 
 
+# Ports are picked below the kernel's ephemeral range: an instance binds its ports tens of
+# seconds after they are picked, and an ephemeral one can be handed to some other process's
+# outgoing connection in between ("Address already in use", after which vLLM hangs).
+PORT_FLOOR = 20000
+
+
+def unused_port(taken: set[int]) -> int:
+    """A port nobody listens on, below the ephemeral range and not in ``taken`` (it is added)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: IANA's ephemeral range
+        low = 49152
+    candidates = list(range(PORT_FLOOR, max(low, PORT_FLOOR + 1000)))
+    random.shuffle(candidates)
+    for port in candidates:
+        if port in taken:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        taken.add(port)
+        return port
+    raise LaunchError(f"no free port between {PORT_FLOOR} and {low}")
+
+
 class _Ports:
     """Ports of one launch: those the config names, each at most once, and free ones that
     collide with none of them."""
 
     def __init__(self, named: list[int]) -> None:
-        self._named = set(named)
-        self._given: set[int] = set()
+        self._taken = set(named)
         repeated = sorted({port for port in named if named.count(port) > 1})
         if repeated:
             raise ConfigError(f"ports used twice in the pools config: {repeated}")
 
     def take(self, wanted: int | None = None) -> int:
-        if wanted is not None:
-            return wanted
-        while True:  # a few tries at most: the OS rotates through its ephemeral range
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
-            if port not in self._named and port not in self._given:
-                self._given.add(port)
-                return port
+        return wanted if wanted is not None else unused_port(self._taken)
 
 
 class PoolLauncher:
