@@ -12,25 +12,24 @@ get one core per instance and the colocated instance the same two cores.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from lmcache_pd.proxy.launcher import InstanceSpec, PoolLauncher, PoolsConfig, ProxySpec
+from lmcache_pd.proxy.launcher import (
+    InstanceSpec,
+    PoolLauncher,
+    PoolsConfig,
+    ProxySpec,
+    unused_port,
+)
 from lmcache_pd.trace import read_trace
 from lmcache_pd.vllm_server import VLLMServer, wait_until_healthy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PROXY_START_TIMEOUT_S = 30.0
 SYSTEMS = ("lmcache-pd", "colocated", "nixl")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class LmcachePD:
@@ -40,7 +39,7 @@ class LmcachePD:
 
     def __init__(self, model: Path, workdir: Path, vllm_args: list[str]) -> None:
         self.workdir = workdir
-        port = _free_port()
+        port = unused_port(set())
         self.url = f"http://127.0.0.1:{port}"
         pools = PoolsConfig(
             model=str(model),
@@ -113,7 +112,7 @@ class Colocated:
     def __init__(self, model: Path, workdir: Path, vllm_args: list[str], cpus: str = "0-1"):
         self._server = VLLMServer(
             model,
-            _free_port(),
+            unused_port(set()),
             workdir / "colocated.log",
             cpu=cpus,
             extra_args=vllm_args,
@@ -146,6 +145,7 @@ class NixlPD:
     def __enter__(self) -> NixlPD:
         self._baseline.__enter__()
         self.url = self._baseline.url
+        self._baseline.warm_up()  # the one-off first P->D handshake, not measured
         return self
 
     def __exit__(self, *exc: object) -> None:

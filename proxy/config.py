@@ -40,7 +40,9 @@ class Timeouts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     its stream, so it must cover the consumer's own wait for KV (``load_timeout_s``) plus the
     recompute that may follow."""
 
-    connect_s: Seconds = 3.0
+    # Generous: a refused connection fails at once anyway; this bounds a host that is gone
+    # silently, and a loaded 2-core machine was seen taking over 3 s to accept one.
+    connect_s: Seconds = 10.0
     prefill_read_s: Seconds = 120.0
     decode_read_s: Seconds = 120.0
     health_s: Seconds = 2.0
