@@ -30,6 +30,15 @@ def test_workload_specs_parse_and_prompts_are_unique_or_share_their_prefix() -> 
         Workload.parse("no-such-file.jsonl")
 
 
+def test_prompts_can_come_from_a_jsonl_file(tmp_path: Path) -> None:
+    path = tmp_path / "mine.jsonl"
+    rows = [{"prompt": "hello there", "max_tokens": 5}, {"prompt": [11, 12, 13]}]
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    workload = Workload.parse(str(path))
+    assert workload.name == "mine"
+    assert workload.prompts(5, seed=0) == [("hello there", 5), ([11, 12, 13], 32)]
+
+
 def test_a_short_run_of_all_three_systems_writes_sane_results(tmp_path: Path) -> None:
     output = tmp_path / "serving.json"
     run = CliRunner().invoke(
