@@ -329,7 +329,9 @@ def test_first_token_reaches_the_client_before_decode_is_asked(
             first = events[0]
             # the first token's event was in the client's socket when decode was asked
             assert first in had, had
-            assert len(events) == OUTPUT_TOKENS and b"[DONE]" in received
+            # vLLM may put several tokens in one event when its client lags: count tokens
+            tokens = [json.loads(event[6:])["choices"][0]["logprobs"]["tokens"] for event in events]
+            assert sum(map(len, tokens)) == OUTPUT_TOKENS and b"[DONE]" in received
             logging.getLogger(__name__).info(
                 "%d tokens: decode asked %.1f ms after the request, first token already sent",
                 length,
