@@ -127,8 +127,6 @@ def demo(
 ) -> None:
     """The real thing at its smallest: 1 prefill and 1 decode vLLM behind the proxy, one
     completion streamed as it arrives, what moved, then a clean shutdown."""
-    import tempfile
-
     from openai import OpenAI
 
     from lmcache_pd.proxy.app import proxy_thread

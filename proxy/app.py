@@ -286,8 +286,9 @@ class _Answer:
             {"disagg_spec": self.spec},
         )
         self.trace |= {"decode": self.decoder.url, "decode_sent": time.time()}
-        async for item in self.flow.decode(self.decoder, self.client, self.req_id, body):
-            self.trace.setdefault("decode_first", time.time())
+        async for item in self.flow.decode(self.decoder, self.req_id, body):
+            if "decode_first" not in self.trace:  # once, not per token
+                self.trace["decode_first"] = time.time()
             if isinstance(item, Usage):
                 self.usage.completion_tokens = 1 + item.completion_tokens
             else:

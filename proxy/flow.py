@@ -176,7 +176,7 @@ class Disaggregator:
         return prefilled
 
     async def decode(
-        self, member: Upstream, request: ClientRequest, req_id: str, body: dict[str, Any]
+        self, member: Upstream, req_id: str, body: dict[str, Any]
     ) -> AsyncIterator[Piece | Usage]:
         """Decode's stream as pieces, then its usage. Raises ``UpstreamFailed`` on any failure,
         including a stream that ends without ``[DONE]``."""

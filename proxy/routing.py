@@ -68,12 +68,8 @@ class Pool:
     def pick(self, exclude: Upstream | None = None) -> Upstream:
         """The healthy instance with the fewest outstanding requests; ties go round-robin."""
         count = len(self.members)
-        candidates = [
-            self.members[(self._cursor + step) % count]
-            for step in range(count)
-            if self.members[(self._cursor + step) % count] is not exclude
-        ]
-        healthy = [member for member in candidates if member.healthy]
+        rotated = self.members[self._cursor :] + self.members[: self._cursor]
+        healthy = [member for member in rotated if member.healthy and member is not exclude]
         if not healthy:
             raise NoHealthyInstance(f"no healthy {self.role.value} instance")
         chosen = min(healthy, key=lambda member: member.outstanding)  # first of equals wins

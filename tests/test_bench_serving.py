@@ -75,8 +75,8 @@ def test_a_short_run_of_all_three_systems_writes_sane_results(tmp_path: Path) ->
     assert ours["kv_mib_per_request"] > 0 and ours["transfer_ms_p50"] > 0
     assert ours["prefill_ms_p50"] > 0 and ours["exposed_transfer_ms_p50"] > 0
     # Chunks of the shared prefix are not resent while the consumer still holds them for
-    # another request; how often that happens depends on timing, so only its count is checked.
-    assert records[("lmcache-pd", "600/4@512")]["chunks_skipped_total"] >= 0
+    # another request; how often that happens depends on timing, so only the field is checked.
+    assert isinstance(records[("lmcache-pd", "600/4@512")]["chunks_skipped_total"], int)
     assert "prefill_ms_p50" not in records[("colocated", "300/4")]
     for plot in ("serving_ttft_cdf.png", "serving_itl_cdf.png", "serving_timeline.png"):
         assert (tmp_path / plot).stat().st_size > 10_000

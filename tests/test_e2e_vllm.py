@@ -339,12 +339,9 @@ def prefill_pushing_nowhere(pair: PDPair, name: str) -> tuple[str, dict]:
     return req_id, first
 
 
-def decode_after_rogue_push(pair: PDPair, name: str) -> tuple[list, list]:
-    """Prefill on the producer with nowhere to push, put the rogue chunks into the consumer
-    under the request's id, then decode there."""
-    tokens = PROMPTS[name]
-    req_id, first = prefill_pushing_nowhere(pair, name)
-    RogueProducer(pair).push(req_id, tokens)
+def decode_rest(pair: PDPair, tokens: list[int], first: dict, req_id: str) -> tuple[list, list]:
+    """Decode the rest of ``first`` (the producer's answer) on the consumer under ``req_id``;
+    the whole answer's tokens and logprobs."""
     rest = pair.consumer.complete(
         body(
             pair.model,
@@ -355,6 +352,15 @@ def decode_after_rogue_push(pair: PDPair, name: str) -> tuple[list, list]:
     )
     head, tail = answer(first), answer(rest)
     return head[0] + tail[0], head[1] + tail[1]
+
+
+def decode_after_rogue_push(pair: PDPair, name: str) -> tuple[list, list]:
+    """Prefill on the producer with nowhere to push, put the rogue chunks into the consumer
+    under the request's id, then decode there."""
+    tokens = PROMPTS[name]
+    req_id, first = prefill_pushing_nowhere(pair, name)
+    RogueProducer(pair).push(req_id, tokens)
+    return decode_rest(pair, tokens, first, req_id)
 
 
 def test_chunk_corrupted_in_flight_is_caught_and_the_prompt_recomputed(
@@ -400,17 +406,9 @@ def test_producer_that_dies_after_allocating_costs_a_recompute_and_no_pages(
     RogueProducer(pair).allocate_and_die(req_id, tokens)
     before = pair.stats()
     started = time.monotonic()
-    rest = pair.consumer.complete(
-        body(
-            pair.model,
-            [*tokens, first["kv_transfer_params"]["first_tok"]],
-            OUTPUT_TOKENS - 1,
-            {"disagg_spec": pair.spec(req_id)},
-        )
-    )
+    got = decode_rest(pair, tokens, first, req_id)
     assert LOAD_TIMEOUT_S <= time.monotonic() - started < LOAD_TIMEOUT_S + 30
-    head, tail = answer(first), answer(rest)
-    assert_close_answer((head[0] + tail[0], head[1] + tail[1]), reference[name])
+    assert_close_answer(got, reference[name])
     after = pair.stats()
     assert after["load_timeouts"] == before["load_timeouts"] + 1
     assert after["consumer_used_pages"] == 0  # the 6 s lease ran out before the 8 s deadline
