@@ -12,6 +12,15 @@ block ids of a cache of ``--cache-mib`` MiB, all layers in one buffer as vLLM al
 - ``cpu_gather`` / ``cpu_scatter``: ``CpuKVCache.gather``/``scatter``, the CPU layout's whole
   blocks (``CpuKVCache`` built once, as a connector would at start-up);
 - ``cpu_gather_fn``: the free function ``gather_blocks``, which checks the layers on every call;
+
+each in two regimes (the ``regime`` of a record):
+
+- ``hot``: the same chunk, block ids and buffer on every call, one call per sample: everything
+  stays in the CPU's caches, and so does the memcpy's pair of buffers;
+- ``streaming``: one call per chunk over ``--stream-mib`` MiB of distinct chunks (distinct block
+  ids, each gathered into its own staging page and scattered back from it), as a long prompt's
+  save or a busy consumer's loads run; the memcpy copies as many distinct buffer pairs of the
+  same size, and a sample is one pass, divided by the number of chunks.
 - ``token_gather_{nhd,hnd}`` / ``token_scatter_{nhd,hnd}``: the torch token-level path for GPU
   layouts, run here on CPU tensors (on a GPU machine the Triton path replaces it).
 
@@ -108,13 +117,21 @@ def _interleaved_samples(
 
 
 def _record(
-    op: str, shape: ModelShape, layout: str, nbytes: int, samples: tuple[list[float], list[float]]
+    op: str,
+    shape: ModelShape,
+    layout: str,
+    nbytes: int,
+    samples: tuple[list[float], list[float]],
+    regime: str = "hot",
 ) -> dict[str, Any]:
     kernel_s, memcpy_s = (statistics.median(times) for times in samples)
     gbps, memcpy_gbps = nbytes / kernel_s / 1e9, nbytes / memcpy_s / 1e9
-    logger.info("%s %s: %.2f GB/s, memcpy %.2f GB/s", shape.name, op, gbps, memcpy_gbps)
+    logger.info(
+        "%s %s (%s): %.2f GB/s, memcpy %.2f GB/s", shape.name, op, regime, gbps, memcpy_gbps
+    )
     return {
         "op": op,
+        "regime": regime,
         "model": shape.name,
         "layout": layout,
         **{field: value for field, value in asdict(shape).items() if field != "name"},
@@ -185,6 +202,64 @@ def measure_cpu_blocks(
     ]
 
 
+def _memcpy_rotating(nbytes: int, count: int) -> Callable[[], None]:
+    """One single-thread memcpy of ``nbytes`` into each of ``count`` distinct buffer pairs."""
+    source, target = np.ones(nbytes * count, dtype=np.uint8), np.zeros(nbytes * count, np.uint8)
+    pairs = [
+        (source[i * nbytes : (i + 1) * nbytes], target[i * nbytes : (i + 1) * nbytes])
+        for i in range(count)
+    ]
+
+    def copy_all() -> None:
+        for src, dst in pairs:
+            np.copyto(dst, src)
+
+    return copy_all
+
+
+def measure_cpu_blocks_streaming(
+    shape: ModelShape, chunk_tokens: int, stream_bytes: int, runs: int
+) -> list[dict[str, Any]]:
+    """Whole-block gather and scatter of distinct chunks one after another (see module doc)."""
+    blocks = validate_chunk_size(chunk_tokens, shape.block_size)
+    chunk_bytes = shape.num_layers * blocks * shape.block_nbytes()
+    count = max(2, -(-stream_bytes // chunk_bytes))
+    geometry = (shape.num_kv_heads, shape.block_size, 2 * shape.head_size)
+    source = _random_cache((shape.num_layers, 2 * blocks * count, *geometry), shape.torch_dtype)
+    layers = list(source.unbind(0))
+    target_layers = list(torch.zeros_like(source).unbind(0))
+    tables = _block_ids(2 * blocks * count, blocks * count).view(count, blocks)
+    cache, target = CpuKVCache(layers), CpuKVCache(target_layers)
+    staging = torch.empty(count * chunk_bytes, dtype=torch.uint8)
+    pages = list(staging.view(count, chunk_bytes))
+
+    def gather_all() -> None:
+        for table, page in zip(tables, pages, strict=True):
+            cache.gather(table, page)
+
+    def scatter_all() -> None:
+        for table, page in zip(tables, pages, strict=True):
+            target.scatter(page, table)
+
+    gather_all()
+    scatter_all()
+    for table, page in zip(tables, pages, strict=True):
+        expected = _blocks_as_bytes(layers, table)
+        if not torch.equal(page, expected) or not torch.equal(
+            _blocks_as_bytes(target_layers, table), expected
+        ):
+            raise RuntimeError(f"{shape.name}: the CPU block kernels moved the wrong bytes")
+    memcpy = _memcpy_rotating(chunk_bytes, count)
+    steps = {"cpu_gather": gather_all, "cpu_scatter": scatter_all}
+    records = []
+    for op, step in steps.items():
+        kernel_s, memcpy_s = _interleaved_samples(step, memcpy, runs)
+        per_chunk = ([t / count for t in kernel_s], [t / count for t in memcpy_s])
+        record = _record(op, shape, "cpu", chunk_bytes, per_chunk, "streaming")
+        records.append(record | {"chunks_per_sample": count})
+    return records
+
+
 def measure_tokens(
     shape: ModelShape, layout: KVLayout, chunk_tokens: int, cache_bytes: int, runs: int
 ) -> list[dict[str, Any]]:
@@ -225,6 +300,7 @@ def run_benchmark(
     *,
     chunk_tokens: int = 256,
     cache_mib: int = 256,
+    stream_mib: int = 64,
     command: str | None = None,
 ) -> dict[str, Any]:
     """Measure every op for every model and return the JSON document (see module doc)."""
@@ -233,6 +309,7 @@ def run_benchmark(
     for name in models:
         shape = MODELS[name]
         records += measure_cpu_blocks(shape, chunk_tokens, cache_bytes, runs)
+        records += measure_cpu_blocks_streaming(shape, chunk_tokens, stream_mib << 20, runs)
         for layout in KVLayout:
             records += measure_tokens(shape, layout, chunk_tokens, cache_bytes, runs)
     environment = run_environment(("torch", "numpy"), command)
@@ -243,6 +320,7 @@ def run_benchmark(
             "warmup_runs": WARMUP_RUNS,
             "chunk_tokens": chunk_tokens,
             "cache_mib": cache_mib,
+            "stream_mib": stream_mib,
             "torch_threads": torch.get_num_threads(),
             "memcpy": "numpy.copyto, one thread, same bytes, interleaved with each kernel",
             "models": {name: asdict(MODELS[name]) for name in models},
@@ -259,13 +337,15 @@ def print_table(document: dict[str, Any], console: Console | None = None) -> Non
         f"{settings['chunk_tokens']}-token chunks)",
         caption=f"memcpy: {settings['memcpy']}; torch threads {settings['torch_threads']}",
     )
-    for column in ("model", "dtype", "op", "MiB", "GB/s", "memcpy GB/s", "ratio"):
-        table.add_column(column, justify="left" if column in ("model", "op") else "right")
+    for column in ("model", "dtype", "op", "regime", "MiB", "GB/s", "memcpy GB/s", "ratio"):
+        justify = "left" if column in ("model", "op", "regime") else "right"
+        table.add_column(column, justify=justify, no_wrap=True)
     for record in document["records"]:
         table.add_row(
             record["model"],
             record["dtype"],
             record["op"],
+            record["regime"],
             f"{record['bytes'] / (1 << 20):.1f}",
             f"{record['gbps']:.2f}",
             f"{record['memcpy_gbps']:.2f}",
@@ -283,6 +363,9 @@ def main(
     runs: Annotated[int, typer.Option(min=5, help="timed runs per op (medians)")] = 7,
     chunk_tokens: Annotated[int, typer.Option(min=1, help="tokens per chunk")] = 256,
     cache_mib: Annotated[int, typer.Option(min=1, help="size of each KV cache made")] = 256,
+    stream_mib: Annotated[
+        int, typer.Option(min=1, help="distinct chunks per streaming sample, in MiB")
+    ] = 64,
     torch_threads: Annotated[int, typer.Option(min=1, help="torch intra-op threads")] = 1,
     output: Annotated[Path, typer.Option(help="where the JSON goes")] = DEFAULT_OUTPUT,
 ) -> None:
@@ -295,7 +378,9 @@ def main(
     if unknown:
         raise typer.BadParameter(f"unknown models {unknown}; known: {', '.join(MODELS)}")
     torch.set_num_threads(torch_threads)
-    document = run_benchmark(names, runs, chunk_tokens=chunk_tokens, cache_mib=cache_mib)
+    document = run_benchmark(
+        names, runs, chunk_tokens=chunk_tokens, cache_mib=cache_mib, stream_mib=stream_mib
+    )
     print_table(document)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(document, indent=2) + "\n")

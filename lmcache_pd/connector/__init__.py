@@ -50,7 +50,11 @@ def _show_our_logs(level: str) -> None:
     if not ours.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(
-            logging.Formatter("(lmcache-pd pid=%(process)d) %(levelname)s %(name)s: %(message)s")
+            logging.Formatter(
+                "(lmcache-pd pid=%(process)d) %(asctime)s.%(msecs)03d %(levelname)s %(name)s: "
+                "%(message)s",
+                datefmt="%m-%d %H:%M:%S",
+            )
         )
         ours.addHandler(handler)
         ours.setLevel(level)
