@@ -65,6 +65,7 @@ class FakeChannel:
         self.fail_poll = fail_poll
         self.drop_notifications = drop_notifications
         self.writes_posted = 0
+        self.peers: set[PeerName] = set()
         self._fabric = fabric
         self._buffer: RegisteredBuffer | None = None
         fabric.channels[self.agent_name] = self
@@ -80,10 +81,11 @@ class FakeChannel:
         name = metadata.decode()
         if name not in self._fabric.channels:
             raise TransferError(f"no fake agent {name}")
+        self.peers.add(name)
         return name
 
     def remove_peer(self, peer: PeerName) -> None:
-        """Nothing is cached per peer."""
+        self.peers.discard(peer)
 
     def post_write(
         self, peer: PeerName, segments: np.ndarray, remote: RegisteredBuffer, notif: bytes

@@ -190,19 +190,26 @@ class Producer:
             )
             if not isinstance(metadata, protocol.AgentMetadata):
                 raise ProtocolError(f"req {spec.req_id}: expected AgentMetadata, got {metadata}")
-            name = self._channel.add_peer(metadata.metadata)
-            buffer = self._ask(
-                socket,
-                protocol.BufferRequest(version=version),
-                protocol.INIT_REPLIES,
-                deadline,
-                spec.req_id,
-            )
+            name = self._add_peer(spec, metadata.metadata, deadline)
+            try:
+                buffer = self._ask(
+                    socket,
+                    protocol.BufferRequest(version=version),
+                    protocol.INIT_REPLIES,
+                    deadline,
+                    spec.req_id,
+                )
+                if not isinstance(buffer, protocol.BufferDescriptors) or buffer.agent_name != name:
+                    raise ProtocolError(
+                        f"req {spec.req_id}: bad BufferDescriptors from {name}: {buffer}"
+                    )
+            except BaseException:
+                # Half a handshake: the next attempt starts from a clean NIXL peer table.
+                with contextlib.suppress(PDError):
+                    self._channel.remove_peer(name)
+                raise
         finally:
             socket.close(linger=0)
-        if not isinstance(buffer, protocol.BufferDescriptors) or buffer.agent_name != name:
-            self._channel.remove_peer(name)
-            raise ProtocolError(f"req {spec.req_id}: bad BufferDescriptors from {name}: {buffer}")
         peer = Peer(
             name=name,
             buffer=RegisteredBuffer(
@@ -226,6 +233,25 @@ class Producer:
             peer.page_bytes,
         )
         return peer
+
+    def _add_peer(self, spec: DisaggSpec, metadata: bytes, deadline: float) -> str:
+        """Load the consumer's NIXL metadata. NIXL connects inside this call and waits, with no
+        deadline of its own, until the consumer's UCX worker has answered: it cannot be
+        interrupted, so at least say when it overran ours."""
+        started = time.monotonic()
+        name = self._channel.add_peer(metadata)
+        if time.monotonic() > deadline:
+            logger.warning(
+                "req %s: NIXL took %.1f s to connect to %s at %s:%d, past the %.1f s handshake "
+                "deadline",
+                spec.req_id,
+                time.monotonic() - started,
+                name,
+                spec.receiver_host,
+                spec.receiver_init_port,
+                self.config.handshake_timeout_s,
+            )
+        return name
 
     def _allocate(
         self, spec: DisaggSpec, peer: Peer, specs: list[protocol.ChunkSpec]

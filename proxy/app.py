@@ -277,8 +277,9 @@ class _Answer:
             first.finish_reason = None
             first.stop_reason = None
 
-    async def _rest(self) -> AsyncIterator[Piece]:
-        """Decode's pieces (the usage of its tokens is folded into ours)."""
+    async def _rest(self) -> AsyncIterator[list[Piece]]:
+        """Decode's pieces, a list per network read (the usage of its tokens is folded into
+        ours)."""
         assert self.decoder is not None
         body = self.client.decode_body(
             self.prefilled.prompt_token_ids,
@@ -286,13 +287,17 @@ class _Answer:
             {"disagg_spec": self.spec},
         )
         self.trace |= {"decode": self.decoder.url, "decode_sent": time.time()}
-        async for item in self.flow.decode(self.decoder, self.req_id, body):
+        async for items in self.flow.decode(self.decoder, self.req_id, body):
             if "decode_first" not in self.trace:  # once, not per token
                 self.trace["decode_first"] = time.time()
-            if isinstance(item, Usage):
-                self.usage.completion_tokens = 1 + item.completion_tokens
-            else:
-                yield item
+            pieces = []
+            for item in items:
+                if isinstance(item, Usage):
+                    self.usage.completion_tokens = 1 + item.completion_tokens
+                else:
+                    pieces.append(item)
+            if pieces:
+                yield pieces
 
     def _decode_failed(self, exc: UpstreamFailed) -> None:
         self.metrics.upstream_error(exc.member, exc.kind)
@@ -309,10 +314,13 @@ class _Answer:
             outcome = Outcome.OK
             if self.continues:
                 try:
-                    async for piece in self._rest():
-                        await _write(response, _sse(self.writer.chunk(piece)))
+                    async for pieces in self._rest():
+                        events = b"".join(_sse(self.writer.chunk(piece)) for piece in pieces)
+                        await _write(response, events)
                         now = time.perf_counter()
                         self.metrics.itl.observe(now - last)
+                        for _ in pieces[1:]:  # they came in one read and went out together
+                            self.metrics.itl.observe(0.0)
                         last = now
                 except UpstreamFailed as exc:
                     self._decode_failed(exc)
@@ -340,7 +348,7 @@ class _Answer:
         self.metrics.ttft.observe(time.perf_counter() - self.started)
         if self.continues:
             try:
-                pieces.extend([piece async for piece in self._rest()])
+                pieces.extend([piece async for batch in self._rest() for piece in batch])
             except UpstreamFailed as exc:
                 self._decode_failed(exc)
                 return _error(str(exc), "BadGateway", 502), Outcome.DECODE_FAILED

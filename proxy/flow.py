@@ -177,36 +177,45 @@ class Disaggregator:
 
     async def decode(
         self, member: Upstream, req_id: str, body: dict[str, Any]
-    ) -> AsyncIterator[Piece | Usage]:
-        """Decode's stream as pieces, then its usage. Raises ``UpstreamFailed`` on any failure,
+    ) -> AsyncIterator[list[Piece | Usage]]:
+        """Decode's stream as pieces (then its usage), a list per network read: the caller can
+        pass on with one write what arrived together. Raises ``UpstreamFailed`` on any failure,
         including a stream that ends without ``[DONE]``."""
         endpoint, timeout = Endpoint.COMPLETIONS, self._decode_timeout
         async with self._call(member, endpoint, req_id, body, timeout) as response:
             if response.status != 200:
                 raw = await response.read()
                 raise UpstreamFailed(member, "status", f"answered {response.status}: {raw[:300]!r}")
-            async for event in _sse_events(response):
-                if event is None:
-                    # Read the body's end too: a response left unread is not pooled, and the
-                    # next request would pay for a new connection.
-                    await response.content.read()
-                    return
-                if "error" in event:
-                    raise UpstreamFailed(member, "stream_error", str(event["error"]))
-                if event.get("usage"):
-                    yield Usage(completion_tokens=event["usage"]["completion_tokens"])
-                for choice in event.get("choices") or ():
-                    yield piece_from_completion(choice)
+            async for events in _sse_batches(member, response):
+                items: list[Piece | Usage] = []
+                for data in events:
+                    if data == b"[DONE]":
+                        if items:
+                            yield items
+                        # Read the body's end too: a response left unread is not pooled, and
+                        # the next request would pay for a new connection.
+                        await response.content.read()
+                        return
+                    event = msgspec.json.decode(data)
+                    if "error" in event:
+                        raise UpstreamFailed(member, "stream_error", str(event["error"]))
+                    if event.get("usage"):
+                        items.append(Usage(completion_tokens=event["usage"]["completion_tokens"]))
+                    items.extend(piece_from_completion(c) for c in event.get("choices") or ())
+                if items:
+                    yield items
             raise UpstreamFailed(member, "truncated", "stream ended without [DONE]")
 
 
-async def _sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any] | None]:
-    """The JSON events of an SSE body, then None for ``[DONE]``."""
-    async for line in response.content:
-        if not line.startswith(b"data:"):
-            continue  # blank separators, comments
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            yield None
-            return
-        yield msgspec.json.decode(data)
+async def _sse_batches(
+    member: Upstream, response: aiohttp.ClientResponse
+) -> AsyncIterator[list[bytes]]:
+    """The data fields of an SSE body's complete lines, one list per network read."""
+    partial = b""
+    while data := await response.content.readany():
+        *lines, partial = (partial + data).split(b"\n")
+        if len(partial) > MAX_EVENT_BYTES:
+            raise UpstreamFailed(member, "bad_answer", f"an event over {MAX_EVENT_BYTES} bytes")
+        events = [line[5:].strip() for line in lines if line.startswith(b"data:")]
+        if events:  # blank separators and comments alone are not worth a write
+            yield events

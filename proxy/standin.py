@@ -37,6 +37,7 @@ class StandinState:
     first_delay_s: float = 0.0  # before answering (prefill time)
     token_delay_s: float = 0.0  # between streamed tokens (decode time)
     end_delay_s: float = 0.0  # between [DONE] and the end of the HTTP body
+    split_s: float = 0.0  # if set, each streamed event goes in two writes this far apart
     received: list[tuple[float, str, dict[str, Any]]] = field(default_factory=list)
     cancelled: int = 0
     in_flight: int = 0
@@ -161,7 +162,7 @@ class Standin:
                     }
                 ],
             }
-            await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+            await self._write_event(response, b"data: " + msgspec.json.encode(chunk) + b"\n\n")
             if self.state.token_delay_s:
                 await asyncio.sleep(self.state.token_delay_s)
         usage = {"prompt_tokens": len(_prompt_ids(body)), "completion_tokens": count}
@@ -170,3 +171,12 @@ class Standin:
         await asyncio.sleep(self.state.end_delay_s)
         await response.write_eof()
         return response
+
+    async def _write_event(self, response: web.StreamResponse, event: bytes) -> None:
+        if not self.state.split_s:
+            await response.write(event)
+            return
+        half = len(event) // 2  # mid-line: the reader sees a partial event first
+        await response.write(event[:half])
+        await asyncio.sleep(self.state.split_s)
+        await response.write(event[half:])

@@ -161,6 +161,19 @@ def test_completion_is_prefill_token_then_decode_tokens_on_the_same_ids(stacks, 
     assert stack.metric("lmcache_pd_proxy_requests_total", endpoint="/v1/completions", outcome="ok")
 
 
+def test_events_cut_across_network_reads_are_joined_before_they_are_read(stacks) -> None:
+    """Decode's events each arrive in two reads, the first ending mid-line."""
+    stack = stacks(decode=[Standin(StandinState(split_s=0.01))])
+    prompt = [9, 10, 11]
+    chunks = list(
+        stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "".join(
+        expected_tokens(prompt, 4)
+    )
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
 def test_upstream_connections_are_reused_across_requests(stacks) -> None:
     """Decode's body ends a moment after its [DONE], as vLLM's can: read to the end anyway, or
     the connection is not pooled."""

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import zmq
 
 from lmcache_pd.config import load_config
 from lmcache_pd.consumer import Consumer, checksum
@@ -26,7 +27,15 @@ from lmcache_pd.errors import (
 from lmcache_pd.fake_channel import FakeChannel, FakeFabric
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.producer import Producer
-from tests.helpers import consumer_fields, make_chunks, producer_config, spec_for, wait_for
+from lmcache_pd.protocol import PROTOCOL_VERSION, AgentMetadata, DisaggSpec, encode
+from tests.helpers import (
+    consumer_fields,
+    free_port,
+    make_chunks,
+    producer_config,
+    spec_for,
+    wait_for,
+)
 
 
 @pytest.fixture
@@ -233,3 +242,40 @@ def test_no_room_in_producer_staging_fails_before_the_consumer_is_asked(
             assert len(pages) == 2
     assert consumer.stats_snapshot()["alloc_requests"] == 0
     assert consumer.used_pages == 0
+
+
+def test_handshake_cut_after_the_metadata_leaves_no_half_made_peer(
+    consumer: Consumer, fabric, keyer
+) -> None:
+    """An init port that answers the metadata request, then falls silent: the producer had
+    loaded the peer's metadata, and must forget it so that the next try starts clean."""
+    silent_after_metadata = FakeChannel(fabric, "consumer")
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    port = free_port()
+    router.bind(f"tcp://127.0.0.1:{port}")
+
+    def answer_metadata_only() -> None:
+        if router.poll(5000):
+            identity, _ = router.recv_multipart()
+            reply = AgentMetadata(
+                version=PROTOCOL_VERSION,
+                agent_name=silent_after_metadata.agent_name,
+                metadata=silent_after_metadata.local_metadata(),
+            )
+            router.send_multipart([identity, encode(reply)])
+
+    answering = threading.Thread(target=answer_metadata_only)
+    answering.start()
+    producer, channel = make_producer(fabric, handshake_timeout_s=0.3)
+    try:
+        with producer:
+            with pytest.raises(PeerTimeout, match="BufferRequest"):
+                producer.connect(DisaggSpec("r-half", "127.0.0.1", port, free_port()))
+            assert channel.peers == set()
+            producer.connect(spec_for(consumer.config, "r-whole"))  # the control
+            assert len(channel.peers) == 1
+    finally:
+        answering.join(5)
+        router.close(linger=0)
+        context.term()
