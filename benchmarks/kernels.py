@@ -15,8 +15,9 @@ block ids of a cache of ``--cache-mib`` MiB, all layers in one buffer as vLLM al
 
 each in two regimes (the ``regime`` of a record):
 
-- ``hot``: the same chunk, block ids and buffer on every call, one call per sample: everything
-  stays in the CPU's caches, and so does the memcpy's pair of buffers;
+- ``hot``: the same chunk, block ids and buffer on every call, one call per sample (``--runs``
+  times 25 samples): everything stays in the CPU's caches, and so does the memcpy's pair of
+  buffers;
 - ``streaming``: one call per chunk over ``--stream-mib`` MiB of distinct chunks (distinct block
   ids, each gathered into its own staging page and scattered back from it), as a long prompt's
   save or a busy consumer's loads run; the memcpy copies as many distinct buffer pairs of the
@@ -69,6 +70,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "kernels.json"
 WARMUP_RUNS = 2
+# A hot call lasts tens of microseconds, so one stray interrupt moves a median of 7 by 2x here:
+# the hot regime takes this many interleaved samples per run.
+HOT_SAMPLES_PER_RUN = 25
 SEED = 0
 
 
@@ -197,7 +201,13 @@ def measure_cpu_blocks(
         "cpu_gather_fn": lambda: gather_blocks(layers, block_ids, chunk),
     }
     return [
-        _record(op, shape, "cpu", chunk.numel(), _interleaved_samples(step, memcpy, runs))
+        _record(
+            op,
+            shape,
+            "cpu",
+            chunk.numel(),
+            _interleaved_samples(step, memcpy, runs * HOT_SAMPLES_PER_RUN),
+        )
         for op, step in steps.items()
     ]
 
@@ -289,7 +299,13 @@ def measure_tokens(
         f"token_scatter_{name}": lambda: scatter_tokens(chunk, target, slots, layout),
     }
     return [
-        _record(op, shape, layout.value, chunk.numel(), _interleaved_samples(step, memcpy, runs))
+        _record(
+            op,
+            shape,
+            layout.value,
+            chunk.numel(),
+            _interleaved_samples(step, memcpy, runs * HOT_SAMPLES_PER_RUN),
+        )
         for op, step in steps.items()
     ]
 
@@ -318,6 +334,7 @@ def run_benchmark(
         "settings": {
             "runs": runs,
             "warmup_runs": WARMUP_RUNS,
+            "hot_samples_per_run": HOT_SAMPLES_PER_RUN,
             "chunk_tokens": chunk_tokens,
             "cache_mib": cache_mib,
             "stream_mib": stream_mib,
