@@ -179,26 +179,18 @@ class Producer:
             return peer
         deadline = time.monotonic() + self.config.handshake_timeout_s
         socket = self._dealer(spec.receiver_host, spec.receiver_init_port)
+        version = protocol.PROTOCOL_VERSION
+
+        def ask(message: protocol.Message) -> object:
+            return self._ask(socket, message, protocol.INIT_REPLIES, deadline, spec.req_id)
+
         try:
-            version = protocol.PROTOCOL_VERSION
-            metadata = self._ask(
-                socket,
-                protocol.MetadataRequest(version=version),
-                protocol.INIT_REPLIES,
-                deadline,
-                spec.req_id,
-            )
+            metadata = ask(protocol.MetadataRequest(version=version))
             if not isinstance(metadata, protocol.AgentMetadata):
                 raise ProtocolError(f"req {spec.req_id}: expected AgentMetadata, got {metadata}")
             name = self._add_peer(spec, metadata.metadata, deadline)
             try:
-                buffer = self._ask(
-                    socket,
-                    protocol.BufferRequest(version=version),
-                    protocol.INIT_REPLIES,
-                    deadline,
-                    spec.req_id,
-                )
+                buffer = ask(protocol.BufferRequest(version=version))
                 if not isinstance(buffer, protocol.BufferDescriptors) or buffer.agent_name != name:
                     raise ProtocolError(
                         f"req {spec.req_id}: bad BufferDescriptors from {name}: {buffer}"
