@@ -36,6 +36,7 @@ import httpx
 import msgspec
 from aiohttp import web
 
+from lmcache_pd.proxy.flow import UPSTREAM_KEEPALIVE_S
 from lmcache_pd.proxy.launcher import unused_port
 from lmcache_pd.proxy.openai_format import error_body
 from lmcache_pd.vllm_server import VLLMServer, wait_until_healthy
@@ -112,7 +113,8 @@ class NixlRouter:
 
     async def _open(self, _: web.Application) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=self._timeout
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+            timeout=self._timeout,
         )
 
     async def _close(self, _: web.Application) -> None:

@@ -21,6 +21,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from lmcache_pd.proxy.flow import UPSTREAM_KEEPALIVE_S
+
 # Token ids drawn for prompts: clear of the tiny model's special tokens, inside its vocabulary.
 TOKEN_RANGE = (10, 1500)
 REQUEST_TIMEOUT_S = 300.0
@@ -145,7 +147,8 @@ async def run_load(
     if (concurrency is None) == (rate is None):
         raise ValueError("give either a concurrency or a rate")
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S, sock_connect=10)
-    connector = aiohttp.TCPConnector(limit=0)
+    # Colocated vLLM closes idle connections after 5 s: let go of them first.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
 
         async def send(prompt: list[int] | str, max_tokens: int) -> RequestResult:

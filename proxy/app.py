@@ -27,6 +27,7 @@ from lmcache_pd.proxy.client_request import BadRequest, ClientRequest, Endpoint
 from lmcache_pd.proxy.config import ProxyConfig
 from lmcache_pd.proxy.flow import (
     MAX_EVENT_BYTES,
+    UPSTREAM_KEEPALIVE_S,
     Disaggregator,
     Prefilled,
     UpstreamFailed,
@@ -93,7 +94,9 @@ class Proxy:
 
     async def _start(self, _: web.Application) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
+            connector=aiohttp.TCPConnector(
+                limit=0, ttl_dns_cache=None, keepalive_timeout=UPSTREAM_KEEPALIVE_S
+            ),
             read_bufsize=MAX_EVENT_BYTES,
             max_line_size=MAX_EVENT_BYTES,
             max_field_size=MAX_EVENT_BYTES,

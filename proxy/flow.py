@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 # Longest SSE line accepted from decode (a chunk with many top logprobs is a few KiB).
 MAX_EVENT_BYTES = 1 << 20
 PREFILL_ATTEMPTS = 2
+# How long an idle upstream connection is kept for reuse: under vLLM's own 5 s
+# (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so that we close it first. A request sent on a connection just
+# as the server closes it is lost (ServerDisconnectedError, seen in a test); aiohttp's 15 s
+# default invites exactly that.
+UPSTREAM_KEEPALIVE_S = 4.0
 
 
 class UpstreamFailed(Exception):
