@@ -372,7 +372,10 @@ def test_client_that_disconnects_leaves_nothing_running_upstream(
         events = (line for line in response.iter_lines() if line)
         for _ in range(3):
             next(events)
-        wait_for(lambda: _running(decode) == 1, 10, "decode running the request")  # control
+        # The control: decode is serving it. At least one, not exactly one: a request of an
+        # earlier test that vLLM has not yet retired is no leak of this one (the next wait
+        # still requires every upstream back at 0).
+        wait_for(lambda: _running(decode) >= 1, 10, "decode running the request")
     wait_for(lambda: _running(decode) == 0 and _running(prefill) == 0, 15, "upstreams idle")
     wait_for(lambda: served.stats("decode-0")["consumer_used_pages"] == 0, 15, "pages freed")
     # and the proxy keeps serving
