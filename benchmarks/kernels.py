@@ -173,27 +173,45 @@ def _blocks_as_bytes(layers: Sequence[torch.Tensor], block_ids: torch.Tensor) ->
     return torch.cat(rows)
 
 
+def _cpu_layers(
+    shape: ModelShape, num_blocks: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A random CPU cache of ``num_blocks`` blocks and a zeroed one like it, as layer views into
+    one buffer each (as vLLM allocates them)."""
+    geometry = (shape.num_kv_heads, shape.block_size, 2 * shape.head_size)
+    source = _random_cache((shape.num_layers, num_blocks, *geometry), shape.torch_dtype)
+    return list(source.unbind(0)), list(torch.zeros_like(source).unbind(0))
+
+
+def _check_moved(
+    shape: ModelShape,
+    layers: Sequence[torch.Tensor],
+    target_layers: Sequence[torch.Tensor],
+    block_ids: torch.Tensor,
+    chunk: torch.Tensor,
+) -> None:
+    """Fail unless ``chunk`` and the target's blocks ``block_ids`` hold the source's bytes."""
+    expected = _blocks_as_bytes(layers, block_ids)
+    if not torch.equal(chunk, expected) or not torch.equal(
+        _blocks_as_bytes(target_layers, block_ids), expected
+    ):
+        raise RuntimeError(f"{shape.name}: the CPU block kernels moved the wrong bytes")
+
+
 def measure_cpu_blocks(
     shape: ModelShape, chunk_tokens: int, cache_bytes: int, runs: int
 ) -> list[dict[str, Any]]:
     """Whole-block gather (object and free function) and scatter of one full chunk."""
     blocks = validate_chunk_size(chunk_tokens, shape.block_size)
     num_blocks = max(4 * blocks, cache_bytes // (shape.num_layers * shape.block_nbytes()))
-    geometry = (shape.num_kv_heads, shape.block_size, 2 * shape.head_size)
-    source = _random_cache((shape.num_layers, num_blocks, *geometry), shape.torch_dtype)
-    layers = list(source.unbind(0))
-    target_layers = list(torch.zeros_like(source).unbind(0))
+    layers, target_layers = _cpu_layers(shape, num_blocks)
     block_ids = _block_ids(num_blocks, blocks)
     cache, target = CpuKVCache(layers), CpuKVCache(target_layers)
     chunk = torch.empty(cache.chunk_nbytes(chunk_tokens), dtype=torch.uint8)
 
     cache.gather(block_ids, chunk)
     target.scatter(chunk, block_ids)
-    expected = _blocks_as_bytes(layers, block_ids)
-    if not torch.equal(chunk, expected) or not torch.equal(
-        _blocks_as_bytes(target_layers, block_ids), expected
-    ):
-        raise RuntimeError(f"{shape.name}: the CPU block kernels moved the wrong bytes")
+    _check_moved(shape, layers, target_layers, block_ids, chunk)
     memcpy = _memcpy(chunk.numel())
     steps = {
         "cpu_gather": lambda: cache.gather(block_ids, chunk),
@@ -234,10 +252,7 @@ def measure_cpu_blocks_streaming(
     blocks = validate_chunk_size(chunk_tokens, shape.block_size)
     chunk_bytes = shape.num_layers * blocks * shape.block_nbytes()
     count = max(2, -(-stream_bytes // chunk_bytes))
-    geometry = (shape.num_kv_heads, shape.block_size, 2 * shape.head_size)
-    source = _random_cache((shape.num_layers, 2 * blocks * count, *geometry), shape.torch_dtype)
-    layers = list(source.unbind(0))
-    target_layers = list(torch.zeros_like(source).unbind(0))
+    layers, target_layers = _cpu_layers(shape, 2 * blocks * count)
     tables = _block_ids(2 * blocks * count, blocks * count).view(count, blocks)
     cache, target = CpuKVCache(layers), CpuKVCache(target_layers)
     staging = torch.empty(count * chunk_bytes, dtype=torch.uint8)
@@ -254,11 +269,7 @@ def measure_cpu_blocks_streaming(
     gather_all()
     scatter_all()
     for table, page in zip(tables, pages, strict=True):
-        expected = _blocks_as_bytes(layers, table)
-        if not torch.equal(page, expected) or not torch.equal(
-            _blocks_as_bytes(target_layers, table), expected
-        ):
-            raise RuntimeError(f"{shape.name}: the CPU block kernels moved the wrong bytes")
+        _check_moved(shape, layers, target_layers, table, page)
     memcpy = _memcpy_rotating(chunk_bytes, count)
     steps = {"cpu_gather": gather_all, "cpu_scatter": scatter_all}
     records = []

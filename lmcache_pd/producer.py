@@ -232,12 +232,13 @@ class Producer:
         interrupted, so at least say when it overran ours."""
         started = time.monotonic()
         name = self._channel.add_peer(metadata)
-        if time.monotonic() > deadline:
+        finished = time.monotonic()
+        if finished > deadline:
             logger.warning(
                 "req %s: NIXL took %.1f s to connect to %s at %s:%d, past the %.1f s handshake "
                 "deadline",
                 spec.req_id,
-                time.monotonic() - started,
+                finished - started,
                 name,
                 spec.receiver_host,
                 spec.receiver_init_port,
