@@ -29,8 +29,8 @@ Every kernel's bytes are checked against a block-by-block reference before timin
 buffers every run, so kernel and memcpy see equally warm caches. torch runs on one thread by
 default (``--torch-threads``), so that one core is compared with one core: with two threads on
 this 2-core machine, torch's OpenMP workers spin-wait on each other whenever another process
-holds a core, and an index_select then ran 30-100x slower (the CPU block kernels use numpy and
-never start threads).
+holds a core, and an index_select then ran 30-100x slower (the CPU block kernels are one compiled
+call on the calling thread and never start threads).
 
 Reproduce (medians of 7 runs; table on stdout, JSON in benchmarks/results/kernels.json)::
 

@@ -14,13 +14,14 @@ Older vLLM CPU backends used ``(2, num_blocks, num_kv_heads, block_size, head_si
 (``vllm/v1/attention/backends/cpu_attn.py``, K and V apart): pass each layer's ``cache.unbind(0)``
 (its K, then its V) as two entries of ``layers`` and everything here still holds.
 
-A chunk's bytes are ordered ``[layer][block][bytes of the block]``. Each block is one numpy row
-assignment (a memcpy) on the calling thread; ``arr[i] = row`` skips the ~0.5 us dispatch of
-``np.copyto``, which counts at 1 MiB chunks. That measured at memcpy speed here, ahead of
-``torch.index_select``/``index_copy_`` on one thread (0.5-0.9x memcpy); with two threads
-``index_select`` ran up to 1.4x memcpy on an idle machine but 30x slower than memcpy while another
-process held a core (OpenMP threads spin-waiting on each other), which is how vLLM's CPU workers
-share a machine. Numbers and how to reproduce them: ``benchmarks/kernels.py``.
+A chunk's bytes are ordered ``[layer][block][bytes of the block]``. The copies run in one
+compiled call (``_cpu_block_copy.c``, built at install), which releases the GIL while bytes move.
+Why compiled: with 1 MiB chunks of 128 KiB blocks, one numpy row assignment per block plus the
+argument checks cost ~5-8 us of Python against a ~23 us memcpy (0.74x memcpy); the compiled loop
+runs at 0.95-1.0x. ``torch.index_select``/``index_copy_`` measured 0.5-0.9x memcpy on one thread,
+and with two threads 30x slower than memcpy while another process held a core (OpenMP threads
+spin-waiting on each other), which is how vLLM's CPU workers share a machine. Numbers and how to
+reproduce them: ``benchmarks/kernels.py``.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
 import torch
+
+from ._cpu_block_copy import copy_blocks
 
 
 def validate_chunk_size(chunk_size: int, block_size: int) -> int:
@@ -80,8 +82,8 @@ def scatter_blocks(
 
 
 class CpuKVCache:
-    """The layers of one vLLM CPU KV cache, checked and mapped to rows of whole blocks once, so
-    that a gather or scatter costs only its copies and the checks of its own arguments."""
+    """The layers of one vLLM CPU KV cache, checked and mapped to block addresses once, so that
+    a gather or scatter costs only its copies and the checks of its own arguments."""
 
     def __init__(self, layers: Sequence[torch.Tensor]) -> None:
         sample = _check_layers(layers)
@@ -89,9 +91,10 @@ class CpuKVCache:
         self.block_size: int = sample.shape[2]
         self.num_blocks = min(x.shape[0] for x in layers)
         self.block_nbytes = sample[0].numel() * sample.element_size()
-        # numpy has no bfloat16: every layer is seen as bytes, one row per block (strided rows
-        # where blocks are not adjacent, as in a cache laid out blocks-outermost).
-        self._rows = [x.reshape(x.shape[0], -1).view(torch.uint8).numpy() for x in layers]
+        # The compiled copy gets raw addresses: holding the layers keeps them valid.
+        self._layers = tuple(layers)
+        self._addrs = tuple(x.data_ptr() for x in layers)
+        self._strides = tuple(x.stride(0) * x.element_size() for x in layers)
 
     def chunk_nbytes(self, num_tokens: int) -> int:
         """Bytes of a chunk of ``num_tokens`` tokens."""
@@ -99,31 +102,21 @@ class CpuKVCache:
 
     def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copy blocks ``block_ids`` of every layer into ``out``, ordered [layer][block][bytes]."""
-        ids, chunk_rows = self._prepare(block_ids, out, "out")
-        row = 0
-        for layer in self._rows:
-            for block in ids:
-                chunk_rows[row] = layer[block]
-                row += 1
+        self._copy(block_ids, out, "out", to_chunk=True)
 
     def scatter(self, chunk: torch.Tensor, block_ids: torch.Tensor) -> None:
         """Write ``chunk`` (as :meth:`gather` made it) into blocks ``block_ids`` of every layer."""
-        ids, chunk_rows = self._prepare(block_ids, chunk, "chunk")
-        if len(set(ids)) != len(ids):
+        self._copy(block_ids, chunk, "chunk", to_chunk=False)
+
+    def _copy(
+        self, block_ids: torch.Tensor, chunk: torch.Tensor, name: str, to_chunk: bool
+    ) -> None:
+        """Check the chunk and the block ids (the compiled copy checks their range), then copy."""
+        ids = _check_block_ids(block_ids)
+        if not to_chunk and len(set(ids)) != len(ids):
             raise ValueError(
                 f"block_ids name a block twice; two chunk blocks cannot share it: {ids}"
             )
-        row = 0
-        for layer in self._rows:
-            for block in ids:
-                layer[block] = chunk_rows[row]
-                row += 1
-
-    def _prepare(
-        self, block_ids: torch.Tensor, chunk: torch.Tensor, name: str
-    ) -> tuple[list[int], np.ndarray]:
-        """The block ids as ints and the chunk as (layers * blocks, block bytes), both checked."""
-        ids = _check_block_ids(block_ids, self.num_blocks)
         expected = self.num_layers * len(ids) * self.block_nbytes
         if not (
             chunk.dtype == torch.uint8
@@ -137,7 +130,15 @@ class CpuKVCache:
                 f"({self.num_layers} layers x {len(ids)} blocks x {self.block_nbytes} bytes), "
                 f"got {_describe(chunk)} on {chunk.device}"
             )
-        return ids, chunk.numpy().reshape(-1, self.block_nbytes)
+        copy_blocks(
+            chunk.data_ptr(),
+            self._addrs,
+            self._strides,
+            self.num_blocks,
+            self.block_nbytes,
+            ids,
+            to_chunk,
+        )
 
 
 def _check_layers(layers: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -162,14 +163,12 @@ def _check_layers(layers: Sequence[torch.Tensor]) -> torch.Tensor:
     return sample
 
 
-def _check_block_ids(block_ids: torch.Tensor, num_blocks: int) -> list[int]:
+def _check_block_ids(block_ids: torch.Tensor) -> list[int]:
     if block_ids.dim() != 1 or block_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"block_ids must be a 1-D int32/int64 tensor, got {_describe(block_ids)}")
     ids = block_ids.tolist()
     if not ids:
         raise ValueError("block_ids is empty: a chunk holds at least one block")
-    if min(ids) < 0 or max(ids) >= num_blocks:
-        raise ValueError(f"block_ids {ids} fall outside the cache's {num_blocks} blocks")
     return ids
 
 
