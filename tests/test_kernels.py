@@ -176,6 +176,10 @@ BAD_BLOCK_CALLS: dict[str, tuple[Callable[[list[torch.Tensor], torch.Tensor], No
         lambda layers, out: gather_blocks(layers, torch.tensor([0, 9]), out),
         "outside",
     ),
+    "negative_block_in_scatter": (
+        lambda layers, out: scatter_blocks(out, layers, torch.tensor([1, -1])),
+        "outside",
+    ),
     "float_block_ids": (
         lambda layers, out: gather_blocks(layers, torch.tensor([0.0, 1.0]), out),
         "int32/int64",
