@@ -18,9 +18,10 @@ A chunk's bytes are ordered ``[layer][block][bytes of the block]``. The copies r
 compiled call (``_cpu_block_copy.c``, built at install), which releases the GIL while bytes move.
 Why compiled: with 1 MiB chunks of 128 KiB blocks, one numpy row assignment per block plus the
 argument checks cost ~5-8 us of Python against a ~23 us memcpy (0.74x memcpy); the compiled loop
-runs at 0.95-1.0x. ``torch.index_select``/``index_copy_`` measured 0.5-0.9x memcpy on one thread,
-and with two threads 30x slower than memcpy while another process held a core (OpenMP threads
-spin-waiting on each other), which is how vLLM's CPU workers share a machine. Numbers and how to
+runs at 0.92-1.07x memcpy (1 and 32 MiB chunks, in and out of the CPU's caches).
+``torch.index_select``/``index_copy_`` measured 0.5-0.9x memcpy on one thread, and with two
+threads 30x slower than memcpy while another process held a core (OpenMP threads spin-waiting on
+each other), which is how vLLM's CPU workers share a machine. Numbers and how to
 reproduce them: ``benchmarks/kernels.py``.
 """
 
