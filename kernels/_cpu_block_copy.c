@@ -4,7 +4,7 @@
  * Why compiled: a chunk of the tiny model is 8 blocks of 128 KiB (1 MiB). Copying it one numpy
  * row at a time cost ~5-8 us of Python (argument checks, a view and a dispatch per row) on top of
  * a ~23 us memcpy, 0.74x memcpy in all; this loop costs a call. cpu_blocks.py checks everything
- * it passes here except the block ids, which are checked below before any byte moves; the
+ * it passes here except the block ids' range, which is checked below before any byte moves; the
  * addresses come from tensors that CpuKVCache keeps alive. The GIL is released while bytes move,
  * so the connector's NIXL thread runs during a copy.
  *
