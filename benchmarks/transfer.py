@@ -48,8 +48,8 @@ from rich.table import Table
 from lmcache_pd.benchmarks.environment import run_environment
 from lmcache_pd.channel import wait_for_transfer
 from lmcache_pd.config import PDConfig, load_config
-from lmcache_pd.consumer import checksum
 from lmcache_pd.consumer_process import ConsumerProcess
+from lmcache_pd.integrity import checksum
 from lmcache_pd.producer import Peer, Producer
 from lmcache_pd.protocol import DisaggSpec
 

@@ -114,6 +114,13 @@ class PageAllocator:
             return True
         return False
 
+    def free(self, page: int) -> None:
+        """Free ``page`` now whatever its references: the owner knows nothing in it is of use
+        (its write was cancelled) and has forgotten every holder."""
+        if self.state(page) is PageState.FREE:
+            raise ValueError(f"page {page} is already free")
+        self._release(page)
+
     def expire(self, now: float) -> list[int]:
         """Free every leased page whose write was not confirmed in time, whatever its references;
         returns them so that the owner can forget whoever held them."""

@@ -1,23 +1,36 @@
-"""The consumer's bookkeeping: which key sits in which page, who holds it, which writes are due.
+"""The consumer's bookkeeping: which key sits in which page, who holds it, which writes are due,
+and which requests were let go.
 
 Pure state over a ``PageAllocator``: no sockets, no NIXL, no threads (the consumer serialises
 calls under its lock). A page's references are its allocation's lease (until the write is
 confirmed) plus one per request that holds it; a request holds every chunk it asked room for,
-written by it or already there, until it is released or its hold times out.
+written by it or already there, until it is released or its hold lapses.
+
+A key may name several pages at once: two requests whose prompts share a prefix can each be
+writing that chunk (neither write may be trusted to land for the other), and whichever lands
+first serves both. Holds lapse after ``claim_s`` until a decode claims the request (its KV may
+never be wanted: the client left, or decode computed the prompt itself), after ``hold_s`` once
+claimed. A request released, lapsed or abandoned is remembered for ``dropped_memory_s`` so that
+its late pushes are refused instead of holding pages again.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from lmcache_pd.allocator import PageAllocator, PageState
-from lmcache_pd.errors import AllocationError, ProtocolError
-from lmcache_pd.protocol import AllocCancel, AllocRequest, WriteDone
+from lmcache_pd.errors import AllocationError, ProtocolError, RequestDropped
+from lmcache_pd.protocol import DROPPED_MEMORY_S, AllocCancel, AllocRequest, WriteDone
 
 logger = logging.getLogger(__name__)
+
+# Why a request was let go when nobody said otherwise.
+RELEASED = "released"
+HOLD_LAPSED = "hold_lapsed"
 
 
 @dataclass(slots=True)
@@ -69,16 +82,31 @@ class LandedChunk:
 
 
 class ChunkStore:
-    """Keys, pages, holds and pending writes of one consumer rank."""
+    """Keys, pages, holds, pending writes and let-go requests of one consumer rank."""
 
-    def __init__(self, allocator: PageAllocator, hold_s: float) -> None:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        *,
+        claim_s: float,
+        hold_s: float,
+        dropped_memory_s: float = DROPPED_MEMORY_S,
+    ) -> None:
+        if not 0 < claim_s <= hold_s:
+            raise ValueError(f"need 0 < claim_s <= hold_s, got {claim_s=} {hold_s=}")
         self._allocator = allocator
+        self._claim_s = claim_s
         self._hold_s = hold_s
-        self._by_key: dict[bytes, int] = {}
+        self._dropped_memory_s = dropped_memory_s
+        self._pages_of_key: dict[bytes, set[int]] = {}
         self._pages: dict[int, PageInfo] = {}
         self._holds: dict[str, Hold] = {}
-        self._hold_deadlines: deque[tuple[float, str]] = deque()
+        # A heap: holds have two lengths (claimed or not), so deadlines come out of order.
+        self._hold_deadlines: list[tuple[float, str]] = []
+        self._claimed: set[str] = set()
         self._pending: dict[int, PendingWrite] = {}
+        self._dropped: dict[str, str] = {}
+        self._dropped_until: deque[tuple[float, str]] = deque()
         self._alloc_ids = itertools.count(1)
 
     @property
@@ -89,15 +117,23 @@ class ChunkStore:
     def pending_writes(self) -> int:
         return len(self._pending)
 
+    @property
+    def held_requests(self) -> int:
+        return len(self._holds)
+
     def allocate(self, request: AllocRequest, now: float) -> Allocation:
         """Room for every chunk of ``request`` that has not landed here, all or nothing.
 
         A chunk still being written for another request gets a page of its own: sharing it
-        would tie this request to a write that may fail. The key then names the newer page.
+        would tie this request to a write that may fail.
 
-        Raises ``AllocationError`` (``BufferFull`` if only for now) or ``ProtocolError`` for a
-        request that makes no sense (a chunk larger than a page, a key twice).
+        Raises ``RequestDropped`` for a request already let go, ``AllocationError``
+        (``BufferFull`` if only for now) or ``ProtocolError`` for a request that makes no sense
+        (a chunk larger than a page, a key twice).
         """
+        reason = self._dropped.get(request.req_id)
+        if reason is not None:
+            raise RequestDropped(f"req {request.req_id} was let go here ({reason})", reason)
         page_bytes = self._allocator.page_bytes
         keys = [chunk.key for chunk in request.chunks]
         if len(set(keys)) != len(keys):
@@ -107,21 +143,21 @@ class ChunkStore:
                 raise AllocationError(
                     f"chunk {index} has {chunk.nbytes} bytes, a page holds {page_bytes}"
                 )
-        missing = {index for index, key in enumerate(keys) if self.landed(key) is None}
-        fresh = iter(self._allocator.allocate(len(missing), now))
+        held = [self._live_page(key) for key in keys]
+        fresh = iter(self._allocator.allocate(sum(page is None for page in held), now))
         alloc_id = next(self._alloc_ids)
         hold = self._hold(request.req_id, now)
         pages: list[int | None] = []
         written: list[int] = []
-        for index, chunk in enumerate(request.chunks):
-            if index in missing:
+        for chunk, live in zip(request.chunks, held, strict=True):
+            if live is None:
                 page = next(fresh)
-                self._by_key[chunk.key] = page
+                self._pages_of_key.setdefault(chunk.key, set()).add(page)
                 self._pages[page] = PageInfo(chunk.key, chunk.nbytes, alloc_id)
                 written.append(page)
                 pages.append(page)
             else:
-                page = self._by_key[chunk.key]
+                page = live
                 pages.append(None)
             if page not in hold.pages:
                 self._allocator.incref(page)
@@ -158,30 +194,54 @@ class ChunkStore:
         return len(pending.pages), nbytes
 
     def cancel(self, cancel: AllocCancel) -> bool:
-        """The write of ``cancel.alloc_id`` will never come: its keys are forgotten at once, its
-        pages stay with their holders until released. False if nothing was pending."""
+        """The write of ``cancel.alloc_id`` will never come: its pages are freed at once and
+        their keys may be sent again. False if nothing was pending."""
         pending = self._pending.get(cancel.alloc_id)
         if pending is None or pending.req_id != cancel.req_id:
             return False
         del self._pending[cancel.alloc_id]
         for page in pending.pages:
-            info = self._pages[page]
-            if self._by_key.get(info.key) == page:
-                del self._by_key[info.key]
-            if self._allocator.confirm(page):
-                self._forget(page)
+            self._unkey(page)
+            # Nobody else can hold it: only landed pages are shared.
+            for holder in self._pages[page].holders:
+                self._holds[holder].pages.discard(page)
+            self._pages[page].holders.clear()
+            self._allocator.free(page)
+            self._forget(page)
         return True
 
     def landed(self, key: bytes) -> LandedChunk | None:
-        """The chunk with ``key`` if its write was confirmed, else None."""
-        page = self._by_key.get(key)
-        if page is None or self._allocator.state(page) is not PageState.LIVE:
+        """The chunk with ``key`` if a write of it was confirmed, else None."""
+        page = self._live_page(key)
+        if page is None:
             return None
         info = self._pages[page]
         return LandedChunk(page, info.nbytes, info.checksum)
 
-    def release(self, req_id: str) -> int:
-        """Drop everything ``req_id`` holds; returns how many pages that freed."""
+    def claim(self, req_id: str, now: float) -> str | None:
+        """A decode will load ``req_id``: its hold lasts ``hold_s`` from now on, not
+        ``claim_s``. Returns why the request was let go if it was (its KV will not come)."""
+        reason = self._dropped.get(req_id)
+        if reason is not None:
+            return reason
+        self._claimed.add(req_id)
+        hold = self._holds.get(req_id)
+        if hold is not None:
+            self._renew(hold, req_id, now + self._hold_s)
+        return None
+
+    def dropped_reason(self, req_id: str) -> str | None:
+        """Why ``req_id`` was let go, or None while it is not."""
+        return self._dropped.get(req_id)
+
+    def release(self, req_id: str, now: float, reason: str = RELEASED) -> int:
+        """Let ``req_id`` go: drop everything it holds and refuse its later allocations for
+        ``dropped_memory_s``; returns how many pages that freed. Idempotent: the first reason
+        stays."""
+        self._claimed.discard(req_id)
+        if req_id not in self._dropped:
+            self._dropped[req_id] = reason
+            self._dropped_until.append((now + self._dropped_memory_s, req_id))
         hold = self._holds.pop(req_id, None)
         if hold is None:
             return 0
@@ -193,8 +253,13 @@ class ChunkStore:
                 freed += 1
         return freed
 
+    def knows(self, req_id: str) -> bool:
+        """Whether ``req_id`` holds pages or was claimed here."""
+        return req_id in self._holds or req_id in self._claimed
+
     def expire(self, now: float) -> tuple[list[str], list[str]]:
-        """Take back pages whose writes never came and holds nobody released.
+        """Take back pages whose writes never came and holds nobody released, and forget
+        requests let go long ago.
 
         Returns (request ids whose pending write lapsed, request ids whose hold lapsed).
         """
@@ -209,22 +274,47 @@ class ChunkStore:
             self._forget(page)
         lapsed_holds: list[str] = []
         while self._hold_deadlines and self._hold_deadlines[0][0] <= now:
-            _, req_id = self._hold_deadlines.popleft()
+            _, req_id = heapq.heappop(self._hold_deadlines)
             hold = self._holds.get(req_id)
             if hold is not None and hold.deadline <= now:
-                self.release(req_id)
+                self.release(req_id, now, HOLD_LAPSED)
                 lapsed_holds.append(req_id)
+        while self._dropped_until and self._dropped_until[0][0] <= now:
+            _, req_id = self._dropped_until.popleft()
+            self._dropped.pop(req_id, None)
         return lapsed_writes, lapsed_holds
 
     def _hold(self, req_id: str, now: float) -> Hold:
         """The request's hold, made or extended; a later AllocRequest of it renews the deadline."""
-        deadline = now + self._hold_s
-        hold = self._holds.setdefault(req_id, Hold(set(), deadline))
-        hold.deadline = deadline
-        self._hold_deadlines.append((deadline, req_id))
+        deadline = now + (self._hold_s if req_id in self._claimed else self._claim_s)
+        hold = self._holds.get(req_id)
+        if hold is None:
+            hold = self._holds[req_id] = Hold(set(), deadline)
+            heapq.heappush(self._hold_deadlines, (deadline, req_id))
+        else:
+            self._renew(hold, req_id, deadline)
         return hold
 
+    def _renew(self, hold: Hold, req_id: str, deadline: float) -> None:
+        # The entry of the old deadline stays in the heap and is skipped when it comes up.
+        hold.deadline = deadline
+        heapq.heappush(self._hold_deadlines, (deadline, req_id))
+
+    def _live_page(self, key: bytes) -> int | None:
+        for page in self._pages_of_key.get(key, ()):
+            if self._allocator.state(page) is PageState.LIVE:
+                return page
+        return None
+
+    def _unkey(self, page: int) -> None:
+        """``page`` no longer stands for its key (its write was cancelled, or it is freed)."""
+        key = self._pages[page].key
+        pages = self._pages_of_key.get(key)
+        if pages is not None:
+            pages.discard(page)
+            if not pages:
+                del self._pages_of_key[key]
+
     def _forget(self, page: int) -> None:
-        info = self._pages.pop(page)
-        if self._by_key.get(info.key) == page:
-            del self._by_key[info.key]
+        self._unkey(page)
+        del self._pages[page]

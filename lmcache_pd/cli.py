@@ -161,10 +161,11 @@ def demo(
         f"all {max_tokens} tokens after {1e3 * total:.0f} ms"
     )
     console.print(
-        f"prefill pushed {moved['chunks_pushed']} chunks ({moved['bytes_pushed'] / 2**20:.2f} MiB)"
-        f" in {moved['pushes']} pushes; decode loaded {moved['tokens_loaded']} prompt tokens "
-        f"instead of computing them ({moved['loads_failed']} loads failed, "
-        f"{moved['integrity_failures']} bad chunks); all instances and the proxy stopped"
+        f"prefill pushed {moved['chunks_pushed']:.0f} chunks "
+        f"({moved['bytes_pushed'] / 2**20:.2f} MiB) in {moved['pushes']:.0f} pushes; decode "
+        f"loaded {moved['tokens_loaded']:.0f} prompt tokens instead of computing them "
+        f"({moved['loads_failed']:.0f} loads failed, {moved['integrity_failures']:.0f} bad "
+        "chunks); all instances and the proxy stopped (counters from each vLLM's /metrics)"
     )
 
 
@@ -192,10 +193,10 @@ def _terminate_on_sigterm() -> Iterator[None]:
 
 
 def _counter_changes(
-    before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
-) -> defaultdict[str, int]:
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> defaultdict[str, float]:
     """Per counter, its change summed over all instances."""
-    moved: defaultdict[str, int] = defaultdict(int)
+    moved: defaultdict[str, float] = defaultdict(float)
     for name, counters in after.items():
         for counter, value in counters.items():
             moved[counter] += value - before.get(name, {}).get(counter, 0)
@@ -213,8 +214,8 @@ def transfer_demo(
     and print what moved, how fast, and how that compares with raw NIXL."""
     import torch
 
-    from lmcache_pd.consumer import checksum
     from lmcache_pd.consumer_process import ConsumerProcess
+    from lmcache_pd.integrity import checksum
     from lmcache_pd.producer import Producer
     from lmcache_pd.protocol import DisaggSpec
 
@@ -287,6 +288,15 @@ def bench(context: typer.Context) -> None:
     from lmcache_pd.benchmarks.serving import app as serving
 
     serving(context.args, prog_name="lmcache-pd bench")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def chaos(context: typer.Context) -> None:
+    """The chaos suite (faults injected into running pools, every answer checked against one
+    plain vLLM): the options of benchmarks/chaos.py, e.g. ``lmcache-pd chaos -- --short``."""
+    from lmcache_pd.benchmarks.chaos import app as chaos_suite
+
+    chaos_suite(context.args, prog_name="lmcache-pd chaos")
 
 
 @app.command("make-model")

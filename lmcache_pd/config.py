@@ -22,6 +22,8 @@ ENV_PREFIX = "LMCACHE_PD_"
 CONFIG_PATH_ENV = "LMCACHE_PD_CONFIG"
 
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=3600)]
+# A consumer rank's receive address: "host:init_port:alloc_port".
+PeerAddressText = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9.-]+:[0-9]{1,5}:[0-9]{1,5}$")]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
 
@@ -34,19 +36,26 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     page_bytes: Annotated[int, msgspec.Meta(ge=1, le=protocol.MAX_PAGE_BYTES)] = 1 << 20
     buffer_size_bytes: PositiveInt = 1 << 30
     buffer_device: Literal["cpu"] = "cpu"
-    receiver_host: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
+    receiver_host: protocol.HostName = "127.0.0.1"
     init_port: protocol.Port = 55555
     alloc_port: protocol.Port = 55556
     handshake_timeout_s: Seconds = protocol.HANDSHAKE_TIMEOUT_S
     alloc_timeout_s: Seconds = protocol.ALLOC_TIMEOUT_S
+    # Producer: the longest a write may take; it is shortened to end before the consumer's
+    # lease (stated in the handshake) does.
     transfer_timeout_s: Seconds = protocol.TRANSFER_TIMEOUT_S
+    # Consumer: an allocated page waits this long for its write, then is taken back.
     alloc_lease_s: Seconds = protocol.ALLOC_LEASE_S
+    # Consumer: pages pushed for a request no decode has claimed go back after this...
+    claim_timeout_s: Seconds = protocol.CLAIM_TIMEOUT_S
+    # ... and pages of a claimed request nobody released, after this.
     hold_timeout_s: Seconds = protocol.HOLD_TIMEOUT_S
+    # Producer: consumer ranks to shake hands with ahead of their first request (the launcher
+    # names every decode rank here), so that no request waits for NIXL's connect.
+    warm_peers: list[PeerAddressText] = msgspec.field(default_factory=list)
     max_alloc_retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = protocol.MAX_ALLOC_RETRIES
     load_timeout_s: Seconds = protocol.LOAD_TIMEOUT_S
     integrity_checksums: bool = True
-    # Where a vLLM worker's connector mirrors its counters as JSON (None: nowhere).
-    stats_path: str | None = None
     # Where a vLLM worker's connector appends one JSON line per push or load (None: nowhere).
     trace_path: str | None = None
     # Level of lmcache-pd's own log lines inside processes it does not own (vLLM, children).
@@ -63,10 +72,10 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     ucx_tls: str | None = None
 
     def __post_init__(self) -> None:
-        if self.alloc_lease_s <= self.transfer_timeout_s:
+        if self.claim_timeout_s > self.hold_timeout_s:
             raise ValueError(
-                f"alloc_lease_s ({self.alloc_lease_s}) must exceed transfer_timeout_s "
-                f"({self.transfer_timeout_s}): a page must not be reused while a write may land"
+                f"claim_timeout_s ({self.claim_timeout_s}) must not exceed hold_timeout_s "
+                f"({self.hold_timeout_s})"
             )
         if self.buffer_size_bytes < self.page_bytes:
             raise ValueError(

@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-import xxhash
 import zmq
 
 from lmcache_pd import protocol
@@ -31,9 +30,11 @@ from lmcache_pd.errors import (
     ConfigError,
     IntegrityError,
     ProtocolError,
+    RequestDropped,
     VersionMismatch,
 )
-from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.integrity import checksum
+from lmcache_pd.keys import ChunkKey, ChunkKeyer
 from lmcache_pd.protocol import ErrorCode, ErrorReply
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,9 @@ BUSY_POLL_S = 0.0001
 # Messages handled per socket per loop turn, so that one flooding peer cannot starve the rest.
 MAX_MESSAGES_PER_TURN = 64
 STOP_TIMEOUT_S = 5.0
+# After an unexpected error in a turn of the service loop: a pause, so that an error that
+# repeats every turn logs a few lines a second rather than spinning a core.
+ERROR_PAUSE_S = 0.1
 
 
 @dataclass(slots=True)
@@ -57,6 +61,8 @@ class ConsumerStats:
     version_mismatches: int = 0
     refused_buffer_full: int = 0
     refused_too_large: int = 0
+    refused_dropped: int = 0
+    requests_abandoned: int = 0
     chunks_allocated: int = 0
     chunks_already_held: int = 0
     chunks_landed: int = 0
@@ -67,11 +73,6 @@ class ConsumerStats:
     leases_expired: int = 0
     holds_expired: int = 0
     integrity_failures: int = 0
-
-
-def checksum(data: torch.Tensor) -> int:
-    """xxh3-64 of a contiguous CPU tensor's bytes (12-28 GB/s here, far above a transfer)."""
-    return xxhash.xxh3_64_intdigest(memoryview(data.numpy()).cast("B"))
 
 
 class Consumer:
@@ -89,7 +90,9 @@ class Consumer:
         allocator = PageAllocator(
             num_pages=config.num_pages, page_bytes=config.page_bytes, lease_s=config.alloc_lease_s
         )
-        self._store = ChunkStore(allocator, hold_s=config.hold_timeout_s)
+        self._store = ChunkStore(
+            allocator, claim_s=config.claim_timeout_s, hold_s=config.hold_timeout_s
+        )
         # Zeroed now so that every page is faulted in here, not on the first transfers.
         self._buffer = torch.zeros(config.num_pages * config.page_bytes, dtype=torch.uint8).zero_()
         self._channel = channel or NixlChannel.from_config(config, role="consumer")
@@ -130,17 +133,40 @@ class Consumer:
                 **asdict(self.stats),
                 "used_pages": self._store.used_pages,
                 "pending_writes": self._store.pending_writes,
+                "held_requests": self._store.held_requests,
             }
+
+    @property
+    def held_requests(self) -> int:
+        with self._lock:
+            return self._store.held_requests
 
     def lookup(self, tokens: Sequence[int] | np.ndarray) -> int:
         """How many leading tokens of ``tokens`` have landed here, whole chunks at a time."""
-        held = 0
+        keys = self.keyer.chunk_keys(tokens)
+        landed = self.landed_prefix(keys)
+        return keys[landed - 1].end if landed else 0
+
+    def landed_prefix(self, keys: Sequence[ChunkKey], start: int = 0) -> int:
+        """How many of ``keys``, counting from the first and checking from ``start`` (a count
+        the caller already saw landed), have landed here. Keys are computed once by the caller:
+        hashing a prompt is the costly part."""
         with self._lock:
-            for chunk in self.keyer.chunk_keys(tokens):
-                if self._store.landed(chunk.key) is None:
-                    break
-                held = chunk.end
-        return held
+            for index in range(start, len(keys)):
+                if self._store.landed(keys[index].key) is None:
+                    return index
+        return len(keys)
+
+    def claim(self, req_id: str) -> str | None:
+        """A decode is about to wait for ``req_id``'s KV: keep its pages until released. Returns
+        why the request was let go (its KV will not come: recompute now), else None."""
+        with self._lock:
+            return self._store.claim(req_id, time.monotonic())
+
+    def dropped_reason(self, req_id: str) -> str | None:
+        """Why ``req_id`` was let go (abandoned by its producer, lapsed...), else None."""
+        with self._lock:
+            return self._store.dropped_reason(req_id)
 
     def get_chunk(self, key: bytes) -> torch.Tensor:
         """The landed chunk's bytes, a view valid until every request holding it is released.
@@ -162,9 +188,10 @@ class Consumer:
         return view
 
     def release(self, req_id: str) -> None:
-        """The request is done with its chunks; pages nobody else holds return to the free list."""
+        """The request is done with its chunks; pages nobody else holds return to the free list,
+        and its later pushes are refused."""
         with self._lock:
-            freed = self._store.release(req_id)
+            freed = self._store.release(req_id, time.monotonic())
         logger.debug("req %s released, %d pages freed", req_id, freed)
 
     def close(self) -> None:
@@ -189,20 +216,26 @@ class Consumer:
         poller.register(self._init_socket, zmq.POLLIN)
         poller.register(self._alloc_socket, zmq.POLLIN)
         while not self._stop.is_set():
-            busy = self._store.pending_writes > 0
-            ready = dict(poller.poll(0 if busy else IDLE_POLL_MS))
-            if self._init_socket in ready:
-                self._drain(self._init_socket, self._on_init)
-            if self._alloc_socket in ready:
-                self._drain(self._alloc_socket, self._on_alloc)
             try:
-                self._on_notifications()
-            except Exception:  # the service thread must outlive any one bad notification
-                self.stats.internal_errors += 1
-                logger.exception("handling NIXL notifications failed")
-            self._expire()
-            if busy and not ready:
-                time.sleep(BUSY_POLL_S)
+                self._turn(poller)
+            except Exception:  # the service thread must outlive any one bad turn
+                with self._lock:
+                    self.stats.internal_errors += 1
+                logger.exception("consumer service loop: unexpected error, serving on")
+                self._stop.wait(ERROR_PAUSE_S)
+
+    def _turn(self, poller: zmq.Poller) -> None:
+        """One round: answer queued requests, read landed writes, take back what lapsed."""
+        busy = self._store.pending_writes > 0
+        ready = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+        if self._init_socket in ready:
+            self._drain(self._init_socket, self._on_init)
+        if self._alloc_socket in ready:
+            self._drain(self._alloc_socket, self._on_alloc)
+        self._on_notifications()
+        self._expire()
+        if busy and not ready:
+            time.sleep(BUSY_POLL_S)
 
     def _drain(self, socket: zmq.Socket, handler: Callable[[bytes], protocol.Message]) -> None:
         """Answer up to MAX_MESSAGES_PER_TURN queued requests, each exactly once."""
@@ -260,11 +293,17 @@ class Consumer:
             return request
         if isinstance(request, protocol.AllocCancel):
             return self._on_cancel(request)
+        if isinstance(request, protocol.KVAbandoned):
+            return self._on_abandoned(request)
         req_id = request.req_id
         with self._lock:
             self.stats.alloc_requests += 1
             try:
                 allocation = self._store.allocate(request, time.monotonic())
+            except RequestDropped as exc:
+                self.stats.refused_dropped += 1
+                logger.info("req %s: push refused, the request was let go (%s)", req_id, exc.reason)
+                return self._refuse(ErrorCode.DROPPED, str(exc), req_id)
             except BufferFull as exc:
                 self.stats.refused_buffer_full += 1
                 logger.warning("req %s: buffer full: %s", req_id, exc)
@@ -311,6 +350,23 @@ class Consumer:
             known=known,
         )
 
+    def _on_abandoned(self, abandoned: protocol.KVAbandoned) -> protocol.AbandonAck:
+        """The request's KV will not come, or is not wanted: free what it holds, fail its load
+        at the next step, refuse its later pushes."""
+        req_id = abandoned.req_id
+        with self._lock:
+            known = self._store.knows(req_id)
+            self._store.release(req_id, time.monotonic(), abandoned.reason.value)
+            self.stats.requests_abandoned += 1
+        logger.warning(
+            "req %s: KV abandoned (%s%s)%s",
+            req_id,
+            abandoned.reason.value,
+            f": {abandoned.detail}" if abandoned.detail else "",
+            "; its pages are freed" if known else "",
+        )
+        return protocol.AbandonAck(version=protocol.PROTOCOL_VERSION, req_id=req_id, known=known)
+
     def _on_notifications(self) -> None:
         for peer, message in self._channel.notifications():
             try:
@@ -339,8 +395,10 @@ class Consumer:
             )
         for req_id in lapsed_holds:
             logger.warning(
-                "req %s: chunks not released within %.1f s, hold dropped",
+                "req %s: chunks not claimed by a decode within %.1f s (or not released within "
+                "%.1f s once claimed), hold dropped",
                 req_id,
+                self.config.claim_timeout_s,
                 self.config.hold_timeout_s,
             )
 
@@ -374,6 +432,7 @@ class Consumer:
                 base_addr=registered.base_addr,
                 page_bytes=self.config.page_bytes,
                 num_pages=self.config.num_pages,
+                alloc_lease_s=self.config.alloc_lease_s,
             ),
         }
 

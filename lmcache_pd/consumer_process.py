@@ -148,7 +148,8 @@ def _serve_commands(config_path: str, model_name: str, kv_dtype: str) -> None:
         replies.write(json.dumps(message) + "\n")
         replies.flush()
 
-    from lmcache_pd.consumer import Consumer, checksum
+    from lmcache_pd.consumer import Consumer
+    from lmcache_pd.integrity import checksum
     from lmcache_pd.keys import ChunkKeyer
 
     config = load_config(config_path)

@@ -27,6 +27,10 @@ class PeerTimeout(PDError):
     """A peer did not answer, or a transfer did not finish, before its deadline."""
 
 
+class PeerRestarted(PDError):
+    """The consumer answering on a known address is a new process: our handshake is stale."""
+
+
 class PeerError(PDError):
     """A peer answered with an error reply; ``code`` says which kind."""
 
@@ -46,6 +50,14 @@ class BufferFull(AllocationError):
     def __init__(self, detail: str, retry_after_s: float) -> None:
         super().__init__(detail)
         self.retry_after_s = retry_after_s
+
+
+class RequestDropped(AllocationError):
+    """The consumer let this request go (released, lapsed or abandoned): its KV is not wanted."""
+
+    def __init__(self, detail: str, reason: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 class TransferError(PDError):

@@ -3,8 +3,9 @@
 Per push: handshake with the consumer once (cached per peer), ask it for a page per chunk, write
 the chunks it does not already hold from our registered staging buffer in one NIXL WRITE whose
 notification carries the allocation id and checksums, and wait for the WRITE to finish. Every step
-has its own deadline and raises a typed error. Not thread-safe: one owner thread calls ``push``
-(NIXL is not thread-safe either).
+has its own deadline and raises a typed error; the write's deadline ends before the consumer's
+lease on its pages (stated in the handshake) does. One owner thread calls ``connect``, ``push``
+and ``abandon`` (NIXL is not thread-safe); ``staged`` may be called from any thread.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,22 +21,24 @@ import torch
 import zmq
 
 from lmcache_pd import protocol
-from lmcache_pd.allocator import PageAllocator
 from lmcache_pd.channel import Channel, NixlChannel, RegisteredBuffer, wait_for_transfer
 from lmcache_pd.config import PDConfig
-from lmcache_pd.consumer import checksum
 from lmcache_pd.errors import (
     AllocationError,
     BufferFull,
     ConfigError,
     PDError,
     PeerError,
+    PeerRestarted,
     PeerTimeout,
     ProtocolError,
+    RequestDropped,
     TransferError,
     VersionMismatch,
 )
-from lmcache_pd.protocol import DisaggSpec, ErrorCode
+from lmcache_pd.integrity import checksum
+from lmcache_pd.protocol import AbandonReason, DisaggSpec, ErrorCode
+from lmcache_pd.staging import Staging
 
 logger = logging.getLogger(__name__)
 
@@ -62,23 +65,30 @@ class Peer:
     page_bytes: int
     num_pages: int
     alloc_socket: zmq.Socket
+    # How long after its AllocRequest a write may still go into the pages (the consumer's lease
+    # less a margin, capped by our own transfer_timeout_s).
+    write_budget_s: float
 
 
 class Producer:
     """Pushes chunks to consumers; use as a context manager or call ``close``."""
 
-    def __init__(self, config: PDConfig, *, channel: Channel | None = None) -> None:
+    def __init__(
+        self,
+        config: PDConfig,
+        *,
+        channel: Channel | None = None,
+        staging: Staging | None = None,
+    ) -> None:
+        """``staging`` is shared with other producers of this process (a buffer of its own,
+        of ``config``'s size, if None)."""
         if config.kv_role != "kv_producer":
             raise ConfigError(f"a Producer needs kv_role kv_producer, got {config.kv_role}")
         self.config = config
-        # Zeroed now so that every page is faulted in here, not on the first transfers.
-        self._staging = torch.zeros(config.num_pages * config.page_bytes, dtype=torch.uint8).zero_()
-        self._pages = PageAllocator(
-            num_pages=config.num_pages, page_bytes=config.page_bytes, lease_s=None
-        )
+        self._staging = staging or Staging(num_pages=config.num_pages, page_bytes=config.page_bytes)
         self._channel = channel or NixlChannel.from_config(config, role="producer")
         try:
-            self._registered = self._channel.register(self._staging)
+            self._channel.register(self._staging.buffer)
         except BaseException:
             self._channel.close()
             raise
@@ -86,22 +96,10 @@ class Producer:
         self._peers: dict[tuple[str, int, int], Peer] = {}
         self._closed = False
 
-    @contextlib.contextmanager
-    def staged(self, count: int) -> Iterator[list[torch.Tensor]]:
+    def staged(self, count: int) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
         """``count`` page-sized views of the registered staging buffer, for callers that build
         chunks in place (no copy at push time); returned to the pool on exit."""
-        try:
-            pages = self._pages.allocate(count, time.monotonic())
-        except AllocationError as exc:
-            raise AllocationError(
-                f"the producer's staging buffer has no room for {count} more chunks ({exc}); "
-                "raise buffer_size_bytes"
-            ) from exc
-        try:
-            yield [self._page_view(page) for page in pages]
-        finally:
-            for page in pages:
-                self._pages.decref(page)
+        return self._staging.pages(count)
 
     def push(self, spec: DisaggSpec, chunks: Sequence[Chunk]) -> PushResult:
         """Write ``chunks`` (key, contiguous CPU tensor) to ``spec``'s consumer.
@@ -119,16 +117,49 @@ class Producer:
         specs = [
             protocol.ChunkSpec(key, size) for (key, _), size in zip(chunks, sizes, strict=True)
         ]
-        outside = [i for i, data in enumerate(sources) if not self._is_staged(data, sizes[i])]
+        outside = [i for i, data in enumerate(sources) if not self._staging.holds(data, sizes[i])]
+        with self.staged(len(outside)) as spare:
+            copies = dict(zip(outside, spare, strict=True))
+            try:
+                to_write = self._push_once(spec, specs, sources, sizes, copies)
+            except PeerRestarted as exc:
+                # Our handshake is with its former self: shake hands again and retry once.
+                logger.warning("req %s: %s; shaking hands again", spec.req_id, exc)
+                to_write = self._push_once(spec, specs, sources, sizes, copies)
+        result = PushResult(
+            req_id=spec.req_id,
+            chunks_sent=len(to_write),
+            chunks_skipped=len(chunks) - len(to_write),
+            bytes_sent=sum(sizes[i] for i in to_write),
+            seconds=time.monotonic() - started,
+        )
+        logger.debug(
+            "req %s pushed to %s:%d: %s",
+            spec.req_id,
+            spec.receiver_host,
+            spec.receiver_alloc_port,
+            result,
+        )
+        return result
+
+    def _push_once(
+        self,
+        spec: DisaggSpec,
+        specs: list[protocol.ChunkSpec],
+        sources: list[torch.Tensor],
+        sizes: list[int],
+        copies: dict[int, torch.Tensor],
+    ) -> list[int]:
+        """Handshake if needed, allocate, write; returns the indices of the chunks written."""
         peer = self.connect(spec)
         try:
-            with self.staged(len(outside)) as spare:
-                response = self._allocate(spec, peer, specs)
-                to_write = [i for i, page in enumerate(response.pages) if page is not None]
-                if to_write:
-                    copies = dict(zip(outside, spare, strict=True))
-                    addresses = [self._staged_address(sources[i], copies.get(i)) for i in to_write]
-                    self._write(spec, peer, response, to_write, sources, sizes, addresses)
+            asked_at = time.monotonic()
+            response = self._allocate(spec, peer, specs)
+            to_write = [i for i, page in enumerate(response.pages) if page is not None]
+            if to_write:
+                addresses = [self._staged_address(sources[i], copies.get(i)) for i in to_write]
+                deadline = asked_at + peer.write_budget_s
+                self._write(spec, peer, response, to_write, sources, sizes, addresses, deadline)
         except AllocationError as exc:
             logger.warning("req %s: not pushed to %s: %s", spec.req_id, peer.name, exc)
             raise
@@ -137,15 +168,34 @@ class Producer:
             logger.warning("req %s: push to %s failed: %s", spec.req_id, peer.name, exc)
             self._forget_peer(spec)
             raise
-        result = PushResult(
+        return to_write
+
+    def abandon(self, spec: DisaggSpec, reason: AbandonReason, detail: str = "") -> bool:
+        """Tell ``spec``'s consumer, best effort and within ``CANCEL_TIMEOUT_S``, that the
+        request's KV will not come, so that its decode recomputes now rather than at its load
+        deadline. Needs no NIXL handshake. Returns whether the consumer acknowledged it."""
+        message = protocol.KVAbandoned(
+            version=protocol.PROTOCOL_VERSION,
             req_id=spec.req_id,
-            chunks_sent=len(to_write),
-            chunks_skipped=len(chunks) - len(to_write),
-            bytes_sent=sum(sizes[i] for i in to_write),
-            seconds=time.monotonic() - started,
+            reason=reason,
+            detail=detail[: protocol.MAX_ERROR_DETAIL_CHARS],
         )
-        logger.debug("req %s pushed to %s: %s", spec.req_id, peer.name, result)
-        return result
+        deadline = time.monotonic() + protocol.CANCEL_TIMEOUT_S
+        socket = self._dealer(spec.receiver_host, spec.receiver_alloc_port)
+        try:
+            reply = self._ask(socket, message, protocol.ALLOC_REPLIES, deadline, spec.req_id)
+        except PDError as exc:
+            logger.warning(
+                "req %s: could not tell %s:%d that its KV will not come: %s",
+                spec.req_id,
+                spec.receiver_host,
+                spec.receiver_alloc_port,
+                exc,
+            )
+            return False
+        finally:
+            socket.close(linger=0)
+        return isinstance(reply, protocol.AbandonAck)
 
     def close(self) -> None:
         """Close peer sockets and the channel; idempotent."""
@@ -169,6 +219,14 @@ class Producer:
     def channel(self) -> Channel:
         """The transport, for callers that measure it bare (benchmarks)."""
         return self._channel
+
+    def connected(self, spec: DisaggSpec) -> bool:
+        """Whether a handshake with ``spec``'s consumer is done and still trusted."""
+        return (
+            spec.receiver_host,
+            spec.receiver_init_port,
+            spec.receiver_alloc_port,
+        ) in self._peers
 
     def connect(self, spec: DisaggSpec) -> Peer:
         """The peer of ``spec``, after a two-step handshake on its init port the first time;
@@ -213,16 +271,21 @@ class Producer:
             page_bytes=buffer.page_bytes,
             num_pages=buffer.num_pages,
             alloc_socket=self._dealer(spec.receiver_host, spec.receiver_alloc_port),
+            write_budget_s=min(
+                self.config.transfer_timeout_s, protocol.write_budget_s(buffer.alloc_lease_s)
+            ),
         )
         self._peers[key] = peer
         logger.info(
-            "req %s: handshake with %s at %s:%d done (%d pages of %d bytes)",
+            "req %s: handshake with %s at %s:%d done (%d pages of %d bytes, writes end within "
+            "%.1f s of their allocation)",
             spec.req_id,
             name,
             spec.receiver_host,
             spec.receiver_init_port,
             peer.num_pages,
             peer.page_bytes,
+            peer.write_budget_s,
         )
         return peer
 
@@ -280,8 +343,11 @@ class Producer:
         if reply.req_id != spec.req_id or len(reply.pages) != count:
             raise ProtocolError(f"req {spec.req_id}: AllocResponse does not match the request")
         if reply.agent_name != peer.name:
-            raise ProtocolError(
-                f"req {spec.req_id}: consumer is now {reply.agent_name}, not {peer.name}"
+            # Those pages are the new consumer's: give them back, we will ask again.
+            self._cancel(spec, peer, reply.alloc_id)
+            raise PeerRestarted(
+                f"req {spec.req_id}: the consumer at {spec.receiver_host}:"
+                f"{spec.receiver_alloc_port} is now {reply.agent_name}, not {peer.name}"
             )
         for page in reply.pages:
             if page is not None and page >= peer.num_pages:
@@ -296,8 +362,10 @@ class Producer:
         sources: list[torch.Tensor],
         sizes: list[int],
         addresses: list[int],
+        deadline: float,
     ) -> None:
-        """One WRITE of the chunks ``to_write`` and its WriteDone notification."""
+        """One WRITE of the chunks ``to_write`` and its WriteDone notification, done by
+        ``deadline`` (a ``time.monotonic()`` value)."""
         checksums = (
             [checksum(sources[i]) for i in to_write] if self.config.integrity_checksums else None
         )
@@ -314,7 +382,6 @@ class Producer:
         segments[:, 0] = addresses
         segments[:, 1] = peer.buffer.base_addr + pages * peer.page_bytes
         segments[:, 2] = [sizes[i] for i in to_write]
-        deadline = time.monotonic() + self.config.transfer_timeout_s
         try:
             handle = self._channel.post_write(peer.name, segments, peer.buffer, notif)
         except TransferError as exc:
@@ -352,14 +419,6 @@ class Producer:
         if copy is None:
             return data.data_ptr()
         return copy[: data.numel()].copy_(data).data_ptr()
-
-    def _is_staged(self, data: torch.Tensor, nbytes: int) -> bool:
-        start = data.data_ptr() - self._registered.base_addr
-        return start >= 0 and start + nbytes <= self._registered.nbytes
-
-    def _page_view(self, page: int) -> torch.Tensor:
-        start = self._pages.offset(page)
-        return self._staging[start : start + self.config.page_bytes]
 
     def _as_bytes(self, req_id: str, tensor: torch.Tensor) -> torch.Tensor:
         if not tensor.is_cpu or not tensor.is_contiguous():
@@ -422,4 +481,6 @@ def _error_from_reply(req_id: str, reply: protocol.ErrorReply) -> PDError:
         return AllocationError(detail)
     if reply.code is ErrorCode.VERSION:
         return VersionMismatch(detail)
+    if reply.code is ErrorCode.DROPPED:
+        return RequestDropped(detail, "dropped")
     return PeerError(reply.code.value, detail)

@@ -9,6 +9,10 @@ No pickle anywhere.
 Protocol history:
   1: init port (AgentMetadata, BufferDescriptors), alloc port (AllocRequest/AllocResponse,
      AllocCancel/CancelAck), WriteDone notification with optional xxh3-64 checksums.
+  2: BufferDescriptors states the consumer's ``alloc_lease_s`` (the producer derives its write
+     deadline from it); KVAbandoned/AbandonAck on the alloc port (a producer or the proxy says a
+     request's KV will not come or is not wanted); ErrorCode.DROPPED for an AllocRequest of a
+     request the consumer already let go.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import msgspec
 
 from lmcache_pd.errors import ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Limits, checked before anything is allocated for a message.
 MAX_FRAME_BYTES = 1 << 20
@@ -40,6 +44,21 @@ CANCEL_TIMEOUT_S = 0.5
 TRANSFER_TIMEOUT_S = 20.0
 ALLOC_LEASE_S = 60.0
 HOLD_TIMEOUT_S = 300.0
+# Pages pushed for a request that no decode has claimed (its client left, or decode computed the
+# prompt itself) go back after this.
+CLAIM_TIMEOUT_S = 30.0
+# How long a consumer remembers a request it let go, to refuse its late pushes.
+DROPPED_MEMORY_S = 600.0
+# The producer's write must end this long (or a quarter of the lease, if less) before the
+# consumer's lease does, so that a page is never taken back while the write into it may land.
+LEASE_MARGIN_S = 1.0
+
+
+def write_budget_s(alloc_lease_s: float) -> float:
+    """How long after asking for pages a producer may still be writing into them."""
+    return alloc_lease_s - min(LEASE_MARGIN_S, alloc_lease_s / 4)
+
+
 # How long a consumer waits for a request's KV before it recomputes the prompt instead.
 LOAD_TIMEOUT_S = 30.0
 BUFFER_FULL_RETRY_AFTER_S = 0.05
@@ -51,6 +70,17 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Checksum = Annotated[int, msgspec.Meta(ge=0)]  # uint64: msgpack holds no more
 PageIndex = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
 AllocId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+# A DNS name or an IPv4 address, as ZMQ's tcp:// endpoints take them; anything else (spaces, a
+# scheme, a port) would only fail later, inside a socket call on a background thread.
+HostName = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1,
+        max_length=253,
+        pattern=r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+        r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$",
+    ),
+]
 
 
 class ErrorCode(enum.Enum):
@@ -62,13 +92,25 @@ class ErrorCode(enum.Enum):
     TOO_LARGE = "too_large"
     BAD_REQUEST = "bad_request"
     INTERNAL = "internal"
+    DROPPED = "dropped"  # the request was let go on the consumer: its KV is not wanted any more
+
+
+class AbandonReason(enum.Enum):
+    """Why a request's KV will not come, or is not wanted (``KVAbandoned``)."""
+
+    STAGING_FULL = "staging_full"  # the producer had no room to copy the KV out
+    CONSUMER_REFUSED = "consumer_refused"  # the consumer refused the allocation
+    TRANSFER_FAILED = "transfer_failed"  # the NIXL write failed or missed its deadline
+    REQUEST_ABORTED = "request_aborted"  # prefill ended before its prompt was computed
+    PRODUCER_ERROR = "producer_error"  # a bug or an unexpected error on the producer
+    CLIENT_GONE = "client_gone"  # the proxy's client left before decode was asked
 
 
 class DisaggSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Which consumer receives a request's KV; carried in ``kv_transfer_params['disagg_spec']``."""
 
     req_id: ReqId
-    receiver_host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    receiver_host: HostName
     receiver_init_port: Port
     receiver_alloc_port: Port
 
@@ -112,6 +154,8 @@ class BufferDescriptors(Message, frozen=True):
     base_addr: Annotated[int, msgspec.Meta(ge=0)]
     page_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_PAGE_BYTES)]
     num_pages: Annotated[int, msgspec.Meta(ge=1, lt=1 << 32)]
+    # How long an allocated page waits for its write before the consumer takes it back.
+    alloc_lease_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)]
 
 
 # Alloc port.
@@ -154,6 +198,23 @@ class CancelAck(Message, frozen=True):
 
     req_id: ReqId
     alloc_id: AllocId
+    known: bool
+
+
+class KVAbandoned(Message, frozen=True):
+    """``req_id``'s KV will not come (from its producer) or is not wanted (from the proxy): the
+    consumer fails a load that waits for it at once, frees its pages and refuses its later
+    pushes. Idempotent."""
+
+    req_id: ReqId
+    reason: AbandonReason
+    detail: Annotated[str, msgspec.Meta(max_length=MAX_ERROR_DETAIL_CHARS)] = ""
+
+
+class AbandonAck(Message, frozen=True):
+    """Reply to KVAbandoned; ``known`` is False if the consumer held nothing of the request."""
+
+    req_id: ReqId
     known: bool
 
 
@@ -223,8 +284,10 @@ INIT_REQUESTS: Codec[MetadataRequest | BufferRequest] = Codec(MetadataRequest | 
 INIT_REPLIES: Codec[AgentMetadata | BufferDescriptors | ErrorReply] = Codec(
     AgentMetadata | BufferDescriptors | ErrorReply
 )
-ALLOC_REQUESTS: Codec[AllocRequest | AllocCancel] = Codec(AllocRequest | AllocCancel)
-ALLOC_REPLIES: Codec[AllocResponse | CancelAck | ErrorReply] = Codec(
-    AllocResponse | CancelAck | ErrorReply
+ALLOC_REQUESTS: Codec[AllocRequest | AllocCancel | KVAbandoned] = Codec(
+    AllocRequest | AllocCancel | KVAbandoned
+)
+ALLOC_REPLIES: Codec[AllocResponse | CancelAck | AbandonAck | ErrorReply] = Codec(
+    AllocResponse | CancelAck | AbandonAck | ErrorReply
 )
 NOTIFICATIONS: Codec[WriteDone] = Codec(WriteDone)

@@ -146,6 +146,17 @@ class VLLMServer:
     def running(self) -> bool:
         return self._process.poll() is None
 
+    @property
+    def pid(self) -> int:
+        """The server's process id, which is also its process group's id (start_new_session):
+        vLLM's engine processes are in that group."""
+        return self._process.pid
+
+    def send_signal(self, signum: int) -> None:
+        """Send ``signum`` to the server's whole process group; nothing if it is gone."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._process.pid, signum)
+
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
@@ -165,6 +176,9 @@ class VLLMServer:
         group = self._process.pid  # start_new_session: the group id is the server's pid
         if self._process.poll() is None:
             os.killpg(group, signal.SIGTERM)
+            # A stopped (SIGSTOP) group would hold SIGTERM until resumed.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGCONT)
         try:
             self._process.wait(STOP_TIMEOUT_S)
             stopped = _group_gone(group, STOP_TIMEOUT_S)

@@ -9,20 +9,22 @@ SIGTERM, or leaving the ``with`` block) stops every process it started, process 
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
+import httpx
 import msgspec
 import yaml
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lmcache_pd.errors import ConfigError, PDError
+from lmcache_pd.metrics_scrape import scrape
 from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig, Timeouts
 from lmcache_pd.vllm_server import VLLMServer
 
@@ -38,6 +40,8 @@ class InstanceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cpus: str | None = None
     port: int | None = None
     env: dict[str, str] = msgspec.field(default_factory=dict)
+    # Arguments for this instance only, after the pool-wide ``vllm_args``.
+    vllm_args: list[str] = msgspec.field(default_factory=list)
 
 
 class ProxySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -116,6 +120,16 @@ class _Ports:
         return wanted if wanted is not None else unused_port(self._taken)
 
 
+@dataclass(frozen=True, slots=True)
+class _Launch:
+    """What an instance was started with, so that ``restart`` can start it again alike."""
+
+    spec: InstanceSpec
+    role: str
+    port: int
+    settings_of_role: dict[str, Any]
+
+
 class PoolLauncher:
     """Starts the pools of ``PoolsConfig``; a context manager that stops them all on exit."""
 
@@ -124,7 +138,8 @@ class PoolLauncher:
         self.workdir = workdir
         self.console = console or Console(stderr=True)
         self.servers: dict[str, VLLMServer] = {}
-        self.stats_paths: dict[str, Path] = {}
+        self._launches: dict[str, _Launch] = {}
+        self._restarts: dict[str, int] = {}
 
     def start(self) -> ProxyConfig:
         """Start every instance, wait until all are healthy, and return the proxy's config."""
@@ -133,15 +148,21 @@ class PoolLauncher:
         ports = _Ports([self.pools.proxy.port, *(spec.port for spec in instances if spec.port)])
         prefill, decode = [], []
         try:
-            for index, spec in enumerate(self.pools.prefill):
-                port = ports.take(spec.port)
-                self._launch(f"prefill-{index}", spec, "kv_producer", port, {})
-                prefill.append(PrefillInstance(f"http://127.0.0.1:{port}"))
-            for index, spec in enumerate(self.pools.decode):
+            # Decode's ports first: every prefill instance shakes hands with every decode rank
+            # ahead of its first request (warm_peers), off any request's path.
+            for spec in self.pools.decode:
                 port = ports.take(spec.port)
                 receive = {"init_port": ports.take(), "alloc_port": ports.take()}
-                self._launch(f"decode-{index}", spec, "kv_consumer", port, receive)
                 decode.append(DecodeInstance(f"http://127.0.0.1:{port}", "127.0.0.1", **receive))
+            peers = [f"{d.receiver_host}:{d.init_port}:{d.alloc_port}" for d in decode]
+            for index, spec in enumerate(self.pools.prefill):
+                port = ports.take(spec.port)
+                self._launch(f"prefill-{index}", spec, "kv_producer", port, {"warm_peers": peers})
+                prefill.append(PrefillInstance(f"http://127.0.0.1:{port}"))
+            for index, (spec, member) in enumerate(zip(self.pools.decode, decode, strict=True)):
+                receive = {"init_port": member.init_port, "alloc_port": member.alloc_port}
+                port = int(member.url.rsplit(":", 1)[1])
+                self._launch(f"decode-{index}", spec, "kv_consumer", port, receive)
             self._wait_all_healthy()
         except BaseException:
             self.stop()
@@ -160,23 +181,31 @@ class PoolLauncher:
         return proxy
 
     def _launch(
-        self, name: str, spec: InstanceSpec, role: str, port: int, receive: dict[str, int]
+        self,
+        name: str,
+        spec: InstanceSpec,
+        role: str,
+        port: int,
+        settings_of_role: dict[str, Any],
+        log_name: str | None = None,
     ) -> None:
+        """Start one instance; ``settings_of_role`` go into its transfer config (a decode
+        rank's receive ports, a prefill's warm peers)."""
         try:
             settings: dict[str, Any] = yaml.safe_load(Path(spec.config).read_text()) or {}
         except (OSError, yaml.YAMLError) as exc:
             raise ConfigError(f"{name}: cannot read its config {spec.config}: {exc}") from exc
-        stats = self.workdir / f"{name}.stats.json"
-        settings |= {"kv_role": role, "stats_path": str(stats), **receive}
+        settings |= {"kv_role": role, **settings_of_role}
         if self.pools.trace:
             settings["trace_path"] = str(self.workdir / f"{name}.trace.jsonl")
         config_path = self.workdir / f"{name}.yaml"
         config_path.write_text(yaml.safe_dump(settings))
-        self.stats_paths[name] = stats
+        self._launches[name] = _Launch(spec, role, port, settings_of_role)
+        log_path = self.workdir / f"{log_name or name}.log"
         self.servers[name] = VLLMServer(
             Path(self.pools.model),
             port,
-            self.workdir / f"{name}.log",
+            log_path,
             kv_transfer_config={
                 "kv_connector": "LMCachePDConnector",
                 "kv_connector_module_path": "lmcache_pd.connector",
@@ -186,11 +215,11 @@ class PoolLauncher:
             },
             cpu=spec.cpus,
             env={"VLLM_CPU_KVCACHE_SPACE": str(self.pools.kv_cache_gib), **spec.env},
-            extra_args=self.pools.vllm_args,
+            extra_args=[*self.pools.vllm_args, *spec.vllm_args],
             log_stats=True,
             wait=False,
         )
-        logger.info("%s starting on port %d (log %s)", name, port, self.workdir / f"{name}.log")
+        logger.info("%s starting on port %d (log %s)", name, port, log_path)
 
     def _wait_all_healthy(self) -> None:
         columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
@@ -208,12 +237,47 @@ class PoolLauncher:
                     description=f"{name}: healthy after {time.monotonic() - started:.0f} s",
                 )
 
-    def counters(self) -> dict[str, dict[str, int]]:
-        """Each instance's connector counters (empty until its first push or load)."""
-        return {
-            name: json.loads(path.read_text()) if path.exists() else {}
-            for name, path in self.stats_paths.items()
-        }
+    def counters(self) -> dict[str, dict[str, float]]:
+        """Each instance's connector counters and gauges, from its ``/metrics`` (vLLM publishes
+        them after a step; empty for an instance that does not answer)."""
+        found: dict[str, dict[str, float]] = {}
+        for name, server in self.servers.items():
+            try:
+                found[name] = scrape(server.url)
+            except httpx.HTTPError as exc:
+                logger.warning("%s: no counters: %s", name, exc)
+                found[name] = {}
+        return found
+
+    def signal(self, name: str, signum: int) -> None:
+        """Send ``signum`` to every process of instance ``name`` (its process group: the API
+        server and vLLM's engine processes), as a crash (SIGKILL) or a frozen host (SIGSTOP,
+        SIGCONT) would hit them all at once."""
+        self.servers[name].send_signal(signum)
+
+    def restart(self, name: str, spec: InstanceSpec | None = None) -> float:
+        """Stop instance ``name`` (its whole process group, whether alive, stopped or dead) and
+        start it again on the same HTTP and KV receive ports with the same transfer config, or
+        with ``spec`` in place of its own; block until it is healthy and return the seconds that
+        took. Its counters start again from zero; its earlier log is kept
+        (``NAME.log``, then ``NAME.1.log``, ...)."""
+        launch = self._launches[name]
+        self.servers[name].stop()
+        self._restarts[name] = count = self._restarts.get(name, 0) + 1
+        started = time.monotonic()
+        self._launch(
+            name,
+            spec or launch.spec,
+            launch.role,
+            launch.port,
+            launch.settings_of_role,
+            f"{name}.{count}",
+        )
+        try:
+            self.servers[name].wait_until_healthy()
+        except (RuntimeError, TimeoutError) as exc:
+            raise LaunchError(f"{name} did not restart: {exc}") from None
+        return time.monotonic() - started
 
     def stop(self) -> None:
         """Stop every instance (idempotent); decode first, so no push lands in a stopping one."""

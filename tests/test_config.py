@@ -47,7 +47,8 @@ def test_config_path_can_come_from_the_environment() -> None:
         ({"kv_role": "kv_both"}, {}, "kv_role"),
         ({}, {"LMCACHE_PD_INIT_PORT": "eighty"}, "init_port"),
         ({}, {"LMCACHE_PD_NO_SUCH_SETTING": "1"}, "LMCACHE_PD_NO_SUCH_SETTING"),
-        ({"alloc_lease_s": 1.0, "transfer_timeout_s": 2.0}, {}, "alloc_lease_s"),
+        ({"claim_timeout_s": 60.0, "hold_timeout_s": 30.0}, {}, "claim_timeout_s"),
+        ({"receiver_host": "tcp://decode:5555"}, {}, "receiver_host"),
         ({"buffer_size_bytes": 10, "page_bytes": 100}, {}, "buffer_size_bytes"),
     ],
 )

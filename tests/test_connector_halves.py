@@ -3,21 +3,24 @@ two workers moving a paged cache from one to the other over real NIXL."""
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
+from dataclasses import dataclass
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import torch
+import zmq
 
 from lmcache_pd.config import load_config
 from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata, SaveRequest
 from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler
+from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.connector.worker import ConsumerWorker, ProducerWorker
 from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.producer import Producer
 from lmcache_pd.protocol import DisaggSpec
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_for
 
 BLOCK = 32
 CHUNK = 64
@@ -30,13 +33,19 @@ SPEC = {
 
 
 def request(
-    req_id: str, prompt: list[int], params: dict | None, outputs: list[int] = ()
+    req_id: str,
+    prompt: list[int],
+    params: dict | None,
+    outputs: list[int] = (),
+    computed: int | None = None,
 ) -> SimpleNamespace:
     return SimpleNamespace(
         request_id=req_id,
         prompt_token_ids=prompt,
         kv_transfer_params=params,
         output_token_ids=list(outputs),
+        num_computed_tokens=len(prompt) if computed is None else computed,
+        num_preemptions=0,
     )
 
 
@@ -61,22 +70,38 @@ def test_producer_scheduler_follows_chunked_prefill_and_returns_the_first_token(
     scheduler = ProducerScheduler()
     prompt = list(range(150))
     req = request("r", prompt, {"ret_first_tok": True, "disagg_spec": SPEC}, outputs=[7])
-    scheduler.update_state_after_alloc(req)
+    scheduler.update_state_after_alloc(req, None, 0)
     first = scheduler.build_connector_meta(step(new=[("r", [4, 5], 0)], scheduled={"r": 64}))
     [save] = first.saves
     assert (save.computed_end, save.block_ids, save.spec.req_id) == (64, [4, 5], "d-1")
+    assert save.prompt == prompt
     second = scheduler.build_connector_meta(
         step(cached=[("r", [6, 7, 9], 64)], scheduled={"r": 86})
     )
+    # Only what changed travels: the blocks added since, and no second copy of the prompt.
     assert second.saves[0].computed_end == 150
-    assert second.saves[0].block_ids == [4, 5, 6, 7, 9]
+    assert (second.saves[0].block_ids, second.saves[0].prompt) == ([6, 7, 9], None)
     assert scheduler.request_finished(req) == {"first_tok": 7, "disagg_req_id": "d-1"}
+    assert scheduler.build_connector_meta(step(finished=["r"])).aborted == set()
+
+
+def test_a_prefill_that_ends_before_its_prompt_is_computed_is_reported_aborted() -> None:
+    scheduler = ProducerScheduler()
+    req = request("r", list(range(300)), {"ret_first_tok": True, "disagg_spec": SPEC}, computed=64)
+    scheduler.update_state_after_alloc(req, None, 0)
+    scheduler.build_connector_meta(step(new=[("r", [4, 5], 0)], scheduled={"r": 64}))
+    assert scheduler.request_finished(req) is None
+    meta = scheduler.build_connector_meta(step(finished=["r"]))
+    assert (meta.aborted, meta.finished) == ({"r"}, {"r"})
+    assert scheduler.build_connector_meta(step()).aborted == set()
 
 
 def test_requests_without_or_with_a_bad_spec_are_left_alone() -> None:
     scheduler = ProducerScheduler()
-    scheduler.update_state_after_alloc(request("plain", [1, 2], None))
-    scheduler.update_state_after_alloc(request("bad", [1, 2], {"disagg_spec": {"req_id": 5}}))
+    scheduler.update_state_after_alloc(request("plain", [1, 2], None), None, 0)
+    scheduler.update_state_after_alloc(
+        request("bad", [1, 2], {"disagg_spec": {"req_id": 5}}), None, 0
+    )
     meta = scheduler.build_connector_meta(
         step(new=[("plain", [1], 0), ("bad", [2], 0)], scheduled={"plain": 2, "bad": 2})
     )
@@ -115,8 +140,30 @@ def paged_cache(num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
     return {f"layer.{i}": buffer[i] for i in range(4)}
 
 
+@dataclass
+class Workers:
+    """A producer worker and a consumer worker joined by real NIXL, with their counters."""
+
+    producer: ProducerWorker
+    consumer: ConsumerWorker
+    source: dict[str, torch.Tensor]
+    target: dict[str, torch.Tensor]
+    spec: DisaggSpec
+    producer_stats: StatsRecorder
+    consumer_stats: StatsRecorder
+    keyer: ChunkKeyer
+    common: dict
+
+    def producer_with(self, **overrides: object) -> ProducerWorker:
+        """Another producer worker over the same source cache, with other settings."""
+        config = load_config(
+            None, environ={}, kv_role="kv_producer", **{**self.common, **overrides}
+        )
+        return ProducerWorker(config, self.keyer, self.source, self.producer_stats)
+
+
 @pytest.fixture
-def workers(tmp_path: Path):
+def workers():
     init_port, alloc_port = free_port(), free_port()
     keyer = ChunkKeyer(
         model_name="m", world_size=1, worker_id=0, kv_dtype="float32", chunk_size=CHUNK
@@ -129,19 +176,25 @@ def workers(tmp_path: Path):
         "load_timeout_s": 2.0,
     }
     source, target = paged_cache(40, seed=1), paged_cache(40, seed=None)
+    consumer_stats, producer_stats = StatsRecorder("c"), StatsRecorder("p")
     consumer = ConsumerWorker(
-        load_config(
-            None, environ={}, kv_role="kv_consumer", stats_path=str(tmp_path / "c.json"), **common
-        ),
+        load_config(None, environ={}, kv_role="kv_consumer", **common),
         keyer,
         target,
+        consumer_stats,
     )
     producer = ProducerWorker(
-        load_config(None, environ={}, kv_role="kv_producer", **common), keyer, source
+        load_config(None, environ={}, kv_role="kv_producer", **common),
+        keyer,
+        source,
+        producer_stats,
     )
     spec = DisaggSpec("d-1", "127.0.0.1", init_port, alloc_port)
-    yield producer, consumer, source, target, spec
-    producer.close()
+    pair = Workers(
+        producer, consumer, source, target, spec, producer_stats, consumer_stats, keyer, common
+    )
+    yield pair
+    pair.producer.close()
     consumer.close()
 
 
@@ -154,63 +207,155 @@ def finish(consumer: ConsumerWorker, timeout_s: float = 10.0) -> tuple[set[str],
         time.sleep(0.01)
 
 
-def test_kv_moves_from_producer_blocks_to_consumer_blocks_over_nixl(workers) -> None:
-    producer, consumer, source, target, spec = workers
+def save(req_id: str, spec: DisaggSpec, prompt: list[int], blocks: list[int], computed: int):
+    return PDConnectorMetadata(saves=[SaveRequest(req_id, spec, prompt, blocks, computed)])
+
+
+def load(req_id: str, disagg_req_id: str, prompt: list[int], blocks: list[int]):
+    return PDConnectorMetadata(loads=[LoadRequest(req_id, disagg_req_id, prompt, blocks, 0)])
+
+
+def test_kv_moves_from_producer_blocks_to_consumer_blocks_over_nixl(workers: Workers) -> None:
     prompt = list(range(1000, 1150))  # 2 full chunks and a partial one, over chunked prefill
     src_blocks = [7, 3, 12, 20, 5]
     dst_blocks = [1, 30, 2, 9, 11]
-    for computed in (64, 150):
-        producer.wait_for_save(
-            PDConnectorMetadata(saves=[SaveRequest("p", spec, prompt, src_blocks, computed)])
-        )
-    consumer.start_load_kv(
-        PDConnectorMetadata(loads=[LoadRequest("c", "d-1", prompt, dst_blocks, 0)])
-    )
-    assert finish(consumer) == ({"c"}, set())
-    for name in source:
-        assert torch.equal(source[name][src_blocks], target[name][dst_blocks]), name
+    workers.producer.wait_for_save(save("p", workers.spec, prompt, src_blocks[:2], 64))
+    # the next step ships only what changed: the blocks added since, not the prompt
+    workers.producer.wait_for_save(save("p", workers.spec, None, src_blocks[2:], 150))
+    workers.consumer.start_load_kv(load("c", "d-1", prompt, dst_blocks))
+    assert finish(workers.consumer) == ({"c"}, set())
+    for name in workers.source:
+        assert torch.equal(workers.source[name][src_blocks], workers.target[name][dst_blocks])
     untouched = [b for b in range(40) if b not in dst_blocks]
-    assert not any(target[name][untouched].any() for name in target)
+    assert not any(workers.target[name][untouched].any() for name in workers.target)
+    totals = workers.consumer_stats.totals()
+    assert (totals["tokens_loaded"], totals["consumer_used_pages"]) == (150, 0)
 
 
-def test_kv_that_never_lands_fails_the_load_at_its_deadline(workers) -> None:
-    _, consumer, _, target, _ = workers
-    consumer.start_load_kv(
-        PDConnectorMetadata(loads=[LoadRequest("c", "never", list(range(70)), [1, 2, 3], 0)])
-    )
+def test_kv_that_never_lands_fails_the_load_at_its_deadline(workers: Workers) -> None:
     started = time.monotonic()
-    assert finish(consumer) == ({"c"}, {"c"})
+    workers.consumer.start_load_kv(load("c", "never", list(range(70)), [1, 2, 3]))
+    assert finish(workers.consumer) == ({"c"}, {"c"})
     assert 2.0 <= time.monotonic() - started < 4.0
-    assert not any(layer.any() for layer in target.values())
+    assert not any(layer.any() for layer in workers.target.values())
+    assert workers.consumer_stats.totals()["load_timeouts"] == 1
 
 
 def test_a_request_that_ends_while_its_kv_is_awaited_is_released_at_once(
-    workers, tmp_path: Path
+    workers: Workers,
 ) -> None:
     """The client went away: vLLM holds the request's blocks until the load is reported, so the
     worker reports it at the next step (not at the deadline) and gives its pages back."""
-    _, consumer, _, target, _ = workers
-    consumer.start_load_kv(
-        PDConnectorMetadata(loads=[LoadRequest("c", "gone", list(range(70)), [1, 2, 3], 0)])
-    )
-    assert consumer.finished_loads() == (set(), set())  # control: still awaited
-    consumer.start_load_kv(PDConnectorMetadata(finished={"c"}))
-    assert consumer.finished_loads() == ({"c"}, set())
-    assert consumer.finished_loads() == (set(), set())
-    stats = json.loads((tmp_path / "c.json").read_text())
-    assert (stats["loads_aborted"], stats["load_timeouts"], stats["consumer_used_pages"]) == (
+    workers.consumer.start_load_kv(load("c", "gone", list(range(70)), [1, 2, 3]))
+    assert workers.consumer.finished_loads() == (set(), set())  # control: still awaited
+    workers.consumer.start_load_kv(PDConnectorMetadata(finished={"c"}))
+    assert workers.consumer.finished_loads() == ({"c"}, set())
+    assert workers.consumer.finished_loads() == (set(), set())
+    totals = workers.consumer_stats.totals()
+    assert (totals["loads_aborted"], totals["load_timeouts"], totals["consumer_used_pages"]) == (
         1,
         0,
         0,
     )
-    assert not any(layer.any() for layer in target.values())
+    assert not any(layer.any() for layer in workers.target.values())
 
 
-def test_a_failed_load_is_not_awaited_again() -> None:
-    scheduler = ConsumerScheduler(CHUNK)
+def test_staging_full_on_the_producer_fails_the_load_at_once(workers: Workers) -> None:
+    """The producer cannot copy the KV out: it tells the consumer, whose load fails within a
+    second (not at its 2 s deadline), and its later steps push nothing of that request."""
+    prompt = list(range(300))
+    chunk_bytes = 4 * (CHUNK // BLOCK) * 2 * BLOCK * 2 * 16 * 4  # layers x blocks x block bytes
+    tight = workers.producer_with(buffer_size_bytes=2 * chunk_bytes, page_bytes=chunk_bytes)
+    try:
+        workers.consumer.start_load_kv(load("c", "d-1", prompt, list(range(5))))
+        started = time.monotonic()
+        # 4 chunks do not fit in 2 staging pages
+        tight.wait_for_save(save("p", workers.spec, prompt, list(range(10, 15)), 300))
+        assert finish(workers.consumer) == ({"c"}, {"c"})
+        assert time.monotonic() - started < 1.0
+    finally:
+        tight.close()
+    assert workers.consumer_stats.totals()["loads_abandoned"] == 1
+    totals = workers.producer_stats.totals()
+    assert (totals["staging_full"], totals["pushes_abandoned"], totals["pushes"]) == (1, 1, 0)
+
+
+def test_a_prefill_aborted_midway_fails_the_load_at_once(workers: Workers) -> None:
+    prompt = list(range(200))
+    workers.producer.wait_for_save(save("p", workers.spec, prompt, [7, 3], 64))
+    workers.consumer.start_load_kv(load("c", "d-1", prompt, [1, 2, 4, 5, 6, 8, 9]))
+    assert workers.consumer.finished_loads() == (set(), set())  # control: still awaited
+    started = time.monotonic()
+    workers.producer.wait_for_save(PDConnectorMetadata(finished={"p"}, aborted={"p"}))
+    assert finish(workers.consumer) == ({"c"}, {"c"})
+    assert time.monotonic() - started < 1.0
+    wait_for(lambda: workers.consumer.finished_loads() == (set(), set()))
+    assert workers.consumer_stats.totals()["consumer_used_pages"] == 0
+
+
+def test_a_consumer_that_never_answers_delays_no_push_to_another(workers: Workers) -> None:
+    """A peer stuck in its handshake (here: an init port that takes requests and never
+    answers) holds up only its own pushes: each consumer has its own sender thread."""
+    with zmq.Context() as context, context.socket(zmq.ROUTER) as silent:
+        silent.setsockopt(zmq.LINGER, 0)
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        stuck = DisaggSpec("d-stuck", "127.0.0.1", port, free_port())
+        prompt = list(range(64))
+        workers.producer.wait_for_save(save("p-stuck", stuck, prompt, [7, 3], 64))
+        workers.producer.wait_for_save(save("p", workers.spec, prompt, [12, 20], 64))
+        workers.consumer.start_load_kv(load("c", "d-1", prompt, [1, 30]))
+        started = time.monotonic()
+        assert finish(workers.consumer) == ({"c"}, set())
+        assert time.monotonic() - started < 1.0  # the stuck handshake waits 5 s
+
+
+def test_known_consumers_are_connected_before_the_first_request(workers: Workers) -> None:
+    peer = f"127.0.0.1:{workers.common['init_port']}:{workers.common['alloc_port']}"
+    warm = workers.producer_with(warm_peers=[peer])
+    try:
+        wait_for(lambda: workers.consumer._consumer.stats.init_requests >= 2, what="handshake")
+    finally:
+        warm.close()
+    assert workers.producer_stats.totals()["pushes"] == 0
+
+
+def test_a_sender_survives_an_unexpected_error_and_serves_on(
+    workers: Workers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = Producer.push
+
+    def push_once_broken(self: Producer, spec: DisaggSpec, chunks):
+        if spec.req_id == "d-broken":
+            raise RuntimeError("a bug")
+        return real(self, spec, chunks)
+
+    monkeypatch.setattr(Producer, "push", push_once_broken)
+    prompt = list(range(64))
+    broken = msgspec.structs.replace(workers.spec, req_id="d-broken")
+    workers.consumer.start_load_kv(load("c-broken", "d-broken", prompt, [1, 2]))
+    workers.producer.wait_for_save(save("p-broken", broken, prompt, [7, 3], 64))
+    assert finish(workers.consumer) == ({"c-broken"}, {"c-broken"})  # told: recompute now
+    workers.producer.wait_for_save(save("p", workers.spec, prompt, [12, 20], 64))
+    workers.consumer.start_load_kv(load("c", "d-1", prompt, [3, 4]))
+    assert finish(workers.consumer) == ({"c"}, set())
+    totals = workers.producer_stats.totals()
+    assert (totals["thread_errors"], totals["pushes"]) == (1, 1)
+
+
+@pytest.mark.parametrize("preempted", [True, False], ids=["preempted", "failed_load"])
+def test_a_request_back_after_its_load_computes_its_prompt(preempted: bool) -> None:
+    """Preempted after loading (or after a failed load), a request comes back with nothing
+    computed; its chunks were released, so it must be computed now, not awaited again."""
+    counted: list[str] = []
+    scheduler = ConsumerScheduler(CHUNK, counted.append)
     req = request("c", list(range(201)), {"disagg_spec": SPEC})
-    assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)
-    scheduler.update_connector_output({"c"})
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)  # control: first time
+    blocks = SimpleNamespace(get_block_ids=lambda: ([3, 1, 4, 1],))
+    scheduler.update_state_after_alloc(req, blocks, 200)
+    assert len(scheduler.build_connector_meta(step()).loads) == 1
+    req.num_preemptions = int(preempted)
     assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
-    scheduler.request_finished(req)
+    assert scheduler.build_connector_meta(step()).loads == []
+    assert counted == (["preemption_recomputes"] if preempted else [])
+    scheduler.request_finished(req)  # a new request of the same id is served afresh
     assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)

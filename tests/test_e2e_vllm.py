@@ -8,7 +8,6 @@ counters, so a run that silently recomputed instead of loading fails.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections import defaultdict
@@ -25,6 +24,7 @@ import zmq
 from lmcache_pd import protocol
 from lmcache_pd.config import load_config
 from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
 from lmcache_pd.model_maker import ensure_model
 from lmcache_pd.producer import Producer
 from lmcache_pd.protocol import DisaggSpec
@@ -112,7 +112,6 @@ class PDPair:
     def __init__(self, model: Path, workdir: Path) -> None:
         self.model = model
         self.init_port, self.alloc_port = free_port(), free_port()
-        self.stats_path = workdir / "consumer.stats.json"
         configs = {
             role: self._transfer_config(workdir, role) for role in ("kv_producer", "kv_consumer")
         }
@@ -123,6 +122,7 @@ class PDPair:
             kv_transfer_config=configs["kv_producer"],
             cpu=0,
             extra_args=SERVER_ARGS,
+            log_stats=True,
             wait=False,
         )
         self.consumer = VLLMServer(
@@ -132,6 +132,7 @@ class PDPair:
             kv_transfer_config=configs["kv_consumer"],
             cpu=1,
             extra_args=SERVER_ARGS,
+            log_stats=True,
             wait=False,
         )
         try:  # both start at once
@@ -153,7 +154,6 @@ class PDPair:
             # Short, so that pages allocated by a producer that then died come back in a test.
             "transfer_timeout_s": 4.0,
             "alloc_lease_s": 6.0,
-            "stats_path": str(workdir / f"{role[3:]}.stats.json"),
         }
         path.write_text(yaml.safe_dump(settings))
         return {
@@ -172,11 +172,15 @@ class PDPair:
             "receiver_alloc_port": self.alloc_port,
         }
 
-    def stats(self, side: str = "consumer") -> defaultdict[str, int]:
-        """A worker's counters (all zero before its first push or load)."""
-        path = self.stats_path.with_name(f"{side}.stats.json")
-        found = json.loads(path.read_text()) if path.exists() else {}
-        return defaultdict(int, found)
+    def stats(self, side: str = "consumer") -> defaultdict[str, float]:
+        """A connector's counters and gauges, from its vLLM's ``/metrics`` (as of the
+        instance's last step; zero before its first push or load)."""
+        server = self.consumer if side == "consumer" else self.producer
+        return defaultdict(float, scrape(server.url))
+
+    def tokens_by_source(self) -> defaultdict[str, float]:
+        """vLLM's own record of where decode's prompt tokens came from."""
+        return defaultdict(float, prompt_tokens_by_source(self.consumer.url))
 
     def disaggregated(self, name: str, tokens: list[int]) -> tuple[list[str], list[float]]:
         """Prefill on the producer (one token), then decode on the consumer, as the proxy will."""
@@ -212,11 +216,16 @@ def test_consumer_output_equals_one_instance_and_prompt_was_loaded(
     pair: PDPair, reference: dict, length: int
 ) -> None:
     before, pushes = pair.stats()["tokens_loaded"], pair.stats("producer")["pushes"]
+    sources = pair.tokens_by_source()
     got = pair.disaggregated(f"len-{length}", PROMPTS[f"len-{length}"])
     assert got == reference[f"len-{length}"]  # tokens and logprobs, exactly
     # The consumer's prompt is the producer's plus its first token: all of the producer's is loaded.
     stats = pair.stats()
     assert stats["tokens_loaded"] - before == length
+    # and vLLM's own record agrees: those tokens came from the transfer, one was computed
+    after = pair.tokens_by_source()
+    assert after["external_kv_transfer"] - sources["external_kv_transfer"] == length
+    assert after["local_compute"] - sources["local_compute"] == 1
     assert stats["consumer_used_pages"] == 0
     # Chunked prefill: one push per prefill step, as each step completes its chunks (the
     # producer counts a push when its sender thread is done with it, a moment after it landed).

@@ -40,6 +40,7 @@ EXAMPLES = [
             base_addr=2**47,
             page_bytes=1 << 20,
             num_pages=64,
+            alloc_lease_s=60.0,
         ),
     ),
     (ALLOC_REQUESTS, AllocRequest(version=V, req_id="r", chunks=[ChunkSpec(b"k" * 16, 10)])),
@@ -51,6 +52,14 @@ EXAMPLES = [
         ALLOC_REPLIES,
         ErrorReply(version=V, code=ErrorCode.BUFFER_FULL, detail="x", retry_after_s=0.05),
     ),
+    (
+        ALLOC_REQUESTS,
+        protocol.KVAbandoned(
+            version=V, req_id="r", reason=protocol.AbandonReason.STAGING_FULL, detail="full"
+        ),
+    ),
+    (ALLOC_REPLIES, protocol.AbandonAck(version=V, req_id="r", known=True)),
+    (ALLOC_REPLIES, ErrorReply(version=V, code=ErrorCode.DROPPED, detail="let go", req_id="r")),
     (NOTIFICATIONS, protocol.WriteDone(version=V, req_id="r", alloc_id=7, checksums=[2**64 - 1])),
     (NOTIFICATIONS, protocol.WriteDone(version=V, req_id="r", alloc_id=7, checksums=None)),
 ]
@@ -78,6 +87,8 @@ def raw(**fields: object) -> bytes:
         raw(type="AllocRequest", version=V, req_id="r", chunks=[[b"k" * 65, 1]]),
         raw(type="AllocRequest", version=V, req_id="r", chunks=[[b"k", 1, 2]]),
         raw(type="AllocRequest", version=V, req_id="r" * 300, chunks=[[b"k", 1]]),
+        raw(type="KVAbandoned", version=V, req_id="r", reason="tired"),
+        raw(type="KVAbandoned", version=V, reason="client_gone"),
         raw(type="AllocRequest", version=V, req_id="r", chunks=[[b"k", 1]], extra=1),
         raw(type="AllocRequest", version=V, req_id="r", chunks=[[b"k", 1]] * 4097),
         raw(type="AllocRequest", version=True, req_id="r", chunks=[[b"k", 1]]),
@@ -93,8 +104,9 @@ def test_malformed_alloc_requests_raise_protocol_error(frame: bytes) -> None:
 
 
 def test_other_version_is_reported_as_such_before_the_body_is_read() -> None:
-    with pytest.raises(VersionMismatch, match="version 2"):
-        ALLOC_REQUESTS.decode(raw(type="AllocRequest", version=2, anything="goes"))
+    other = V + 1
+    with pytest.raises(VersionMismatch, match=f"version {other}"):
+        ALLOC_REQUESTS.decode(raw(type="AllocRequest", version=other, anything="goes"))
 
 
 def test_reply_codec_refuses_requests() -> None:
@@ -151,3 +163,16 @@ def test_disagg_spec_is_validated_naming_the_field() -> None:
         DisaggSpec.from_dict({**good, "receiver_init_port": 70000})
     with pytest.raises(ProtocolError, match="unknown"):
         DisaggSpec.from_dict({**good, "surprise": 1})
+
+
+@pytest.mark.parametrize(
+    "host", ["decode 0", "tcp://decode-0", "decode-0:5555", "-decode", "decode..svc", "a" * 254]
+)
+def test_a_receiver_host_zmq_cannot_connect_to_is_refused_at_the_door(host: str) -> None:
+    """Refused while decoding the request, not later inside a socket call on a sender thread
+    (zmq raises EINVAL there)."""
+    good = {"req_id": "r", "receiver_init_port": 1, "receiver_alloc_port": 2}
+    for fine in ("127.0.0.1", "decode-0.pd.svc.cluster.local", "localhost"):  # control
+        assert DisaggSpec.from_dict({**good, "receiver_host": fine}).receiver_host == fine
+    with pytest.raises(ProtocolError, match="receiver_host"):
+        DisaggSpec.from_dict({**good, "receiver_host": host})

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import openai
 import pytest
 import yaml
 
+from lmcache_pd.metrics_scrape import scrape
 from lmcache_pd.model_maker import ensure_model
 from lmcache_pd.vllm_server import VLLMServer
 from tests.helpers import free_port, wait_for
@@ -97,9 +99,10 @@ class Served:
     def proxy_config(self) -> dict[str, Any]:
         return yaml.safe_load((self.workdir / "proxy.yaml").read_text())
 
-    def stats(self, name: str) -> dict[str, int]:
-        path = self.workdir / f"{name}.stats.json"
-        return yaml.safe_load(path.read_text()) if path.exists() else {}
+    def stats(self, name: str) -> defaultdict[str, float]:
+        """An instance's connector counters, from its vLLM's ``/metrics``."""
+        role, index = name.split("-")
+        return defaultdict(float, scrape(self.proxy_config()[role][int(index)]["url"]))
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -207,7 +210,7 @@ def test_completions_through_the_proxy_equal_one_instance(
     served: Served, reference: dict, model: Path, name: str, mode: str
 ) -> None:
     prompt = PROMPTS[f"{name}-{mode}"]
-    loaded = served.stats("decode-0").get("tokens_loaded", 0)
+    loaded = served.stats("decode-0")["tokens_loaded"]
     request = completion_request(model, prompt)
     got = completion_answer(client_of(served.url), request, stream=mode == "streamed")
     # tokens, logprobs (bit for bit) and finish reason

@@ -15,19 +15,28 @@ import torch
 import zmq
 
 from lmcache_pd.config import load_config
-from lmcache_pd.consumer import Consumer, checksum
+from lmcache_pd.consumer import Consumer
 from lmcache_pd.errors import (
     AllocationError,
     BufferFull,
     IntegrityError,
     PeerError,
     PeerTimeout,
+    RequestDropped,
     TransferError,
 )
 from lmcache_pd.fake_channel import FakeChannel, FakeFabric
+from lmcache_pd.integrity import checksum
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.producer import Producer
-from lmcache_pd.protocol import PROTOCOL_VERSION, AgentMetadata, DisaggSpec, encode
+from lmcache_pd.protocol import (
+    CANCEL_TIMEOUT_S,
+    PROTOCOL_VERSION,
+    AbandonReason,
+    AgentMetadata,
+    DisaggSpec,
+    encode,
+)
 from tests.helpers import (
     consumer_fields,
     free_port,
@@ -139,15 +148,81 @@ def test_released_request_keeps_its_page_until_the_write_lands(fabric, keyer) ->
         assert consumer.stats_snapshot()["chunks_landed"] == 1
 
 
-def test_unreleased_chunks_are_dropped_after_the_hold_timeout(fabric, keyer) -> None:
-    with start_consumer(fabric, keyer, hold_timeout_s=0.3) as consumer:
+def test_chunks_no_decode_claims_are_freed_after_the_claim_timeout(fabric, keyer) -> None:
+    """Pushed for a request whose client left (or whose decode computed the prompt itself):
+    the pages come back after claim_timeout_s, not hold_timeout_s; a claimed request's stay."""
+    with start_consumer(fabric, keyer, claim_timeout_s=0.3, hold_timeout_s=30.0) as consumer:
         producer, _ = make_producer(fabric)
         with producer:
-            producer.push(
-                spec_for(consumer.config, "r-orphan"), make_chunks(keyer.chunk_keys([1, 2]), 6)
-            )
-        wait_for(lambda: consumer.used_pages == 0, what="the hold to lapse")
+            consumer.claim("r-claimed")  # control: a decode waits for this one
+            for req_id in ("r-orphan", "r-claimed"):
+                chunks = make_chunks(keyer.chunk_keys([1, 2, len(req_id)]), 6)
+                producer.push(spec_for(consumer.config, req_id), chunks)
+        assert consumer.used_pages == 2
+        wait_for(lambda: consumer.used_pages == 1, what="the unclaimed hold to lapse")
+        time.sleep(0.3)
+        assert consumer.used_pages == 1
         assert consumer.stats_snapshot()["holds_expired"] == 1
+        assert consumer.dropped_reason("r-orphan") == "hold_lapsed"
+        consumer.release("r-claimed")
+        assert consumer.used_pages == 0
+
+
+def test_a_push_after_the_request_was_released_is_refused_and_holds_nothing(
+    consumer: Consumer, fabric, keyer
+) -> None:
+    producer, _ = make_producer(fabric)
+    spec = spec_for(consumer.config, "r-late")
+    with producer:
+        producer.push(spec, make_chunks(keyer.chunk_keys(list(range(256))), 1))
+        consumer.release("r-late")
+        with pytest.raises(RequestDropped, match="let go"):
+            producer.push(spec, make_chunks(keyer.chunk_keys(list(range(300))), 2))
+        # control: another request is served as before
+        producer.push(spec_for(consumer.config, "r-other"), make_chunks(keyer.chunk_keys([5]), 3))
+    stats = consumer.stats_snapshot()
+    assert (stats["refused_dropped"], stats["used_pages"]) == (1, 1)
+
+
+def test_abandoned_kv_is_known_to_the_consumer_at_once(consumer: Consumer, fabric, keyer) -> None:
+    """The producer cannot deliver: it says so, and the consumer frees the request's pages and
+    tells a decode that claims it to recompute, instead of letting it wait for its deadline."""
+    producer, _ = make_producer(fabric)
+    spec = spec_for(consumer.config, "r-gone")
+    with producer:
+        producer.push(spec, make_chunks(keyer.chunk_keys(list(range(256))), 1))
+        assert consumer.claim("r-gone") is None  # control: nothing said yet
+        assert producer.abandon(spec, AbandonReason.STAGING_FULL, "no room")
+        assert producer.abandon(spec, AbandonReason.STAGING_FULL)  # idempotent
+    assert consumer.claim("r-gone") == "staging_full"
+    assert consumer.used_pages == 0
+    assert consumer.stats_snapshot()["requests_abandoned"] == 2
+
+
+def test_abandoning_towards_a_dead_consumer_is_bounded(fabric) -> None:
+    producer, _ = make_producer(fabric)
+    dead = DisaggSpec("r-x", "127.0.0.1", free_port(), free_port())
+    started = time.monotonic()
+    with producer:
+        assert not producer.abandon(dead, AbandonReason.TRANSFER_FAILED)
+    assert time.monotonic() - started < 2 * CANCEL_TIMEOUT_S
+
+
+def test_a_consumer_restarted_on_the_same_ports_gets_a_fresh_handshake(fabric, keyer) -> None:
+    """Its pages from the stale answer are cancelled, the push is retried once and lands."""
+    fields = consumer_fields(num_pages=8)
+    config = load_config(None, environ={}, **fields)
+    producer, _ = make_producer(fabric)
+    with producer:
+        with Consumer(config, keyer, channel=FakeChannel(fabric, "consumer")) as first:
+            producer.push(spec_for(fields, "r-1"), make_chunks(keyer.chunk_keys([1, 2]), 1))
+            wait_for(lambda: first.stats_snapshot()["chunks_landed"] == 1)
+        with Consumer(config, keyer, channel=FakeChannel(fabric, "consumer")) as second:
+            result = producer.push(spec_for(fields, "r-2"), make_chunks(keyer.chunk_keys([3]), 2))
+            assert result.chunks_sent == 1
+            wait_for(lambda: second.stats_snapshot()["chunks_landed"] == 1)
+            stats = second.stats_snapshot()
+            assert (stats["allocations_cancelled"], stats["used_pages"]) == (1, 1)
 
 
 def test_full_buffer_is_retried_until_room_appears(consumer: Consumer, fabric, keyer) -> None:

@@ -18,7 +18,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmcache_pd import protocol
-from lmcache_pd.consumer import checksum
 from lmcache_pd.consumer_process import ConsumerProcess
 from lmcache_pd.errors import (
     AllocationError,
@@ -27,6 +26,7 @@ from lmcache_pd.errors import (
     PeerTimeout,
     TransferError,
 )
+from lmcache_pd.integrity import checksum
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.producer import Producer
 from tests.helpers import (

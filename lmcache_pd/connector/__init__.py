@@ -5,8 +5,11 @@ Load it with ``--kv-transfer-config '{"kv_connector": "LMCachePDConnector",
 "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"config_path": "..."}}'``.
 
 vLLM makes one instance per process: role SCHEDULER in the engine core, role WORKER in each
-worker. Only the worker half owns sockets, NIXL and buffers. Blocks are never held past a
-request's end: the producer copies KV out of the paged cache during the step that computed it.
+worker. The facade builds the half of its role (producer or consumer, scheduler or worker) and
+delegates every hook to it; the halves inherit "nothing to do" for hooks they do not use. Only
+the worker half owns sockets, NIXL and buffers. Blocks are never held past a request's end: the
+producer copies KV out of the paged cache during the step that computed it. Counters of either
+half reach vLLM's own ``/metrics`` through the connector stats hooks (``stats.py``).
 """
 
 from __future__ import annotations
@@ -24,14 +27,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from lmcache_pd.config import CONFIG_PATH_ENV, PDConfig, load_config
-from lmcache_pd.connector.metadata import PDConnectorMetadata
-from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler
-from lmcache_pd.connector.worker import ConsumerWorker, ProducerWorker
+from lmcache_pd.connector.metadata import PDConnectorMetadata, PushProgress
+from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler, SchedulerHalf
+from lmcache_pd.connector.stats import PDConnectorStats, PDPromMetrics, StatsRecorder
+from lmcache_pd.connector.worker import ConsumerWorker, ProducerWorker, WorkerHalf
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.keys import ChunkKeyer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -102,32 +107,37 @@ class LMCachePDConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._config = connector_config(vllm_config)
-        self._producer = self._config.kv_role == "kv_producer"
-        self._scheduler: ProducerScheduler | ConsumerScheduler | None = None
-        self._worker: ProducerWorker | ConsumerWorker | None = None
+        _show_our_logs(self._config.log_level)
+        producer = self._config.kv_role == "kv_producer"
+        # The worker half needs the paged cache: it is made in register_kv_caches.
+        self._worker: WorkerHalf = WorkerHalf()
+        self._scheduler: SchedulerHalf = SchedulerHalf()
         if role == KVConnectorRole.SCHEDULER:
+            self._stats = StatsRecorder("scheduler")
             self._scheduler = (
                 ProducerScheduler()
-                if self._producer
-                else ConsumerScheduler(self._config.chunk_size)
+                if producer
+                else ConsumerScheduler(self._config.chunk_size, self._stats.add)
             )
-        _show_our_logs(self._config.log_level)
+        else:
+            from vllm.distributed.parallel_state import get_world_group
+
+            self._rank = get_world_group().rank
+            # Named by rank: gauges of several ranks are summed, not replaced.
+            self._stats = StatsRecorder(f"rank{self._rank}")
         logger.info("LMCachePDConnector %s as %s", role.name, self._config.kv_role)
 
     # ---- worker side ----
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Called once the paged cache exists: the worker half starts here."""
-        from vllm.distributed.parallel_state import get_world_group
-
-        keyer = chunk_keyer(self._vllm_config, self._config, get_world_group().rank)
-        worker_type = ProducerWorker if self._producer else ConsumerWorker
-        self._worker = worker_type(self._config, keyer, kv_caches)
+        keyer = chunk_keyer(self._vllm_config, self._config, self._rank)
+        half = ProducerWorker if self._config.kv_role == "kv_producer" else ConsumerWorker
+        self._worker = half(self._config, keyer, kv_caches, self._stats)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Consumer: queue this step's loads; they complete as their chunks land."""
-        if isinstance(self._worker, ConsumerWorker):
-            self._worker.start_load_kv(self._meta())
+        self._worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole-request and asynchronous; nothing waits per layer."""
@@ -143,19 +153,19 @@ class LMCachePDConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         """Producer: copy out the chunks this step completed and queue their push."""
-        if isinstance(self._worker, ProducerWorker):
-            self._worker.wait_for_save(self._meta())
+        self._worker.wait_for_save(self._meta())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Consumer: the loads that completed or failed since the last step."""
-        if not isinstance(self._worker, ConsumerWorker):
-            return KVConnectorTransferResults()
         received, failed = self._worker.finished_loads()
         return KVConnectorTransferResults(finished_recving=received, failed_recving=failed)
 
+    def get_kv_connector_stats(self) -> PDConnectorStats | None:
+        """This half's counters since the last call (either process; vLLM adds them up)."""
+        return self._stats.take()
+
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
+        self._worker.close()
 
     def _meta(self) -> PDConnectorMetadata:
         meta = self._get_connector_metadata()
@@ -167,32 +177,44 @@ class LMCachePDConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if isinstance(self._scheduler, ConsumerScheduler):
-            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-        return 0, False
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        if isinstance(self._scheduler, ConsumerScheduler):
-            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
-        elif isinstance(self._scheduler, ProducerScheduler):
-            self._scheduler.update_state_after_alloc(request)
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
-
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if isinstance(self._scheduler, ConsumerScheduler):
-            self._scheduler.update_connector_output(set(connector_output.failed_recving or ()))
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Never delays the free (the KV was copied out); returns ``first_tok`` if asked."""
-        if isinstance(self._scheduler, ProducerScheduler):
-            return False, self._scheduler.request_finished(request)
-        if isinstance(self._scheduler, ConsumerScheduler):
-            self._scheduler.request_finished(request)
-        return False, None
+        return False, self._scheduler.request_finished(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        """Producer: pushes still running; vLLM keeps stepping (their counters flush)."""
+        return self._scheduler.has_pending_push_work()
+
+    def build_connector_worker_meta(self) -> PushProgress | None:
+        return self._worker.progress()
+
+    # ---- metrics (API-server process) ----
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PDConnectorStats:
+        return PDConnectorStats(data=data) if data is not None else PDConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PDPromMetrics:
+        return PDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

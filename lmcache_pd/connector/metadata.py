@@ -1,27 +1,34 @@
 """What the scheduler-side connector tells the worker-side one each step.
 
 vLLM runs the two halves in different processes and ships this object from one to the other
-with every step, so it carries plain data only: prompts, block ids, progress.
+with every step, so it carries plain data only, and only what changed: a request's prompt goes
+once, with its first save or its load; later saves carry the blocks added since.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from lmcache_pd.protocol import DisaggSpec
 
 
 @dataclass(frozen=True, slots=True)
 class SaveRequest:
-    """Producer: after this step the KV of ``prompt[:computed_end]`` is in ``block_ids``."""
+    """Producer: after this step the KV of the prompt's first ``computed_end`` tokens is in the
+    request's blocks: those it had, plus ``block_ids`` (or only ``block_ids`` if
+    ``replace_blocks``, after a preemption). ``prompt`` is set on the request's first save only."""
 
     req_id: str
     spec: DisaggSpec
-    prompt: list[int]
+    prompt: list[int] | None
     block_ids: list[int]
     computed_end: int
+    replace_blocks: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +45,23 @@ class LoadRequest:
 
 @dataclass
 class PDConnectorMetadata(KVConnectorMetadata):
-    """One step's saves (producer) or loads (consumer), and the requests that finished."""
+    """One step's saves (producer) or loads (consumer), the requests that finished, and the
+    producer's requests that finished before their prompt was computed (aborted)."""
 
     saves: list[SaveRequest] = field(default_factory=list)
     loads: list[LoadRequest] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)
+    aborted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class PushProgress(KVConnectorWorkerMetadata):
+    """Producer worker -> scheduler, every step: push jobs not finished yet. While any are,
+    the scheduler asks vLLM to keep stepping (``has_pending_push_work``), so that the pushes'
+    counters reach ``/metrics`` and nothing waits on an idle engine."""
+
+    outstanding: int = 0
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> PushProgress:
+        assert isinstance(other, PushProgress)
+        return PushProgress(self.outstanding + other.outstanding)

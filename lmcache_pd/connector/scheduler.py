@@ -7,16 +7,23 @@ Both run in vLLM's engine-core process and only describe work for the worker (se
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata, SaveRequest
+from lmcache_pd.connector.metadata import (
+    LoadRequest,
+    PDConnectorMetadata,
+    PushProgress,
+    SaveRequest,
+)
 from lmcache_pd.errors import ProtocolError
 from lmcache_pd.protocol import DisaggSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -36,82 +43,148 @@ def disagg_spec_of(request: Request) -> DisaggSpec | None:
         return None
 
 
+class SchedulerHalf:
+    """What the facade asks of a scheduler-side half; a role does what its half needs and
+    inherits "nothing to do" for the rest."""
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        return None
+
+    def build_connector_meta(self, output: SchedulerOutput) -> PDConnectorMetadata:
+        return PDConnectorMetadata()
+
+    def request_finished(self, request: Request) -> dict[str, Any] | None:
+        """Called once per request as it ends; what it returns goes back to the client as the
+        response's ``kv_transfer_params``."""
+        return None
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        return None
+
+    def has_pending_push_work(self) -> bool:
+        return False
+
+
 @dataclass(slots=True)
 class _Push:
     """A producer request whose prompt KV is being pushed as prefill goes."""
 
     spec: DisaggSpec
     prompt: list[int]
-    block_ids: list[int]
     ret_first_tok: bool
+    announced: bool = False  # the worker has had the prompt
 
 
-class ProducerScheduler:
+class ProducerScheduler(SchedulerHalf):
     """Tracks requests with a DisaggSpec and tells the worker how far their prefill got."""
 
     def __init__(self) -> None:
         self._pushes: dict[str, _Push] = {}
+        self._aborted: set[str] = set()
+        # Push jobs the worker has not finished, as of its last report (or this step's saves).
+        self._outstanding = 0
 
-    def update_state_after_alloc(self, request: Request) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         spec = disagg_spec_of(request)
         if spec is not None and request.request_id not in self._pushes:
             params = request.kv_transfer_params or {}
             self._pushes[request.request_id] = _Push(
-                spec, list(request.prompt_token_ids or []), [], bool(params.get("ret_first_tok"))
+                spec, list(request.prompt_token_ids or []), bool(params.get("ret_first_tok"))
             )
 
     def build_connector_meta(self, output: SchedulerOutput) -> PDConnectorMetadata:
-        meta = PDConnectorMetadata(finished=set(output.finished_req_ids) & set(self._pushes))
+        meta = PDConnectorMetadata(
+            finished=set(output.finished_req_ids) & (set(self._pushes) | self._aborted),
+            aborted=self._aborted,
+        )
+        self._aborted = set()
         scheduled = output.num_scheduled_tokens
         for new in output.scheduled_new_reqs:
             push = self._pushes.get(new.req_id)
             if push is not None:
-                push.block_ids = list(new.block_ids[0])
                 computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
-                meta.saves.append(self._save(new.req_id, push, computed))
+                meta.saves.append(self._save(new.req_id, push, new.block_ids[0], computed, True))
         cached = output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
             push = self._pushes.get(req_id)
             if push is None:
                 continue
             new_blocks = cached.new_block_ids[index]
-            if req_id in cached.resumed_req_ids:  # after preemption: a fresh set of blocks
-                push.block_ids = list(new_blocks[0]) if new_blocks else []
-            elif new_blocks:
-                push.block_ids.extend(new_blocks[0])
+            resumed = req_id in cached.resumed_req_ids  # after preemption: a fresh set of blocks
             computed = cached.num_computed_tokens[index] + scheduled.get(req_id, 0)
-            if computed <= len(push.prompt) or req_id in cached.resumed_req_ids:
-                meta.saves.append(self._save(req_id, push, computed))
+            if computed <= len(push.prompt) or resumed:
+                blocks = new_blocks[0] if new_blocks else []
+                meta.saves.append(self._save(req_id, push, blocks, computed, resumed))
+        # The worker may queue pushes in this step: step on until it reports them done.
+        self._outstanding += len(meta.saves) + len(meta.aborted)
         return meta
 
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        progress = output.kv_connector_worker_meta
+        if isinstance(progress, PushProgress):
+            self._outstanding = progress.outstanding
+
+    def has_pending_push_work(self) -> bool:
+        return self._outstanding > 0
+
     def request_finished(self, request: Request) -> dict[str, Any] | None:
-        """Blocks are freed at once: the worker copied the KV out during the step."""
+        """Blocks are freed at once: the worker copied the KV out during the step. A request
+        that ends before its prompt was computed (aborted) is reported to the worker, which
+        tells its consumer not to wait."""
         push = self._pushes.pop(request.request_id, None)
-        if push is None or not push.ret_first_tok or not request.output_token_ids:
+        if push is None:
+            return None
+        if request.num_computed_tokens < len(push.prompt):
+            self._aborted.add(request.request_id)
+        if not push.ret_first_tok or not request.output_token_ids:
             return None
         return {"first_tok": int(request.output_token_ids[0]), "disagg_req_id": push.spec.req_id}
 
     @staticmethod
-    def _save(req_id: str, push: _Push, computed: int) -> SaveRequest:
+    def _save(
+        req_id: str, push: _Push, blocks: Sequence[int], computed: int, replace: bool
+    ) -> SaveRequest:
+        prompt = None if push.announced else push.prompt
+        push.announced = True
         return SaveRequest(
-            req_id, push.spec, push.prompt, list(push.block_ids), min(computed, len(push.prompt))
+            req_id, push.spec, prompt, list(blocks), min(computed, len(push.prompt)), replace
         )
 
 
-class ConsumerScheduler:
+class ConsumerScheduler(SchedulerHalf):
     """Announces a disaggregated request's prompt KV as an asynchronous external hit."""
 
-    def __init__(self, chunk_size: int) -> None:
+    def __init__(self, chunk_size: int, count: Callable[[str], None] = lambda _: None) -> None:
+        """``count`` takes the name of a counter to bump (``StatsRecorder.add``)."""
         self._chunk_size = chunk_size
+        self._count = count
         self._loads: list[LoadRequest] = []
-        # Requests whose load failed: vLLM asks again before recomputing, and must hear "none".
-        self._failed: set[str] = set()
+        # Requests whose KV was loaded once (or failed to load): vLLM asks again after a failed
+        # load or a preemption, and must hear "none": the chunks are released by then.
+        self._loaded: set[str] = set()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
         """All of the prompt but its last token (the producer's first output, computed here),
         if loading starts on a chunk boundary; else nothing and the prompt is computed."""
         spec = disagg_spec_of(request)
-        if spec is None or num_computed % self._chunk_size or request.request_id in self._failed:
+        if spec is None or num_computed % self._chunk_size:
+            return 0, False
+        if request.request_id in self._loaded:
+            # Its chunks were released when it loaded (or failed to): compute the prompt.
+            if request.num_preemptions > 0:
+                self._count("preemption_recomputes")
+                logger.info(
+                    "req %s (%s): preempted after loading its KV; computing its prompt",
+                    request.request_id,
+                    spec.req_id,
+                )
             return 0, False
         external = len(request.prompt_token_ids or []) - 1 - num_computed
         return (external, True) if external > 0 else (0, False)
@@ -124,6 +197,7 @@ class ConsumerScheduler:
             return
         prompt = list(request.prompt_token_ids or [])[:-1]
         start = len(prompt) - num_external_tokens
+        self._loaded.add(request.request_id)
         self._loads.append(
             LoadRequest(
                 request.request_id, spec.req_id, prompt, list(blocks.get_block_ids()[0]), start
@@ -135,9 +209,6 @@ class ConsumerScheduler:
         self._loads = []
         return meta
 
-    def update_connector_output(self, failed_recving: set[str]) -> None:
-        """Remember failed loads, so that their prompts are computed instead of awaited again."""
-        self._failed |= failed_recving
-
-    def request_finished(self, request: Request) -> None:
-        self._failed.discard(request.request_id)
+    def request_finished(self, request: Request) -> dict[str, Any] | None:
+        self._loaded.discard(request.request_id)
+        return None

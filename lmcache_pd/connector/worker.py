@@ -1,78 +1,48 @@
 """Worker-side halves of the connector: move KV between vLLM's paged cache and the transfer core.
 
 Producer: at the end of each step (``wait_for_save``) the chunks whose tokens are all computed
-are gathered into pages of the registered staging buffer, so vLLM may free or reuse the blocks at
-once, and a sender thread, the only thread of this process that calls NIXL, pushes them.
+are gathered into pages of the staging buffer, so vLLM may free or reuse the blocks at once, and
+the sender thread of the request's consumer pushes them (``sender.py``). A request that cannot
+be pushed (no staging room, prefill aborted) is abandoned: its consumer is told at once.
 Consumer: each step, pending loads whose chunks have all landed are scattered into their blocks
-and reported as received; a load not complete by its deadline, or with a chunk that fails its
-checksum, is reported as failed and vLLM recomputes the prompt.
+and reported as received; a load whose KV was abandoned, not complete by its deadline, or with a
+chunk that fails its checksum, is reported as failed and vLLM recomputes the prompt.
+Counters go to a ``StatsRecorder``: vLLM ships them to its own ``/metrics``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import queue
-import threading
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
 from lmcache_pd.config import PDConfig, replace
-from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata, SaveRequest
+from lmcache_pd.connector.metadata import (
+    LoadRequest,
+    PDConnectorMetadata,
+    PushProgress,
+    SaveRequest,
+)
+from lmcache_pd.connector.sender import (
+    AbandonJob,
+    PushJob,
+    Saving,
+    SenderPool,
+    parse_peer,
+)
+from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.consumer import Consumer
-from lmcache_pd.errors import IntegrityError, PDError
+from lmcache_pd.errors import AllocationError, IntegrityError
 from lmcache_pd.kernels.cpu_blocks import CpuKVCache, validate_chunk_size
 from lmcache_pd.keys import ChunkKey, ChunkKeyer
 from lmcache_pd.producer import Producer
-from lmcache_pd.protocol import DisaggSpec
+from lmcache_pd.protocol import AbandonReason
+from lmcache_pd.staging import Staging
 from lmcache_pd.trace import TraceFile
 
 logger = logging.getLogger(__name__)
-
-SENDER_POLL_S = 0.1
-STOP_TIMEOUT_S = 10.0
-
-
-@dataclass(slots=True)
-class WorkerStats:
-    """Counters of one worker's connector, also written to ``stats_path`` when set."""
-
-    pushes: int = 0
-    chunks_pushed: int = 0
-    chunks_skipped: int = 0
-    bytes_pushed: int = 0
-    push_failures: int = 0
-    staging_full: int = 0
-    loads_completed: int = 0
-    tokens_loaded: int = 0
-    loads_failed: int = 0
-    loads_aborted: int = 0
-    load_timeouts: int = 0
-    integrity_failures: int = 0
-    consumer_used_pages: int = 0
-
-
-@dataclass
-class _StatsFile:
-    """Counters guarded by a lock and mirrored to a JSON file for tests and operators."""
-
-    path: Path | None
-    stats: WorkerStats = field(default_factory=WorkerStats)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @contextlib.contextmanager
-    def update(self) -> Iterator[WorkerStats]:
-        with self.lock:
-            yield self.stats
-            if self.path is not None:
-                temporary = self.path.with_suffix(".tmp")
-                temporary.write_text(json.dumps(asdict(self.stats)))
-                temporary.replace(self.path)
 
 
 def paged_cache(kv_caches: dict[str, torch.Tensor], chunk_size: int) -> CpuKVCache:
@@ -89,122 +59,146 @@ def _chunk_blocks(block_ids: list[int], chunk: ChunkKey, block_size: int) -> tor
     return torch.tensor(block_ids[first:last], dtype=torch.int64)
 
 
-@dataclass(slots=True)
-class _PushJob:
-    spec: DisaggSpec
-    chunks: list[tuple[bytes, torch.Tensor]]
-    pages: contextlib.AbstractContextManager
-    staged_at: float  # wall clock, for the trace
+class WorkerHalf:
+    """What the facade asks of a worker-side half; each role inherits "nothing to do" for
+    the hooks it does not use."""
 
-
-class ProducerWorker:
-    """Gathers finished chunks each step and pushes them from a sender thread."""
-
-    def __init__(self, config: PDConfig, keyer: ChunkKeyer, kv_caches: dict[str, torch.Tensor]):
-        self._keyer = keyer
-        self._cache = paged_cache(kv_caches, config.chunk_size)
-        page_bytes = self._cache.chunk_nbytes(config.chunk_size)
-        self._producer = Producer(replace(config, page_bytes=page_bytes))
-        self._stats = _StatsFile(Path(config.stats_path) if config.stats_path else None)
-        self._trace = TraceFile(config.trace_path)
-        self._progress: dict[str, int] = {}
-        self._jobs: queue.Queue[_PushJob] = queue.Queue()
-        self._stop = threading.Event()
-        self._sender = threading.Thread(target=self._send, name="lmcache-pd-sender", daemon=True)
-        self._sender.start()
+    def start_load_kv(self, meta: PDConnectorMetadata) -> None:
+        return None
 
     def wait_for_save(self, meta: PDConnectorMetadata) -> None:
-        for save in meta.saves:
-            self._save(save)
-        for req_id in meta.finished:
-            self._progress.pop(req_id, None)
+        return None
+
+    def finished_loads(self) -> tuple[set[str], set[str]]:
+        """(received, failed) request ids since the last step."""
+        return set(), set()
+
+    def progress(self) -> PushProgress | None:
+        """What the scheduler half should know of this step (pushes still running)."""
+        return None
 
     def close(self) -> None:
-        self._stop.set()
-        self._sender.join(STOP_TIMEOUT_S)
-        self._producer.close()
+        return None
+
+
+class ProducerWorker(WorkerHalf):
+    """Gathers finished chunks each step and hands them to the consumer's sender thread."""
+
+    def __init__(
+        self,
+        config: PDConfig,
+        keyer: ChunkKeyer,
+        kv_caches: dict[str, torch.Tensor],
+        stats: StatsRecorder,
+    ) -> None:
+        self._keyer = keyer
+        self._cache = paged_cache(kv_caches, config.chunk_size)
+        config = replace(config, page_bytes=self._cache.chunk_nbytes(config.chunk_size))
+        self._stats = stats
+        self._staging = Staging(num_pages=config.num_pages, page_bytes=config.page_bytes)
+        self._saving: dict[str, Saving] = {}
+        self._senders = SenderPool(
+            lambda: Producer(config, staging=self._staging),
+            stats.add,
+            TraceFile(config.trace_path),
+            [parse_peer(peer) for peer in config.warm_peers],
+        )
+
+    def wait_for_save(self, meta: PDConnectorMetadata) -> None:
+        """Runs on vLLM's model-runner thread: never raises, a request that cannot be pushed is
+        abandoned (its decode recomputes)."""
+        for save in meta.saves:
+            try:
+                self._save(save)
+            except Exception:
+                self._stats.add("thread_errors")
+                logger.exception("req %s: copying its KV out failed", save.spec.req_id)
+                request = self._saving.get(save.req_id)
+                if request is not None:
+                    self._abandon(request, AbandonReason.PRODUCER_ERROR, "copy-out failed")
+        for req_id in meta.aborted:
+            request = self._saving.get(req_id)
+            if request is not None:
+                self._abandon(request, AbandonReason.REQUEST_ABORTED, "prefill ended early")
+        for req_id in meta.finished:
+            self._saving.pop(req_id, None)
+
+    def progress(self) -> PushProgress:
+        return PushProgress(self._senders.outstanding)
+
+    def close(self) -> None:
+        """Stop the senders (each closes its own NIXL agent) before anything is freed."""
+        self._senders.close()
 
     def _save(self, save: SaveRequest) -> None:
-        done = self._progress.get(save.req_id, 0)
-        final = save.computed_end >= len(save.prompt)
-        ready = (
-            save.computed_end
-            if final
-            else save.computed_end - save.computed_end % (self._keyer.chunk_size)
-        )
-        chunks = [
-            c for c in self._keyer.chunk_keys(save.prompt) if done <= c.start and c.end <= ready
-        ]
+        request = self._saving.get(save.req_id)
+        if request is None:
+            if save.prompt is None:  # its first save was never seen: nothing to go on
+                logger.error("req %s: a save without its prompt; not pushed", save.spec.req_id)
+                return
+            request = Saving(save.spec, self._keyer.chunk_keys(save.prompt), len(save.prompt))
+            self._saving[save.req_id] = request
+        if save.replace_blocks:
+            request.block_ids = list(save.block_ids)
+        else:
+            request.block_ids.extend(save.block_ids)
+        if request.abandoned.is_set():
+            return
+        final = save.computed_end >= request.prompt_tokens
+        ready = save.computed_end - (0 if final else save.computed_end % self._keyer.chunk_size)
+        chunks = [c for c in request.keys if request.pushed_upto <= c.start and c.end <= ready]
         if not chunks:
             return
-        self._progress[save.req_id] = ready
-        pages_context = self._producer.staged(len(chunks))
+        pages_context = self._staging.pages(len(chunks))
         try:
             pages = pages_context.__enter__()
-        except PDError as exc:
-            with self._stats.update() as stats:
-                stats.staging_full += 1
-            logger.warning("req %s: not pushed: %s", save.spec.req_id, exc)
+        except AllocationError as exc:
+            self._stats.add("staging_full")
+            self._abandon(request, AbandonReason.STAGING_FULL, str(exc))
             return
+        request.pushed_upto = ready
         staged = []
         for chunk, page in zip(chunks, pages, strict=True):
-            blocks = _chunk_blocks(save.block_ids, chunk, self._cache.block_size)
+            blocks = _chunk_blocks(request.block_ids, chunk, self._cache.block_size)
             data = page[: self._cache.chunk_nbytes(chunk.end - chunk.start)]
             self._cache.gather(blocks, data)
             staged.append((chunk.key, data))
-        self._jobs.put(_PushJob(save.spec, staged, pages_context, time.time()))
+        self._senders.submit(PushJob(request, staged, pages_context, time.time()))
 
-    def _send(self) -> None:
-        """The sender thread: the only caller of NIXL after start-up."""
-        while not self._stop.is_set():
-            try:
-                job = self._jobs.get(timeout=SENDER_POLL_S)
-            except queue.Empty:
-                continue
-            started = time.time()
-            record = {"event": "push", "req_id": job.spec.req_id, "staged_at": job.staged_at}
-            try:
-                result = self._producer.push(job.spec, job.chunks)
-            except PDError as exc:
-                with self._stats.update() as stats:
-                    stats.push_failures += 1
-                logger.warning(
-                    "req %s: push failed, the consumer will recompute: %s", job.spec.req_id, exc
-                )
-                record["error"] = str(exc)
-            else:
-                with self._stats.update() as stats:
-                    stats.pushes += 1
-                    stats.chunks_pushed += result.chunks_sent
-                    stats.chunks_skipped += result.chunks_skipped
-                    stats.bytes_pushed += result.bytes_sent
-                record |= {
-                    "chunks": result.chunks_sent,
-                    "skipped": result.chunks_skipped,
-                    "bytes": result.bytes_sent,
-                }
-            finally:
-                job.pages.__exit__(None, None, None)
-            self._trace.write(record | {"start": started, "end": time.time()})
+    def _abandon(self, request: Saving, reason: AbandonReason, detail: str) -> None:
+        """No more of this request is pushed; its sender tells the consumer (off this thread)."""
+        if request.abandoned.is_set():
+            return
+        request.abandoned.set()
+        logger.warning("req %s: not pushed (%s): %s", request.spec.req_id, reason.value, detail)
+        self._senders.submit(AbandonJob(request, reason, detail))
 
 
 @dataclass(slots=True)
 class _PendingLoad:
     load: LoadRequest
+    keys: list[ChunkKey]  # the prompt's, hashed once
+    landed: int  # how many of them were seen landed
     deadline: float
     queued_at: float  # wall clock, for the trace
 
 
-class ConsumerWorker:
+class ConsumerWorker(WorkerHalf):
     """Serves the consumer rank and completes loads as their chunks land."""
 
-    def __init__(self, config: PDConfig, keyer: ChunkKeyer, kv_caches: dict[str, torch.Tensor]):
+    def __init__(
+        self,
+        config: PDConfig,
+        keyer: ChunkKeyer,
+        kv_caches: dict[str, torch.Tensor],
+        stats: StatsRecorder,
+    ) -> None:
         self._config = config
         self._keyer = keyer
         self._cache = paged_cache(kv_caches, config.chunk_size)
         page_bytes = self._cache.chunk_nbytes(config.chunk_size)
         self._consumer = Consumer(replace(config, page_bytes=page_bytes), keyer)
-        self._stats = _StatsFile(Path(config.stats_path) if config.stats_path else None)
+        self._stats = stats
         self._trace = TraceFile(config.trace_path)
         self._pending: list[_PendingLoad] = []
         self._aborted: set[str] = set()
@@ -212,7 +206,11 @@ class ConsumerWorker:
     def start_load_kv(self, meta: PDConnectorMetadata) -> None:
         deadline = time.monotonic() + self._config.load_timeout_s
         now = time.time()
-        self._pending.extend(_PendingLoad(load, deadline, now) for load in meta.loads)
+        for load in meta.loads:
+            # Claimed at once: its pages stay past the claim timeout while it waits.
+            self._consumer.claim(load.disagg_req_id)
+            keys = self._keyer.chunk_keys(load.prompt)
+            self._pending.append(_PendingLoad(load, keys, 0, deadline, now))
         if meta.finished:
             self._drop_aborted(meta.finished)
 
@@ -224,9 +222,7 @@ class ConsumerWorker:
             self._consumer.release(pending.load.disagg_req_id)
             self._aborted.add(pending.load.req_id)
             self._traced(pending, "aborted")
-            with self._stats.update() as stats:
-                stats.loads_aborted += 1
-                stats.consumer_used_pages = self._consumer.used_pages
+            self._stats.add("loads_aborted")
             logger.info(
                 "req %s (%s): ended while its KV was awaited; pages released",
                 pending.load.req_id,
@@ -234,13 +230,25 @@ class ConsumerWorker:
             )
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
-        """(received, failed) request ids; a failed one is in both, as vLLM asks."""
+        """(received, failed) request ids; a failed one is in both, as vLLM asks. Never raises:
+        it runs on vLLM's model-runner thread, and a load that cannot be done is recomputed."""
         received: set[str] = self._aborted
         self._aborted = set()
         failed: set[str] = set()
         still: list[_PendingLoad] = []
         for pending in self._pending:
-            outcome = self._try_load(pending)
+            try:
+                outcome = self._try_load(pending)
+            except Exception:
+                self._stats.add("thread_errors")
+                self._stats.add("loads_failed")
+                logger.exception(
+                    "req %s (%s): loading failed unexpectedly; recomputing the prompt",
+                    pending.load.req_id,
+                    pending.load.disagg_req_id,
+                )
+                self._consumer.release(pending.load.disagg_req_id)
+                outcome = False
             if outcome is None:
                 still.append(pending)
                 continue
@@ -248,6 +256,8 @@ class ConsumerWorker:
             if not outcome:
                 failed.add(pending.load.req_id)
         self._pending = still
+        self._stats.set_gauge("consumer_used_pages", self._consumer.used_pages)
+        self._stats.set_gauge("consumer_held_requests", self._consumer.held_requests)
         return received, failed
 
     def close(self) -> None:
@@ -268,47 +278,48 @@ class ConsumerWorker:
     def _try_load(self, pending: _PendingLoad) -> bool | None:
         """True once loaded, False if it failed, None while its chunks are still on the way."""
         load = pending.load
-        if self._consumer.lookup(load.prompt) < len(load.prompt):
+        abandoned = self._consumer.dropped_reason(load.disagg_req_id)
+        if abandoned is not None:
+            return self._failed(
+                pending, "abandoned", "loads_abandoned", f"KV abandoned: {abandoned}"
+            )
+        pending.landed = self._consumer.landed_prefix(pending.keys, pending.landed)
+        if pending.landed < len(pending.keys):
             if time.monotonic() < pending.deadline:
                 return None
-            self._consumer.release(load.disagg_req_id)
-            self._traced(pending, "timeout")
-            with self._stats.update() as stats:
-                stats.load_timeouts += 1
-                stats.loads_failed += 1
-                stats.consumer_used_pages = self._consumer.used_pages
-            logger.warning(
-                "req %s (%s): KV not landed within %.1f s, recomputing the prompt",
-                load.req_id,
-                load.disagg_req_id,
-                self._config.load_timeout_s,
+            return self._failed(
+                pending,
+                "timeout",
+                "load_timeouts",
+                f"KV not landed within {self._config.load_timeout_s:.1f} s",
             )
-            return False
         try:
-            for chunk in self._keyer.chunk_keys(load.prompt):
+            for chunk in pending.keys:
                 if chunk.end <= load.start:
                     continue
                 data = self._consumer.get_chunk(chunk.key)
                 blocks = _chunk_blocks(load.block_ids, chunk, self._cache.block_size)
                 self._cache.scatter(data, blocks)
         except (IntegrityError, KeyError) as exc:
-            self._traced(pending, "unusable")
-            with self._stats.update() as stats:
-                stats.integrity_failures += isinstance(exc, IntegrityError)
-                stats.loads_failed += 1
-            logger.warning(
-                "req %s (%s): received KV unusable, recomputing the prompt: %s",
-                load.req_id,
-                load.disagg_req_id,
-                exc,
-            )
-            return False
-        finally:
-            self._consumer.release(load.disagg_req_id)
-        self._traced(pending, "loaded", len(load.prompt) - load.start)
-        with self._stats.update() as stats:
-            stats.loads_completed += 1
-            stats.tokens_loaded += len(load.prompt) - load.start
-            stats.consumer_used_pages = self._consumer.used_pages
-        logger.info("req %s: loaded %d prompt tokens", load.req_id, len(load.prompt) - load.start)
+            counter = "integrity_failures" if isinstance(exc, IntegrityError) else None
+            return self._failed(pending, "unusable", counter, f"received KV unusable: {exc}")
+        self._consumer.release(load.disagg_req_id)
+        tokens = len(load.prompt) - load.start
+        self._traced(pending, "loaded", tokens)
+        self._stats.add("loads_completed")
+        self._stats.add("tokens_loaded", tokens)
+        logger.info("req %s: loaded %d prompt tokens", load.req_id, tokens)
         return True
+
+    def _failed(self, pending: _PendingLoad, outcome: str, counter: str | None, why: str) -> bool:
+        """Give the load's pages back and have vLLM recompute its prompt."""
+        load = pending.load
+        self._consumer.release(load.disagg_req_id)
+        self._traced(pending, outcome)
+        if counter is not None:
+            self._stats.add(counter)
+        self._stats.add("loads_failed")
+        logger.warning(
+            "req %s (%s): %s; recomputing the prompt", load.req_id, load.disagg_req_id, why
+        )
+        return False

@@ -1,0 +1,362 @@
+"""A producer rank's sender threads: one per consumer rank, each the only user of its own NIXL
+agent, so that a consumer that is slow, dead or stuck in NIXL's connect delays no push to any
+other consumer.
+
+NIXL's UCX connect (inside ``add_remote_agent``) waits for the peer with no deadline of its own
+and cannot be interrupted; NIXL calls on one agent must not run on two threads. An agent per
+peer, owned by that peer's thread, is what keeps one stuck connect to its own peer. Known peers
+(the launcher names every decode rank) are connected ahead of their first request.
+
+Every failure of a push is told to its consumer (``KVAbandoned``), so that its decode recomputes
+at once instead of waiting its load deadline; later pushes of that request are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lmcache_pd.errors import AllocationError, PDError, RequestDropped
+from lmcache_pd.keys import ChunkKey
+from lmcache_pd.producer import Producer
+from lmcache_pd.protocol import AbandonReason, DisaggSpec
+from lmcache_pd.trace import TraceFile
+
+logger = logging.getLogger(__name__)
+
+PeerAddress = tuple[str, int, int]  # receiver host, init port, alloc port
+# How often an idle sender looks at its stop flag, and retries connecting to a known peer.
+SENDER_POLL_S = 0.1
+WARM_RETRY_S = (0.5, 5.0)  # first and longest pause between two connect attempts
+STOP_TIMEOUT_S = 10.0
+# A producer talks to a handful of decode ranks; a flood of distinct addresses (bad specs) must
+# not become a flood of threads and NIXL agents.
+MAX_PEERS = 64
+
+
+def address_of(spec: DisaggSpec) -> PeerAddress:
+    return (spec.receiver_host, spec.receiver_init_port, spec.receiver_alloc_port)
+
+
+def parse_peer(text: str) -> PeerAddress:
+    """``host:init_port:alloc_port``, as in the producer's ``warm_peers``."""
+    host, init_port, alloc_port = text.rsplit(":", 2)
+    return host, int(init_port), int(alloc_port)
+
+
+@dataclass(slots=True)
+class Saving:
+    """A producer request whose prompt's KV is being copied out and pushed as prefill goes.
+
+    ``pushed_upto`` and ``block_ids`` belong to the model-runner thread; ``abandoned`` is set by
+    either thread and read by both; ``consumer_told`` belongs to the sender thread."""
+
+    spec: DisaggSpec
+    keys: list[ChunkKey]
+    prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    pushed_upto: int = 0
+    abandoned: threading.Event = field(default_factory=threading.Event)
+    consumer_told: bool = False
+
+
+@dataclass(slots=True)
+class PushJob:
+    """Chunks of one request gathered into staging pages, to push and then give back."""
+
+    request: Saving
+    chunks: list[tuple[bytes, torch.Tensor]]
+    pages: contextlib.AbstractContextManager
+    staged_at: float  # wall clock, for the trace
+
+
+@dataclass(frozen=True, slots=True)
+class AbandonJob:
+    """Tell the request's consumer that its KV will not come."""
+
+    request: Saving
+    reason: AbandonReason
+    detail: str
+
+
+Job = PushJob | AbandonJob
+# (counter name, increment), as StatsRecorder.add takes them.
+Count = Callable[[str, int], None]
+
+
+def _reason(exc: Exception) -> AbandonReason:
+    if isinstance(exc, AllocationError):
+        return AbandonReason.CONSUMER_REFUSED
+    if isinstance(exc, PDError):
+        return AbandonReason.TRANSFER_FAILED
+    return AbandonReason.PRODUCER_ERROR
+
+
+class Outstanding:
+    """Jobs submitted and not yet finished, across every sender of a producer rank."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._count += n
+
+    @property
+    def count(self) -> int:
+        with self._lock:
+            return self._count
+
+
+class PeerSender:
+    """Pushes to one consumer rank, in order, on a thread that owns its own ``Producer``."""
+
+    def __init__(
+        self,
+        address: PeerAddress,
+        make_producer: Callable[[], Producer],
+        count: Count,
+        trace: TraceFile,
+        outstanding: Outstanding,
+        *,
+        warm: bool,
+    ) -> None:
+        self.address = address
+        self._outstanding = outstanding
+        self._make_producer = make_producer
+        self._count = count
+        self._trace = trace
+        self._warm = warm
+        # Bounded in effect by the staging buffer: every push job holds staging pages.
+        self._jobs: queue.Queue[Job] = queue.Queue()
+        self._stop = threading.Event()
+        host, port, _ = address
+        self._thread = threading.Thread(
+            target=self._run, name=f"lmcache-pd-sender-{host}:{port}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        self._outstanding.add(1)
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the thread to end (its producer closed); False if it is still running."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    # ---- the sender thread ----
+
+    def _run(self) -> None:
+        try:
+            producer = self._make_producer()
+        except Exception:
+            self._count("thread_errors", 1)
+            logger.exception("sender for %s:%d: cannot make its NIXL agent", *self.address[:2])
+            self._drain_without_producer()
+            return
+        try:
+            self._serve(producer)
+        finally:
+            for job in self._pending_jobs():
+                self._give_back(job)
+            producer.close()
+
+    def _serve(self, producer: Producer) -> None:
+        warm_spec = DisaggSpec("warm-up", *self.address)
+        pause_s, next_try = WARM_RETRY_S[0], time.monotonic()
+        while not self._stop.is_set():
+            # A known peer is connected ahead, and again after a failure made us forget it.
+            if self._warm and not producer.connected(warm_spec) and time.monotonic() >= next_try:
+                if self._connect_ahead(producer, warm_spec):
+                    pause_s = WARM_RETRY_S[0]
+                next_try = time.monotonic() + pause_s
+                pause_s = min(WARM_RETRY_S[1], pause_s * 2)
+            try:
+                job = self._jobs.get(timeout=SENDER_POLL_S)
+            except queue.Empty:
+                continue
+            try:
+                self._handle(producer, job)
+            except Exception:  # a bug of ours: this request is recomputed, serving goes on
+                self._count("thread_errors", 1)
+                logger.exception(
+                    "req %s: sender for %s:%d failed unexpectedly; serving on",
+                    job.request.spec.req_id,
+                    *self.address[:2],
+                )
+
+    def _connect_ahead(self, producer: Producer, spec: DisaggSpec) -> bool:
+        try:
+            producer.connect(spec)
+        except PDError as exc:
+            logger.info("not yet connected to %s:%d ahead of requests: %s", *self.address[:2], exc)
+            return False
+        return True
+
+    def _handle(self, producer: Producer, job: Job) -> None:
+        request = job.request
+        if isinstance(job, AbandonJob):
+            try:
+                self._tell(producer, request, job.reason, job.detail)
+            finally:
+                self._give_back(job)
+            return
+        try:
+            if request.abandoned.is_set():
+                self._count("jobs_dropped", 1)
+                logger.debug("req %s: push dropped, the request was abandoned", request.spec.req_id)
+                return
+            self._push(producer, job)
+        finally:
+            self._give_back(job)
+
+    def _push(self, producer: Producer, job: PushJob) -> None:
+        spec = job.request.spec
+        started = time.time()
+        record = {"event": "push", "req_id": spec.req_id, "staged_at": job.staged_at}
+        try:
+            result = producer.push(spec, job.chunks)
+        except RequestDropped as exc:
+            job.request.abandoned.set()
+            job.request.consumer_told = True  # it let the request go itself
+            self._count("push_failures", 1)
+            logger.info(
+                "req %s: consumer let the request go; its pushes stop: %s", spec.req_id, exc
+            )
+            record["error"] = str(exc)
+        except Exception as exc:
+            job.request.abandoned.set()
+            self._count("push_failures", 1)
+            if not isinstance(exc, PDError):
+                self._count("thread_errors", 1)
+                logger.exception("req %s: push failed unexpectedly", spec.req_id)
+            else:
+                logger.warning(
+                    "req %s: push failed, telling the consumer to recompute: %s", spec.req_id, exc
+                )
+            record["error"] = str(exc)
+            self._tell(producer, job.request, _reason(exc), str(exc))
+        else:
+            self._count("pushes", 1)
+            self._count("chunks_pushed", result.chunks_sent)
+            self._count("chunks_skipped", result.chunks_skipped)
+            self._count("bytes_pushed", result.bytes_sent)
+            record |= {
+                "chunks": result.chunks_sent,
+                "skipped": result.chunks_skipped,
+                "bytes": result.bytes_sent,
+            }
+        self._trace.write(record | {"start": started, "end": time.time()})
+
+    def _tell(
+        self, producer: Producer, request: Saving, reason: AbandonReason, detail: str
+    ) -> None:
+        """Tell the consumer once that this request's KV will not come."""
+        request.abandoned.set()
+        if request.consumer_told:
+            return
+        request.consumer_told = True
+        self._count("pushes_abandoned", 1)
+        producer.abandon(request.spec, reason, detail)
+
+    def _give_back(self, job: Job) -> None:
+        """The job is over: its staging pages go back, and it no longer counts as running."""
+        if isinstance(job, PushJob):
+            job.pages.__exit__(None, None, None)
+        self._outstanding.add(-1)
+
+    def _pending_jobs(self) -> list[Job]:
+        jobs = []
+        while True:
+            try:
+                jobs.append(self._jobs.get_nowait())
+            except queue.Empty:
+                return jobs
+
+    def _drain_without_producer(self) -> None:
+        """No agent could be made: every job until stop fails (its decode recomputes at its
+        deadline), and its staging pages go back."""
+        while not self._stop.is_set():
+            try:
+                job = self._jobs.get(timeout=SENDER_POLL_S)
+            except queue.Empty:
+                continue
+            job.request.abandoned.set()
+            self._count("push_failures", isinstance(job, PushJob))
+            self._give_back(job)
+
+
+class SenderPool:
+    """The sender of every consumer rank this producer pushes to; used from vLLM's model-runner
+    thread only (``submit``, ``close``)."""
+
+    def __init__(
+        self,
+        make_producer: Callable[[], Producer],
+        count: Count,
+        trace: TraceFile,
+        warm_peers: list[PeerAddress],
+    ) -> None:
+        self._make_producer = make_producer
+        self._count = count
+        self._trace = trace
+        self._outstanding = Outstanding()
+        self._senders: dict[PeerAddress, PeerSender] = {}
+        for address in warm_peers:
+            self._senders[address] = self._start(address, warm=True)
+
+    def submit(self, job: Job) -> None:
+        address = address_of(job.request.spec)
+        sender = self._senders.get(address)
+        if sender is None:
+            if len(self._senders) >= MAX_PEERS:
+                job.request.abandoned.set()
+                self._count("push_failures", 1)
+                logger.error(
+                    "req %s: not pushed: already %d consumers, the most one producer serves",
+                    job.request.spec.req_id,
+                    MAX_PEERS,
+                )
+                if isinstance(job, PushJob):
+                    job.pages.__exit__(None, None, None)
+                return
+            sender = self._senders[address] = self._start(address, warm=False)
+        sender.submit(job)
+
+    @property
+    def outstanding(self) -> int:
+        """Jobs submitted and not finished (pushed, failed or dropped) yet."""
+        return self._outstanding.count
+
+    def close(self) -> None:
+        """Stop every sender and wait for it (it closes its own NIXL agent)."""
+        for sender in self._senders.values():
+            sender.stop()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for sender in self._senders.values():
+            if not sender.join(max(0.0, deadline - time.monotonic())):
+                logger.error(
+                    "sender for %s:%d did not stop within %.0f s (stuck in NIXL?); its agent is "
+                    "left to the process's exit",
+                    *sender.address[:2],
+                    STOP_TIMEOUT_S,
+                )
+        self._senders.clear()
+
+    def _start(self, address: PeerAddress, *, warm: bool) -> PeerSender:
+        logger.info("sender for %s:%d starting (connect ahead: %s)", *address[:2], warm)
+        return PeerSender(
+            address, self._make_producer, self._count, self._trace, self._outstanding, warm=warm
+        )

@@ -1,0 +1,60 @@
+"""A producer rank's staging buffer: pages that chunks are gathered into and written from.
+
+One buffer per process, shared by every per-peer ``Producer`` (each registers it with its own
+NIXL agent). Pages are taken on vLLM's model-runner thread, while a step's KV is copied out, and
+given back on a sender thread once their push is over: the lock makes that safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+from lmcache_pd.allocator import PageAllocator
+from lmcache_pd.errors import AllocationError
+
+
+class Staging:
+    """``num_pages`` pages of ``page_bytes`` in one zeroed CPU buffer; thread-safe."""
+
+    def __init__(self, *, num_pages: int, page_bytes: int) -> None:
+        self.page_bytes = page_bytes
+        # Zeroed now so that every page is faulted in here, not on the first transfers.
+        self.buffer = torch.zeros(num_pages * page_bytes, dtype=torch.uint8).zero_()
+        self._pages = PageAllocator(num_pages=num_pages, page_bytes=page_bytes, lease_s=None)
+        self._lock = threading.Lock()
+
+    @property
+    def free_pages(self) -> int:
+        with self._lock:
+            return self._pages.free_pages
+
+    @contextlib.contextmanager
+    def pages(self, count: int) -> Iterator[list[torch.Tensor]]:
+        """``count`` page-sized views of the buffer, returned to the pool on exit. Raises
+        ``AllocationError`` (``BufferFull`` if only for now) when they do not fit."""
+        try:
+            with self._lock:
+                taken = self._pages.allocate(count, time.monotonic())
+        except AllocationError as exc:
+            raise AllocationError(
+                f"the producer's staging buffer has no room for {count} more chunks ({exc}); "
+                "raise buffer_size_bytes"
+            ) from exc
+        try:
+            yield [
+                self.buffer[page * self.page_bytes : (page + 1) * self.page_bytes] for page in taken
+            ]
+        finally:
+            with self._lock:
+                for page in taken:
+                    self._pages.decref(page)
+
+    def holds(self, data: torch.Tensor, nbytes: int) -> bool:
+        """Whether ``nbytes`` from ``data``'s start lie inside the buffer."""
+        start = data.data_ptr() - self.buffer.data_ptr()
+        return start >= 0 and start + nbytes <= self.buffer.numel()
