@@ -33,6 +33,7 @@ from lmcache_pd.proxy.flow import (
     UpstreamFailed,
     UpstreamRejected,
 )
+from lmcache_pd.proxy.kv_drop import KVDropper
 from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
 from lmcache_pd.proxy.openai_format import Piece, ResponseWriter, Usage, error_body
 from lmcache_pd.proxy.routing import HealthChecker, NoHealthyInstance, Pool, Role, Upstream
@@ -79,6 +80,7 @@ class Proxy:
         self._session: aiohttp.ClientSession | None = None
         self._health: HealthChecker | None = None
         self._flow: Disaggregator | None = None
+        self._dropper: KVDropper | None = None
         self._trace = TraceFile(config.trace_path)
 
     def app(self) -> web.Application:
@@ -102,6 +104,7 @@ class Proxy:
             max_field_size=MAX_EVENT_BYTES,
         )
         self._flow = Disaggregator(self._session, self.prefill, self.config.timeouts, self.metrics)
+        self._dropper = KVDropper()
         self._health = HealthChecker(
             [*self.prefill.members, *self.decode.members],
             lambda: self._session,
@@ -120,6 +123,8 @@ class Proxy:
     async def _stop(self, _: web.Application) -> None:
         if self._health is not None:
             await self._health.stop()
+        if self._dropper is not None:
+            await self._dropper.close()
         if self._session is not None:
             await self._session.close()
 
@@ -214,39 +219,70 @@ class Proxy:
         if decoder is not None:
             assert decoder.receiver is not None
             host, init_port, alloc_port = decoder.receiver
-            spec = msgspec.structs.asdict(DisaggSpec(req_id, host, init_port, alloc_port))
-        with decoder.busy() if decoder is not None else contextlib.nullcontext():
-            try:
-                params = {"ret_first_tok": True, **({"disagg_spec": spec} if spec else {})}
-                prefilled = await self._flow.prefill(client, req_id, params)
-            except NoHealthyInstance as exc:
-                return _error(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE
-            except UpstreamRejected as exc:
-                response = web.Response(
-                    body=exc.body, status=exc.status, content_type="application/json"
+            spec = DisaggSpec(req_id, host, init_port, alloc_port)
+        answer: _Answer | None = None
+        outcome = Outcome.INTERNAL_ERROR
+        try:
+            with decoder.busy() if decoder is not None else contextlib.nullcontext():
+                response, outcome, answer = await self._answer(
+                    http, client, req_id, decoder, spec, started, trace
                 )
-                return response, Outcome.UPSTREAM_REJECTED
-            except UpstreamFailed as exc:
-                logger.error("req %s: lost before its first token: %s", req_id, exc)
-                return _error(str(exc), "BadGateway", 502), Outcome.PREFILL_FAILED
-            trace |= {"prefill": prefilled.instance, "prefilled": time.time()}
-            prefix = "cmpl-" if client.endpoint is Endpoint.COMPLETIONS else "chatcmpl-"
-            writer = ResponseWriter(client.endpoint, client.model, prefix + req_id)
-            answer = _Answer(
-                self._flow,
-                self.metrics,
-                client,
-                req_id,
-                writer,
-                prefilled,
-                decoder,
-                spec,
-                trace,
-                started,
+                return response, outcome
+        finally:
+            # Pushed KV that decode will not load: freed now rather than at its claim timeout
+            # (also when the client's cancellation brings us here).
+            if spec is not None and not (outcome is Outcome.OK and answer and answer.decode_asked):
+                self.metrics.kv_drops.inc()
+                assert self._dropper is not None
+                self._dropper.drop(spec, f"request ended ({outcome.value}) before decode loaded")
+
+    async def _answer(
+        self,
+        http: web.Request,
+        client: ClientRequest,
+        req_id: str,
+        decoder: Upstream | None,
+        spec: DisaggSpec | None,
+        started: float,
+        trace: dict[str, Any],
+    ) -> tuple[web.StreamResponse, Outcome, _Answer | None]:
+        """Prefill for the first token, then the answer (streamed or whole) with decode's rest."""
+        assert self._flow is not None
+        try:
+            params: dict[str, Any] = {"ret_first_tok": True}
+            if spec is not None:
+                params["disagg_spec"] = msgspec.structs.asdict(spec)
+            prefilled = await self._flow.prefill(client, req_id, params)
+        except NoHealthyInstance as exc:
+            return _error(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE, None
+        except UpstreamRejected as exc:
+            response = web.Response(
+                body=exc.body, status=exc.status, content_type="application/json"
             )
-            if client.stream:
-                return await answer.stream(http)
-            return await answer.whole()
+            return response, Outcome.UPSTREAM_REJECTED, None
+        except UpstreamFailed as exc:
+            logger.error("req %s: lost before its first token: %s", req_id, exc)
+            return _error(str(exc), "BadGateway", 502), Outcome.PREFILL_FAILED, None
+        trace |= {"prefill": prefilled.instance, "prefilled": time.time()}
+        prefix = "cmpl-" if client.endpoint is Endpoint.COMPLETIONS else "chatcmpl-"
+        writer = ResponseWriter(client.endpoint, client.model, prefix + req_id)
+        answer = _Answer(
+            self._flow,
+            self.metrics,
+            client,
+            req_id,
+            writer,
+            prefilled,
+            decoder,
+            spec,
+            trace,
+            started,
+        )
+        if client.stream:
+            response, outcome = await answer.stream(http)
+        else:
+            response, outcome = await answer.whole()
+        return response, outcome, answer
 
 
 class _Answer:
@@ -261,7 +297,7 @@ class _Answer:
         writer: ResponseWriter,
         prefilled: Prefilled,
         decoder: Upstream | None,
-        spec: dict[str, Any] | None,
+        spec: DisaggSpec | None,
         trace: dict[str, Any],
         started: float,
     ) -> None:
@@ -272,6 +308,7 @@ class _Answer:
         self.prefilled, self.decoder, self.spec = prefilled, decoder, spec
         self.trace, self.started = trace, started
         self.usage = Usage(prefilled.prompt_tokens, 1)
+        self.decode_asked = False  # once true, decode itself releases the request's KV
         first = prefilled.piece
         # Prefill stopped at its one-token limit; the answer goes on at decode unless it
         # really ended there (EOS, a stop string) or one token was all the client wanted.
@@ -283,13 +320,14 @@ class _Answer:
     async def _rest(self) -> AsyncIterator[list[Piece]]:
         """Decode's pieces, a list per network read (the usage of its tokens is folded into
         ours)."""
-        assert self.decoder is not None
+        assert self.decoder is not None and self.spec is not None
         body = self.client.decode_body(
             self.prefilled.prompt_token_ids,
             self.prefilled.first_token,
-            {"disagg_spec": self.spec},
+            {"disagg_spec": msgspec.structs.asdict(self.spec)},
         )
         self.trace |= {"decode": self.decoder.url, "decode_sent": time.time()}
+        self.decode_asked = True
         async for items in self.flow.decode(self.decoder, self.req_id, body):
             if "decode_first" not in self.trace:  # once, not per token
                 self.trace["decode_first"] = time.time()

@@ -57,6 +57,12 @@ class ProxyMetrics:
             ["role", "instance", "kind"],
             registry=self.registry,
         )
+        self.kv_drops = Counter(
+            f"{prefix}_kv_drops",
+            "Requests whose pushed KV decode was told to drop (decode was not asked, or the "
+            "request ended badly)",
+            registry=self.registry,
+        )
         self.prefill_retries = Counter(
             f"{prefix}_prefill_retries",
             "Requests retried on another prefill instance before their first token",

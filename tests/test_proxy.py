@@ -8,6 +8,7 @@ tested in ``test_proxy_vllm.py``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -16,7 +17,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import zmq
 
+from lmcache_pd import protocol
 from lmcache_pd.proxy.app import AppThread, proxy_thread
 from lmcache_pd.proxy.config import proxy_config
 from lmcache_pd.proxy.routing import NoHealthyInstance, Pool, Role, Upstream
@@ -33,7 +36,10 @@ class Stack:
     """Stand-in prefill and decode servers and a proxy in front of them. An instance given as
     None is dead (nobody listens on its port); one given as a port is the test's to run."""
 
-    def __init__(self, prefill: list[Instance], decode: list[Instance], **settings):
+    def __init__(
+        self, prefill: list[Instance], decode: list[Instance], alloc_port: int = 2, **settings
+    ):
+        """``alloc_port``: where every decode instance's KV alloc channel is said to be."""
         self._exit = ExitStack()
         self.prefill, self.decode = prefill, decode
         self.urls = []
@@ -48,7 +54,12 @@ class Stack:
                 "port": free_port(),
                 "prefill": [{"url": url} for url in self.urls[: len(prefill)]],
                 "decode": [
-                    {"url": url, "receiver_host": "127.0.0.1", "init_port": 1, "alloc_port": 2}
+                    {
+                        "url": url,
+                        "receiver_host": "127.0.0.1",
+                        "init_port": 1,
+                        "alloc_port": alloc_port,
+                    }
                     for url in self.urls[len(prefill) :]
                 ],
                 **settings,
@@ -381,3 +392,84 @@ def test_health_checks_mark_an_instance_down_and_back_up(stacks) -> None:
         assert stack.client.completions.create(model=MODEL, prompt=[1], max_tokens=3).choices
     wait_for(lambda: health() == 503, 5, "decode marked down")
     assert stack.metric("lmcache_pd_proxy_instance_up", role="decode", instance=stack.urls[-1]) == 0
+
+
+class AllocChannel:
+    """Decode's KV alloc port, as the test sees it: records the drop notices the proxy sends
+    and acknowledges each, as a consumer does."""
+
+    def __init__(self) -> None:
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self.port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+        self.notices: list[protocol.KVAbandoned] = []
+
+    def receive(self, timeout_s: float) -> list[protocol.KVAbandoned]:
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0 and self._socket.poll(int(left * 1000)):
+            identity, body = self._socket.recv_multipart()
+            notice = protocol.ALLOC_REQUESTS.decode(body)
+            assert isinstance(notice, protocol.KVAbandoned)
+            self.notices.append(notice)
+            ack = protocol.AbandonAck(version=notice.version, req_id=notice.req_id, known=True)
+            self._socket.send_multipart([identity, protocol.encode(ack)])
+        return self.notices
+
+    def close(self) -> None:
+        self._socket.close()
+        self._context.term()
+
+
+@pytest.fixture
+def alloc_channel() -> Iterator[AllocChannel]:
+    channel = AllocChannel()
+    yield channel
+    channel.close()
+
+
+@pytest.mark.parametrize(
+    ("case", "prefill", "decode"),
+    [
+        ("answer ended at the first token", StandinState(fault=Fault.EOS_FIRST), StandinState()),
+        ("prefill failed", StandinState(fault=Fault.STATUS_500), StandinState()),
+        ("decode failed", StandinState(), StandinState(fault=Fault.STATUS_500)),
+    ],
+)
+def test_kv_pushed_to_a_decode_that_will_not_load_it_is_dropped_there(
+    stacks, alloc_channel: AllocChannel, case: str, prefill, decode
+) -> None:
+    """Prefill pushed the prompt's KV to the decode instance picked for it; when decode is not
+    asked (or fails), the proxy tells its alloc channel, so its pages go back at once."""
+    stack = stacks(
+        prefill=[Standin(prefill)], decode=[Standin(decode)], alloc_port=alloc_channel.port
+    )
+    with contextlib.suppress(openai.APIError):
+        stack.client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=8)
+    [notice] = alloc_channel.receive(timeout_s=2)
+    assert notice.reason is protocol.AbandonReason.CLIENT_GONE
+    assert notice.req_id.startswith("pd-"), case
+    assert stack.metric("lmcache_pd_proxy_kv_drops_total") == 1
+
+
+def test_a_client_that_leaves_mid_stream_has_its_kv_dropped(stacks, alloc_channel) -> None:
+    decode = Standin(StandinState(token_delay_s=0.2))
+    stack = stacks(decode=[decode], alloc_port=alloc_channel.port)
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", f"{stack.proxy.url}/v1/completions", json=body) as response:
+        events = (line for line in response.iter_lines() if line)
+        assert all(next(events).startswith("data: ") for _ in range(2))
+    assert len(alloc_channel.receive(timeout_s=2)) == 1
+
+
+def test_a_request_decode_answered_sends_no_drop(stacks, alloc_channel: AllocChannel) -> None:
+    """Control: decode loaded (or computed) the prompt and released it itself."""
+    stack = stacks(alloc_port=alloc_channel.port)
+    for stream in (False, True):
+        answer = stack.client.completions.create(
+            model=MODEL, prompt=[5, 6], max_tokens=8, stream=stream
+        )
+        if stream:
+            list(answer)
+    assert alloc_channel.receive(timeout_s=1) == []
+    assert stack.metric("lmcache_pd_proxy_kv_drops_total") == 0

@@ -1,0 +1,76 @@
+"""Telling a decode instance that a request's pushed KV will not be loaded.
+
+The proxy picks decode before prefill runs, so prefill pushes the prompt's KV there at once.
+When decode is then never asked (the client left, prefill failed, the answer ended at its first
+token) or the request ends badly, the proxy says so on decode's alloc port (``KVAbandoned``,
+reason ``client_gone``): decode frees the pages now instead of at its claim timeout and refuses
+late pushes of that request. Best effort and bounded: one short-lived ZMQ socket per notice, a
+deadline, never on the client's path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+
+from lmcache_pd import protocol
+from lmcache_pd.errors import ProtocolError
+
+logger = logging.getLogger(__name__)
+
+# As the producer's cancel: the notice goes to a peer that may be gone.
+DROP_TIMEOUT_S = protocol.CANCEL_TIMEOUT_S
+
+
+class KVDropper:
+    """Sends drop notices from the proxy's event loop; owns its ZMQ context and tasks."""
+
+    def __init__(self) -> None:
+        self._context = zmq.asyncio.Context()
+        self._tasks: set[asyncio.Task] = set()
+
+    def drop(self, spec: protocol.DisaggSpec, detail: str) -> None:
+        """Send the notice in the background (safe to call from a cancelled handler)."""
+        task = asyncio.get_running_loop().create_task(self._send(spec, detail))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, spec: protocol.DisaggSpec, detail: str) -> bool:
+        """True if decode acknowledged; failures are logged, never raised."""
+        message = protocol.KVAbandoned(
+            version=protocol.PROTOCOL_VERSION,
+            req_id=spec.req_id,
+            reason=protocol.AbandonReason.CLIENT_GONE,
+            detail=detail[: protocol.MAX_ERROR_DETAIL_CHARS],
+        )
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
+        try:
+            socket.connect(f"tcp://{spec.receiver_host}:{spec.receiver_alloc_port}")
+            await socket.send(protocol.encode(message))
+            reply = protocol.ALLOC_REPLIES.decode(
+                await asyncio.wait_for(socket.recv(), DROP_TIMEOUT_S)
+            )
+        except (TimeoutError, zmq.ZMQError, ProtocolError) as exc:
+            logger.warning(
+                "req %s: could not tell decode %s:%d to drop its KV: %r",
+                spec.req_id,
+                spec.receiver_host,
+                spec.receiver_alloc_port,
+                exc,
+            )
+            return False
+        finally:
+            socket.close(linger=0)
+        logger.info("req %s: decode told to drop its KV (%s)", spec.req_id, detail)
+        return isinstance(reply, protocol.AbandonAck)
+
+    async def close(self) -> None:
+        """Let notices in flight finish (each is bounded), then close the context."""
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2 * DROP_TIMEOUT_S)
+        self._context.destroy(linger=0)
