@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import fcntl
 import logging
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,6 +31,11 @@ PeerName = str
 # Busy-poll this long before backing off: a CPU transfer makes progress only inside our polls.
 SPIN_BEFORE_BACKOFF_S = 0.002
 MAX_BACKOFF_S = 0.0005
+# UCX backends are created one at a time on a host (ai-dynamo/nixl#1668: two agents creating
+# theirs at the same moment can hang in createBackend). One creation takes ~0.4-0.7 s here; past
+# this wait we go ahead anyway, and say so.
+BACKEND_LOCK_PATH = os.path.join(tempfile.gettempdir(), "lmcache-pd-ucx-backend.lock")
+BACKEND_LOCK_TIMEOUT_S = 30.0
 
 
 class XferState(enum.Enum):
@@ -113,6 +120,32 @@ def _environment(name: str, value: str | None) -> Iterator[None]:
             os.environ[name] = previous
 
 
+@contextlib.contextmanager
+def _one_backend_at_a_time(path: str = BACKEND_LOCK_PATH) -> Iterator[None]:
+    """Hold a host-wide file lock (every process and thread of ours on this host) while a NIXL
+    agent and its backends are made; the UCX_TLS change made meanwhile is serialised with it."""
+    deadline = time.monotonic() + BACKEND_LOCK_TIMEOUT_S
+    with open(path, "a") as lock_file:
+        while True:
+            try:
+                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    logger.warning(
+                        "UCX backend lock %s still held after %.0f s; creating ours anyway",
+                        path,
+                        BACKEND_LOCK_TIMEOUT_S,
+                    )
+                    yield
+                    return
+                time.sleep(0.01)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
 def _nixl_error_types() -> tuple[type[BaseException], ...]:
     from nixl import _bindings
 
@@ -139,7 +172,11 @@ class NixlChannel:
 
         self._errors = _nixl_error_types()
         self.agent_name = unique_agent_name(role)
-        with _environment("UCX_TLS", ucx_tls), self._mapped("create agent"):
+        with (
+            _one_backend_at_a_time(),
+            _environment("UCX_TLS", ucx_tls),
+            self._mapped("create agent"),
+        ):
             self._agent = nixl_agent(
                 self.agent_name,
                 nixl_agent_config(enable_prog_thread=progress_thread, backends=[]),

@@ -195,12 +195,20 @@ class Consumer:
         logger.debug("req %s released, %d pages freed", req_id, freed)
 
     def close(self) -> None:
-        """Stop the service thread, then close sockets and the channel; idempotent."""
-        if not self._stop.is_set():
-            self._stop.set()
-            self._thread.join(STOP_TIMEOUT_S)
-            if self._thread.is_alive():
-                logger.error("consumer service thread did not stop in %.1f s", STOP_TIMEOUT_S)
+        """Stop the service thread, then close sockets and the channel; idempotent. The thread
+        owns them while it runs: if it does not stop in time they are left to the process's
+        exit rather than torn down under it."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(STOP_TIMEOUT_S)
+        if self._thread.is_alive():
+            logger.error(
+                "consumer service thread did not stop in %.1f s; its sockets and NIXL agent are "
+                "left to the process's exit",
+                STOP_TIMEOUT_S,
+            )
+            return
         self._close_resources()
 
     def __enter__(self) -> Consumer:

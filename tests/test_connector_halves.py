@@ -17,6 +17,7 @@ from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata, Save
 from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler
 from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.connector.worker import ConsumerWorker, ProducerWorker
+from lmcache_pd.errors import AllocationError, BufferFull, PeerTimeout, TransferError
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.producer import Producer
 from lmcache_pd.protocol import DisaggSpec
@@ -230,6 +231,8 @@ def test_kv_moves_from_producer_blocks_to_consumer_blocks_over_nixl(workers: Wor
     assert not any(workers.target[name][untouched].any() for name in workers.target)
     totals = workers.consumer_stats.totals()
     assert (totals["tokens_loaded"], totals["consumer_used_pages"]) == (150, 0)
+    # the scheduler is told when the pushes are over (vLLM stops stepping for them then)
+    wait_for(lambda: workers.producer.progress().outstanding == 0, what="pushes reported done")
 
 
 def test_kv_that_never_lands_fails_the_load_at_its_deadline(workers: Workers) -> None:
@@ -307,6 +310,7 @@ def test_a_consumer_that_never_answers_delays_no_push_to_another(workers: Worker
         started = time.monotonic()
         assert finish(workers.consumer) == ({"c"}, set())
         assert time.monotonic() - started < 1.0  # the stuck handshake waits 5 s
+        assert workers.producer.progress().outstanding == 1  # the stuck one, still running
 
 
 def test_known_consumers_are_connected_before_the_first_request(workers: Workers) -> None:
@@ -317,6 +321,33 @@ def test_known_consumers_are_connected_before_the_first_request(workers: Workers
     finally:
         warm.close()
     assert workers.producer_stats.totals()["pushes"] == 0
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (TransferError("NIXL write failed"), "transfer_failed"),
+        (PeerTimeout("transfer not done in time"), "transfer_failed"),
+        (AllocationError("consumer refused: too_large"), "consumer_refused"),
+        (BufferFull("consumer buffer full", 0.05), "consumer_refused"),
+    ],
+    ids=["nixl_error", "timeout", "refused", "buffer_full"],
+)
+def test_each_kind_of_push_failure_has_the_decode_recompute_at_once(
+    workers: Workers, monkeypatch: pytest.MonkeyPatch, error: Exception, reason: str
+) -> None:
+    def push_fails(self: Producer, spec: DisaggSpec, chunks) -> None:
+        raise error
+
+    monkeypatch.setattr(Producer, "push", push_fails)
+    prompt = list(range(64))
+    workers.consumer.start_load_kv(load("c", "d-1", prompt, [1, 2]))
+    started = time.monotonic()
+    workers.producer.wait_for_save(save("p", workers.spec, prompt, [7, 3], 64))
+    assert finish(workers.consumer) == ({"c"}, {"c"})
+    assert time.monotonic() - started < 1.0  # not the 2 s load deadline
+    assert workers.consumer._consumer.dropped_reason("d-1") == reason
+    assert workers.producer_stats.totals()["push_failures"] == 1
 
 
 def test_a_sender_survives_an_unexpected_error_and_serves_on(

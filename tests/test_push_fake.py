@@ -36,6 +36,7 @@ from lmcache_pd.protocol import (
     AgentMetadata,
     DisaggSpec,
     encode,
+    write_budget_s,
 )
 from tests.helpers import (
     consumer_fields,
@@ -96,6 +97,23 @@ def test_transfer_that_never_finishes_times_out_and_its_lease_frees_the_pages(
         assert consumer.used_pages == 2
         wait_for(lambda: consumer.used_pages == 0, what="the lease to expire")
         assert consumer.stats_snapshot()["leases_expired"] == 1
+
+
+@pytest.mark.parametrize("lease_s", [0.6, 1.6])
+def test_the_write_deadline_follows_the_consumer_lease_stated_at_handshake(
+    fabric, keyer, lease_s: float
+) -> None:
+    """The producer's own transfer_timeout_s (20 s) is longer than this consumer's lease: its
+    write must still end before the lease could hand the pages to another request."""
+    with start_consumer(fabric, keyer, alloc_lease_s=lease_s) as consumer:
+        producer, _ = make_producer(fabric, polls_before_done=10**9)
+        assert producer.config.transfer_timeout_s == 20.0
+        chunks = make_chunks(keyer.chunk_keys(list(range(300))), seed=2)
+        started = time.monotonic()
+        with producer, pytest.raises(PeerTimeout):
+            producer.push(spec_for(consumer.config, "r-stuck"), chunks)
+        took = time.monotonic() - started
+    assert write_budget_s(lease_s) - 0.1 <= took < lease_s
 
 
 @pytest.mark.parametrize("knob", ["fail_post", "fail_poll"])

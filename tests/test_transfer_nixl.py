@@ -6,6 +6,7 @@ is checked for its bound in time, its counter and a log line naming the request.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -301,3 +302,30 @@ def test_second_consumer_on_taken_ports_fails_fast_and_says_so(
         ConsumerProcess(write_config(tmp_path, "clash", **fields), log_path=tmp_path / "clash.log")
     assert time.monotonic() - started < 30
     assert "cannot bind" in (tmp_path / "clash.log").read_text()
+
+
+def test_ucx_backends_are_created_one_at_a_time_on_a_host(tmp_path: Path) -> None:
+    """ai-dynamo/nixl#1668: two agents creating their UCX backend at the same moment can hang.
+    Every channel takes a host-wide lock for that step: a second taker waits for the first."""
+    from lmcache_pd.channel import _one_backend_at_a_time
+
+    path = str(tmp_path / "backend.lock")
+    held = threading.Event()
+    waited: list[float] = []
+
+    def second() -> None:
+        held.wait()
+        started = time.monotonic()
+        with _one_backend_at_a_time(path):
+            waited.append(time.monotonic() - started)
+
+    with _one_backend_at_a_time(path):
+        taker = threading.Thread(target=second)
+        taker.start()
+        held.set()
+        time.sleep(0.3)
+    taker.join(5)
+    assert waited and waited[0] >= 0.25
+    started = time.monotonic()
+    with _one_backend_at_a_time(path):  # control: nobody holds it
+        assert time.monotonic() - started < 0.1

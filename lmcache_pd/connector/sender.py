@@ -2,10 +2,11 @@
 agent, so that a consumer that is slow, dead or stuck in NIXL's connect delays no push to any
 other consumer.
 
-NIXL's UCX connect (inside ``add_remote_agent``) waits for the peer with no deadline of its own
-and cannot be interrupted; NIXL calls on one agent must not run on two threads. An agent per
-peer, owned by that peer's thread, is what keeps one stuck connect to its own peer. Known peers
-(the launcher names every decode rank) are connected ahead of their first request.
+A NIXL call has no deadline of its own and cannot be interrupted, and NIXL calls on one agent
+must not run on two threads (the default sync mode has no lock: two threads on one agent
+crashed in a test). An agent per peer, owned by that peer's thread, is what keeps one stuck
+peer (a handshake that waits its deadline, a NIXL call that stalls) to itself. Known peers (the
+launcher names every decode rank) are connected ahead of their first request.
 
 Every failure of a push is told to its consumer (``KVAbandoned``), so that its decode recomputes
 at once instead of waiting its load deadline; later pushes of that request are dropped.
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 PeerAddress = tuple[str, int, int]  # receiver host, init port, alloc port
 # How often an idle sender looks at its stop flag, and retries connecting to a known peer.
 SENDER_POLL_S = 0.1
-WARM_RETRY_S = (0.5, 5.0)  # first and longest pause between two connect attempts
+WARM_RETRY_S = (0.25, 2.0)  # first and longest pause between two connect attempts
 STOP_TIMEOUT_S = 10.0
 # A producer talks to a handful of decode ranks; a flood of distinct addresses (bad specs) must
 # not become a flood of threads and NIXL agents.
