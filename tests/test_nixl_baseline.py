@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmcache_pd.benchmarks.nixl_baseline import PREFILL_PARAMS, NixlBaseline, NixlRouter
 from lmcache_pd.model_maker import ensure_model
-from lmcache_pd.proxy.app import AppThread
+from lmcache_pd.proxy.app_thread import AppThread
 from lmcache_pd.proxy.standin import Fault, Standin, StandinState, next_token
 from lmcache_pd.vllm_server import VLLMServer
 from tests.helpers import free_port, wait_for

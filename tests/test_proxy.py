@@ -20,7 +20,8 @@ import pytest
 import zmq
 
 from lmcache_pd import protocol
-from lmcache_pd.proxy.app import AppThread, proxy_thread
+from lmcache_pd.proxy.app import proxy_thread
+from lmcache_pd.proxy.app_thread import AppThread
 from lmcache_pd.proxy.config import proxy_config
 from lmcache_pd.proxy.routing import NoHealthyInstance, Pool, Role, Upstream
 from lmcache_pd.proxy.standin import Fault, Standin, StandinState, next_token

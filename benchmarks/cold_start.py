@@ -1,0 +1,170 @@
+"""Fresh starts of the pools, with requests sent the moment the proxy is healthy.
+
+Why: the first requests after a start are the ones that meet every one-off cost (NIXL agents and
+handshakes, UCX wire-up, vLLM's first steps). Once, 2 of 4 such requests took 30.5 s (a stalled
+connect held a producer's only NIXL thread until decode gave up waiting). This starts the pools
+``--starts`` times from nothing, sends ``--concurrency`` completions at once as soon as the proxy
+answers /health, and records each one's latency and whether decode loaded its KV or computed it.
+Goal: no request over ``--goal-s`` (5 s).
+
+Reproduce: ``.venv/bin/python benchmarks/cold_start.py --starts 20`` (2P1D, ~1 min a start here);
+writes ``benchmarks/results/cold_start.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Annotated
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
+from lmcache_pd.model_maker import ensure_model
+from lmcache_pd.proxy.app import proxy_thread
+from lmcache_pd.proxy.launcher import PoolLauncher, load_pools
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent
+HEALTH_POLL_S = 0.05
+HEALTH_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT_S = 120.0
+
+app = typer.Typer(add_completion=False, help=__doc__)
+
+
+def _prompt(start: int, index: int, tokens: int) -> list[int]:
+    """Distinct token ids per request and start, so that no cache of any run serves another."""
+    base = 100 + (start * 17 + index * 7) % 1000
+    return [base + (i * 13) % 997 for i in range(tokens)]
+
+
+def _complete(url: str, model: str, prompt: list[int]) -> float:
+    started = time.monotonic()
+    response = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0},
+        timeout=REQUEST_TIMEOUT_S,
+    )
+    response.raise_for_status()
+    return time.monotonic() - started
+
+
+def _wait_healthy(url: str) -> None:
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(HEALTH_POLL_S)
+    raise TimeoutError(f"proxy {url} not healthy after {HEALTH_TIMEOUT_S} s")
+
+
+def one_start(pools_path: Path, start: int, concurrency: int, tokens: int, workdir: Path) -> dict:
+    """Start the pools and the proxy, fire the requests at once, stop everything."""
+    pools = load_pools(pools_path)
+    launcher_started = time.monotonic()
+    with PoolLauncher(pools, workdir / f"start-{start}", Console(stderr=True)) as launcher:
+        config = launcher.start()
+        with proxy_thread(config) as proxy:
+            _wait_healthy(proxy.url)
+            ready_s = time.monotonic() - launcher_started
+            prompts = [_prompt(start, i, tokens) for i in range(concurrency)]
+            with ThreadPoolExecutor(concurrency) as pool:
+                futures = [pool.submit(_complete, proxy.url, pools.model, p) for p in prompts]
+                latencies, errors = [], []
+                for future in futures:
+                    try:
+                        latencies.append(future.result())
+                    except httpx.HTTPError as exc:
+                        errors.append(repr(exc))
+            time.sleep(1.0)  # a step or two, so that the last counters reach /metrics
+            decode = [server.url for name, server in launcher.servers.items() if "decode" in name]
+            sources = [prompt_tokens_by_source(url) for url in decode]
+            counters = [scrape(url) for url in decode]
+    return {
+        "start": start,
+        "ready_s": round(ready_s, 1),
+        "latencies_s": [round(x, 3) for x in latencies],
+        "errors": errors,
+        "decode_tokens_loaded": sum(c.get("tokens_loaded", 0) for c in counters),
+        "decode_load_timeouts": sum(c.get("load_timeouts", 0) for c in counters),
+        "decode_loads_failed": sum(c.get("loads_failed", 0) for c in counters),
+        "decode_tokens_by_source": {
+            source: sum(s.get(source, 0) for s in sources)
+            for source in ("external_kv_transfer", "local_compute", "local_cache_hit")
+        },
+    }
+
+
+@app.command()
+def main(
+    pools: Annotated[Path, typer.Option(help="pools YAML")] = ROOT / "configs/pools-2p1d.yaml",
+    starts: Annotated[int, typer.Option(min=1)] = 20,
+    concurrency: Annotated[int, typer.Option(min=1)] = 4,
+    prompt_tokens: Annotated[int, typer.Option(min=2)] = 300,
+    goal_s: float = 5.0,
+    output: Path = ROOT / "benchmarks/results/cold_start.json",
+    workdir: Path | None = None,
+) -> None:
+    """Run the fresh starts and write what each request took."""
+    logging.basicConfig(level=logging.WARNING)
+    ensure_model(Path(load_pools(pools).model))
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="lmcache-pd-cold-"))
+    console = Console()
+    records = []
+    for start in range(starts):
+        record = one_start(pools, start, concurrency, prompt_tokens, workdir)
+        records.append(record)
+        worst = max(record["latencies_s"], default=float("nan"))
+        console.print(
+            f"start {start}: ready after {record['ready_s']} s, slowest request {worst:.2f} s, "
+            f"{len(record['errors'])} errors, decode loaded {record['decode_tokens_loaded']:.0f} "
+            f"tokens, {record['decode_load_timeouts']:.0f} load timeouts"
+        )
+    latencies = [x for r in records for x in r["latencies_s"]]
+    summary = {
+        "pools": str(pools),
+        "starts": starts,
+        "concurrency": concurrency,
+        "prompt_tokens": prompt_tokens,
+        "requests": len(latencies) + sum(len(r["errors"]) for r in records),
+        "errors": sum(len(r["errors"]) for r in records),
+        "over_goal": sum(x > goal_s for x in latencies),
+        "goal_s": goal_s,
+        "max_latency_s": max(latencies, default=None),
+        "median_latency_s": statistics.median(latencies) if latencies else None,
+        "load_timeouts": sum(r["decode_load_timeouts"] for r in records),
+        "command": f"python benchmarks/cold_start.py --pools {pools} --starts {starts}",
+        "workdir": str(workdir),
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({"summary": summary, "starts": records}, indent=2) + "\n")
+    table = Table(title=f"{starts} fresh starts of {pools.name}, {concurrency} requests each")
+    for column in ("requests", "errors", f"over {goal_s:g} s", "median s", "max s", "timeouts"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        str(summary["requests"]),
+        str(summary["errors"]),
+        str(summary["over_goal"]),
+        f"{summary['median_latency_s'] or 0:.2f}",
+        f"{summary['max_latency_s'] or 0:.2f}",
+        f"{summary['load_timeouts']:.0f}",
+    )
+    console.print(table)
+    console.print(f"written to {output}")
+
+
+if __name__ == "__main__":
+    app()
