@@ -231,6 +231,7 @@ def test_kv_moves_from_producer_blocks_to_consumer_blocks_over_nixl(workers: Wor
     assert not any(workers.target[name][untouched].any() for name in workers.target)
     totals = workers.consumer_stats.totals()
     assert (totals["tokens_loaded"], totals["consumer_used_pages"]) == (150, 0)
+    assert totals["consumer_chunks_landed"] == 3  # the consumer rank's own count, exported
     # the scheduler is told when the pushes are over (vLLM stops stepping for them then)
     wait_for(lambda: workers.producer.progress().outstanding == 0, what="pushes reported done")
 

@@ -67,6 +67,16 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "integrity_failures": "Chunks whose checksum did not match (also in loads_failed).",
         "thread_errors": "Unexpected exceptions caught in the connector's threads.",
         "preemption_recomputes": "Requests preempted after their load, recomputed by vLLM.",
+        # The consumer rank's own counters (its service thread), as deltas each step.
+        "consumer_chunks_landed": "Chunks whose write the consumer saw confirmed.",
+        "consumer_bytes_landed": "Bytes of chunks the consumer saw confirmed.",
+        "consumer_requests_abandoned": "KVAbandoned notices the consumer received.",
+        "consumer_refused_dropped": "Pushes refused: their request was let go already.",
+        "consumer_refused_buffer_full": "Allocations refused for a full receive buffer.",
+        "consumer_holds_expired": "Requests whose pages lapsed unclaimed or unreleased.",
+        "consumer_leases_expired": "Allocations whose write never came, taken back.",
+        "consumer_malformed_messages": "Malformed or out-of-bounds messages refused.",
+        "consumer_internal_errors": "Unexpected errors caught in the consumer's service thread.",
     }
 )
 GAUGES: Mapping[str, str] = MappingProxyType(

@@ -44,6 +44,19 @@ from lmcache_pd.trace import TraceFile
 
 logger = logging.getLogger(__name__)
 
+# Counters of ``ConsumerStats`` that reach /metrics as ``lmcache_pd_consumer_<name>_total``.
+CONSUMER_COUNTERS = (
+    "chunks_landed",
+    "bytes_landed",
+    "requests_abandoned",
+    "refused_dropped",
+    "refused_buffer_full",
+    "holds_expired",
+    "leases_expired",
+    "malformed_messages",
+    "internal_errors",
+)
+
 
 def paged_cache(kv_caches: dict[str, torch.Tensor], chunk_size: int) -> CpuKVCache:
     """The worker's layers as one block-addressed cache; refuses a chunk size that is not a
@@ -202,6 +215,7 @@ class ConsumerWorker(WorkerHalf):
         self._trace = TraceFile(config.trace_path)
         self._pending: list[_PendingLoad] = []
         self._aborted: set[str] = set()
+        self._consumer_counts: dict[str, int] = {}
 
     def start_load_kv(self, meta: PDConnectorMetadata) -> None:
         deadline = time.monotonic() + self._config.load_timeout_s
@@ -256,9 +270,20 @@ class ConsumerWorker(WorkerHalf):
             if not outcome:
                 failed.add(pending.load.req_id)
         self._pending = still
-        self._stats.set_gauge("consumer_used_pages", self._consumer.used_pages)
-        self._stats.set_gauge("consumer_held_requests", self._consumer.held_requests)
+        self._report_consumer()
         return received, failed
+
+    def _report_consumer(self) -> None:
+        """The consumer rank's counters (kept by its service thread) as this step's deltas,
+        and its buffer's use as gauges."""
+        snapshot = self._consumer.stats_snapshot()
+        for name in CONSUMER_COUNTERS:
+            delta = snapshot[name] - self._consumer_counts.get(name, 0)
+            if delta:
+                self._stats.add(f"consumer_{name}", delta)
+                self._consumer_counts[name] = snapshot[name]
+        self._stats.set_gauge("consumer_used_pages", snapshot["used_pages"])
+        self._stats.set_gauge("consumer_held_requests", snapshot["held_requests"])
 
     def close(self) -> None:
         self._consumer.close()
