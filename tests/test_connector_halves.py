@@ -83,7 +83,10 @@ def test_producer_scheduler_follows_chunked_prefill_and_returns_the_first_token(
     assert second.saves[0].computed_end == 150
     assert (second.saves[0].block_ids, second.saves[0].prompt) == ([6, 7, 9], None)
     assert scheduler.request_finished(req) == {"first_tok": 7, "disagg_req_id": "d-1"}
-    assert scheduler.build_connector_meta(step(finished=["r"])).aborted == set()
+    # vLLM lists it as finished a step later: the worker is told to forget it then
+    last = scheduler.build_connector_meta(step(finished=["r"]))
+    assert (last.finished, last.aborted) == ({"r"}, set())
+    assert scheduler.build_connector_meta(step()).finished == set()
 
 
 def test_a_prefill_that_ends_before_its_prompt_is_computed_is_reported_aborted() -> None:
@@ -234,6 +237,8 @@ def test_kv_moves_from_producer_blocks_to_consumer_blocks_over_nixl(workers: Wor
     assert totals["consumer_chunks_landed"] == 3  # the consumer rank's own count, exported
     # the scheduler is told when the pushes are over (vLLM stops stepping for them then)
     wait_for(lambda: workers.producer.progress().outstanding == 0, what="pushes reported done")
+    workers.producer.wait_for_save(PDConnectorMetadata(finished={"p"}))
+    assert workers.producer._saving == {}  # nothing kept of a finished request
 
 
 def test_kv_that_never_lands_fails_the_load_at_its_deadline(workers: Workers) -> None:

@@ -85,6 +85,10 @@ class ProducerScheduler(SchedulerHalf):
 
     def __init__(self) -> None:
         self._pushes: dict[str, _Push] = {}
+        # Ended since the last step's metadata (vLLM calls request_finished before it lists the
+        # request in a step's finished_req_ids): the worker forgets them, or tells their
+        # consumer if they were aborted.
+        self._ended: set[str] = set()
         self._aborted: set[str] = set()
         # Push jobs the worker has not finished, as of its last report (or this step's saves).
         self._outstanding = 0
@@ -100,11 +104,8 @@ class ProducerScheduler(SchedulerHalf):
             )
 
     def build_connector_meta(self, output: SchedulerOutput) -> PDConnectorMetadata:
-        meta = PDConnectorMetadata(
-            finished=set(output.finished_req_ids) & (set(self._pushes) | self._aborted),
-            aborted=self._aborted,
-        )
-        self._aborted = set()
+        meta = PDConnectorMetadata(finished=self._ended, aborted=self._aborted)
+        self._ended, self._aborted = set(), set()
         scheduled = output.num_scheduled_tokens
         for new in output.scheduled_new_reqs:
             push = self._pushes.get(new.req_id)
@@ -141,6 +142,7 @@ class ProducerScheduler(SchedulerHalf):
         push = self._pushes.pop(request.request_id, None)
         if push is None:
             return None
+        self._ended.add(request.request_id)
         if request.num_computed_tokens < len(push.prompt):
             self._aborted.add(request.request_id)
         if not push.ret_first_tok or not request.output_token_ids:
