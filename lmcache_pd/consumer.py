@@ -36,6 +36,7 @@ from lmcache_pd.errors import (
 from lmcache_pd.integrity import checksum
 from lmcache_pd.keys import ChunkKey, ChunkKeyer
 from lmcache_pd.protocol import ErrorCode, ErrorReply
+from lmcache_pd.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ STOP_TIMEOUT_S = 5.0
 # After an unexpected error in a turn of the service loop: a pause, so that an error that
 # repeats every turn logs a few lines a second rather than spinning a core.
 ERROR_PAUSE_S = 0.1
+# A service loop silent this long is stuck somewhere: the watchdog logs where.
+SERVICE_STALL_S = 2.0
 
 
 @dataclass(slots=True)
@@ -70,6 +73,7 @@ class ConsumerStats:
     unknown_notifications: int = 0
     allocations_cancelled: int = 0
     internal_errors: int = 0
+    service_stalls: int = 0
     leases_expired: int = 0
     holds_expired: int = 0
     integrity_failures: int = 0
@@ -106,6 +110,7 @@ class Consumer:
         except BaseException:
             self._close_resources()
             raise
+        self._watchdog = Watchdog("consumer service loop", SERVICE_STALL_S, self._count_stall)
         self._thread = threading.Thread(target=self._serve, name="lmcache-pd-consumer", daemon=True)
         self._thread.start()
         logger.info(
@@ -202,6 +207,7 @@ class Consumer:
             return
         self._stop.set()
         self._thread.join(STOP_TIMEOUT_S)
+        self._watchdog.close()
         if self._thread.is_alive():
             logger.error(
                 "consumer service thread did not stop in %.1f s; its sockets and NIXL agent are "
@@ -224,6 +230,7 @@ class Consumer:
         poller.register(self._init_socket, zmq.POLLIN)
         poller.register(self._alloc_socket, zmq.POLLIN)
         while not self._stop.is_set():
+            self._watchdog.beat()
             try:
                 self._turn(poller)
             except Exception:  # the service thread must outlive any one bad turn
@@ -411,6 +418,11 @@ class Consumer:
             )
 
     # ---- helpers ----
+
+    def _count_stall(self) -> None:
+        # Not under the lock: the stuck thread may be holding it. The watchdog's thread is
+        # this counter's only writer.
+        self.stats.service_stalls += 1
 
     @staticmethod
     def _refuse(

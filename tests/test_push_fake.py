@@ -372,3 +372,21 @@ def test_handshake_cut_after_the_metadata_leaves_no_half_made_peer(
         answering.join(5)
         router.close(linger=0)
         context.term()
+
+
+def test_a_service_loop_that_stops_turning_is_reported_with_its_stack(
+    consumer: Consumer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Something holds the consumer's lock (here: the test) for longer than the watchdog's
+    patience: it logs where the service thread is stuck, counts the stall, then its end."""
+    from lmcache_pd.consumer import SERVICE_STALL_S
+
+    with caplog.at_level("WARNING", "lmcache_pd.watchdog"):
+        with consumer._lock:
+            wait_for(lambda: "has not turned" in caplog.text, SERVICE_STALL_S + 2, "a report")
+            assert consumer.stats.service_stalls == 1
+        # the stuck thread's own frames: the loop's turn, waiting at the lock
+        assert "--- thread lmcache-pd-consumer:" in caplog.text
+        assert "in _expire" in caplog.text
+        wait_for(lambda: "turns again" in caplog.text, 3, "the end of the stall")
+    assert consumer.stats.service_stalls == 1  # one stall, reported once

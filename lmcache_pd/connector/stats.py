@@ -77,6 +77,7 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "consumer_leases_expired": "Allocations whose write never came, taken back.",
         "consumer_malformed_messages": "Malformed or out-of-bounds messages refused.",
         "consumer_internal_errors": "Unexpected errors caught in the consumer's service thread.",
+        "consumer_service_stalls": "Times the consumer's service loop stopped turning for 2 s.",
     }
 )
 GAUGES: Mapping[str, str] = MappingProxyType(

@@ -55,6 +55,7 @@ CONSUMER_COUNTERS = (
     "leases_expired",
     "malformed_messages",
     "internal_errors",
+    "service_stalls",
 )
 
 
