@@ -128,8 +128,8 @@ class ChunkStore:
         would tie this request to a write that may fail.
 
         Raises ``RequestDropped`` for a request already let go, ``AllocationError``
-        (``BufferFull`` if only for now) or ``ProtocolError`` for a request that makes no sense
-        (a chunk larger than a page, a key twice).
+        (``BufferFull`` if only for now; a chunk larger than a page) or ``ProtocolError`` for a
+        request that makes no sense (a key twice).
         """
         reason = self._dropped.get(request.req_id)
         if reason is not None:
@@ -210,13 +210,19 @@ class ChunkStore:
             self._forget(page)
         return True
 
-    def landed(self, key: bytes) -> LandedChunk | None:
-        """The chunk with ``key`` if a write of it was confirmed, else None."""
-        page = self._live_page(key)
-        if page is None:
-            return None
-        info = self._pages[page]
-        return LandedChunk(page, info.nbytes, info.checksum)
+    def landed(self, key: bytes, holder: str | None = None) -> LandedChunk | None:
+        """The chunk with ``key`` if a write of it was confirmed, else None. With ``holder``,
+        only a page that request holds: a load must read bytes whose page cannot be freed and
+        rewritten for another request while it reads them."""
+        pages = self._pages_of_key.get(key, ())
+        if holder is not None:
+            hold = self._holds.get(holder)
+            pages = [page for page in pages if hold is not None and page in hold.pages]
+        for page in pages:
+            if self._allocator.state(page) is PageState.LIVE:
+                info = self._pages[page]
+                return LandedChunk(page, info.nbytes, info.checksum)
+        return None
 
     def claim(self, req_id: str, now: float) -> str | None:
         """A decode will load ``req_id``: its hold lasts ``hold_s`` from now on, not

@@ -152,13 +152,15 @@ class Consumer:
         landed = self.landed_prefix(keys)
         return keys[landed - 1].end if landed else 0
 
-    def landed_prefix(self, keys: Sequence[ChunkKey], start: int = 0) -> int:
+    def landed_prefix(
+        self, keys: Sequence[ChunkKey], start: int = 0, holder: str | None = None
+    ) -> int:
         """How many of ``keys``, counting from the first and checking from ``start`` (a count
-        the caller already saw landed), have landed here. Keys are computed once by the caller:
-        hashing a prompt is the costly part."""
+        the caller already saw landed), have landed here, in pages ``holder`` holds if given.
+        Keys are computed once by the caller: hashing a prompt is the costly part."""
         with self._lock:
             for index in range(start, len(keys)):
-                if self._store.landed(keys[index].key) is None:
+                if self._store.landed(keys[index].key, holder) is None:
                     return index
         return len(keys)
 
@@ -173,14 +175,15 @@ class Consumer:
         with self._lock:
             return self._store.dropped_reason(req_id)
 
-    def get_chunk(self, key: bytes) -> torch.Tensor:
-        """The landed chunk's bytes, a view valid until every request holding it is released.
+    def get_chunk(self, key: bytes, holder: str | None = None) -> torch.Tensor:
+        """The landed chunk's bytes, a view valid until every request holding it is released;
+        with ``holder``, from a page that request holds (so valid until it is released).
 
         Raises ``KeyError`` if it has not landed and ``IntegrityError`` if its bytes do not match
         the producer's checksum.
         """
         with self._lock:
-            landed = self._store.landed(key)
+            landed = self._store.landed(key, holder)
         if landed is None:
             raise KeyError(f"chunk {key.hex()} has not landed")
         start = landed.page * self.config.page_bytes

@@ -309,7 +309,10 @@ class ConsumerWorker(WorkerHalf):
             return self._failed(
                 pending, "abandoned", "loads_abandoned", f"KV abandoned: {abandoned}"
             )
-        pending.landed = self._consumer.landed_prefix(pending.keys, pending.landed)
+        # Only pages this request holds: they cannot be rewritten while they are scattered.
+        pending.landed = self._consumer.landed_prefix(
+            pending.keys, pending.landed, load.disagg_req_id
+        )
         if pending.landed < len(pending.keys):
             if time.monotonic() < pending.deadline:
                 return None
@@ -323,7 +326,7 @@ class ConsumerWorker(WorkerHalf):
             for chunk in pending.keys:
                 if chunk.end <= load.start:
                     continue
-                data = self._consumer.get_chunk(chunk.key)
+                data = self._consumer.get_chunk(chunk.key, load.disagg_req_id)
                 blocks = _chunk_blocks(load.block_ids, chunk, self._cache.block_size)
                 self._cache.scatter(data, blocks)
         except (IntegrityError, KeyError) as exc:
