@@ -390,3 +390,26 @@ def test_a_service_loop_that_stops_turning_is_reported_with_its_stack(
         assert "in _expire" in caplog.text
         wait_for(lambda: "turns again" in caplog.text, 3, "the end of the stall")
     assert consumer.stats.service_stalls == 1  # one stall, reported once
+
+
+def test_an_unexpected_error_in_the_service_loop_is_counted_and_serving_goes_on(
+    consumer: Consumer, fabric, keyer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = consumer._store.expire
+    failures = iter([RuntimeError("a bug")])
+
+    def expire_once_broken(now: float):
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return real(now)
+
+    monkeypatch.setattr(consumer._store, "expire", expire_once_broken)
+    wait_for(lambda: consumer.stats_snapshot()["internal_errors"] == 1, what="the error counted")
+    producer, _ = make_producer(fabric)
+    with producer:  # and it still serves
+        result = producer.push(
+            spec_for(consumer.config, "r-after"), make_chunks([keyer.chunk_keys([1])[0]], 1)
+        )
+    assert result.chunks_sent == 1
+    assert consumer._thread.is_alive()
