@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from lmcache_pd.config import PDConfig
-from lmcache_pd.errors import PeerTimeout, TransferError
+from lmcache_pd.errors import TransferError, WriteTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Channel(Protocol):
 
 
 def wait_for_transfer(channel: Channel, handle: XferHandle, deadline: float, what: str) -> None:
-    """Poll ``handle`` until DONE; raise ``TransferError`` on ERR and ``PeerTimeout`` at
+    """Poll ``handle`` until DONE; raise ``TransferError`` on ERR and ``WriteTimeout`` at
     ``deadline`` (a ``time.monotonic()`` value). Spins first, then backs off."""
     started = time.monotonic()
     backoff = 0.0
@@ -91,7 +91,7 @@ def wait_for_transfer(channel: Channel, handle: XferHandle, deadline: float, wha
             raise TransferError(f"{what}: transfer failed")
         now = time.monotonic()
         if now >= deadline:
-            raise PeerTimeout(f"{what}: transfer not done after {now - started:.3f} s")
+            raise WriteTimeout(f"{what}: transfer not done after {now - started:.3f} s")
         if now - started > SPIN_BEFORE_BACKOFF_S:
             backoff = min(MAX_BACKOFF_S, backoff * 2 or 0.00005)
             time.sleep(backoff)

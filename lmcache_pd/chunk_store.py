@@ -199,7 +199,19 @@ class ChunkStore:
         pending = self._pending.get(cancel.alloc_id)
         if pending is None or pending.req_id != cancel.req_id:
             return False
-        del self._pending[cancel.alloc_id]
+        self._cancel(cancel.alloc_id)
+        return True
+
+    def cancel_writes_of(self, req_id: str) -> int:
+        """Every pending write of ``req_id`` will never come (its producer says none is in
+        flight): free their pages now. Returns how many allocations that was."""
+        ids = [alloc_id for alloc_id, pending in self._pending.items() if pending.req_id == req_id]
+        for alloc_id in ids:
+            self._cancel(alloc_id)
+        return len(ids)
+
+    def _cancel(self, alloc_id: int) -> None:
+        pending = self._pending.pop(alloc_id)
         for page in pending.pages:
             self._unkey(page)
             # Nobody else can hold it: only landed pages are shared.
@@ -208,7 +220,6 @@ class ChunkStore:
             self._pages[page].holders.clear()
             self._allocator.free(page)
             self._forget(page)
-        return True
 
     def landed(self, key: bytes, holder: str | None = None) -> LandedChunk | None:
         """The chunk with ``key`` if a write of it was confirmed, else None. With ``holder``,

@@ -374,6 +374,8 @@ class Consumer:
         req_id = abandoned.req_id
         with self._lock:
             known = self._store.knows(req_id)
+            if not abandoned.write_in_flight:
+                self._store.cancel_writes_of(req_id)
             self._store.release(req_id, time.monotonic(), abandoned.reason.value)
             self.stats.requests_abandoned += 1
         logger.warning(

@@ -27,6 +27,14 @@ class PeerTimeout(PDError):
     """A peer did not answer, or a transfer did not finish, before its deadline."""
 
 
+class PeerUnreachable(PeerTimeout):
+    """The consumer did not answer its handshake: down, stopped, or cut off from us."""
+
+
+class WriteTimeout(PeerTimeout):
+    """A write was not done by its deadline: it may still land, so its pages wait their lease."""
+
+
 class PeerRestarted(PDError):
     """The consumer answering on a known address is a new process: our handshake is stale."""
 

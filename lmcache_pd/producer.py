@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +31,7 @@ from lmcache_pd.errors import (
     PeerError,
     PeerRestarted,
     PeerTimeout,
+    PeerUnreachable,
     ProtocolError,
     RequestDropped,
     TransferError,
@@ -170,15 +171,24 @@ class Producer:
             raise
         return to_write
 
-    def abandon(self, spec: DisaggSpec, reason: AbandonReason, detail: str = "") -> bool:
+    def abandon(
+        self,
+        spec: DisaggSpec,
+        reason: AbandonReason,
+        detail: str = "",
+        *,
+        write_in_flight: bool = True,
+    ) -> bool:
         """Tell ``spec``'s consumer, best effort and within ``CANCEL_TIMEOUT_S``, that the
         request's KV will not come, so that its decode recomputes now rather than at its load
-        deadline. Needs no NIXL handshake. Returns whether the consumer acknowledged it."""
+        deadline; ``write_in_flight=False`` lets it free the request's pending pages at once.
+        Needs no NIXL handshake. Returns whether the consumer acknowledged it."""
         message = protocol.KVAbandoned(
             version=protocol.PROTOCOL_VERSION,
             req_id=spec.req_id,
             reason=reason,
             detail=detail[: protocol.MAX_ERROR_DETAIL_CHARS],
+            write_in_flight=write_in_flight,
         )
         deadline = time.monotonic() + protocol.CANCEL_TIMEOUT_S
         socket = self._dealer(spec.receiver_host, spec.receiver_alloc_port)
@@ -243,12 +253,12 @@ class Producer:
             return self._ask(socket, message, protocol.INIT_REPLIES, deadline, spec.req_id)
 
         try:
-            metadata = ask(protocol.MetadataRequest(version=version))
+            metadata = self._reachable(spec, ask, protocol.MetadataRequest(version=version))
             if not isinstance(metadata, protocol.AgentMetadata):
                 raise ProtocolError(f"req {spec.req_id}: expected AgentMetadata, got {metadata}")
             name = self._add_peer(spec, metadata.metadata, deadline)
             try:
-                buffer = ask(protocol.BufferRequest(version=version))
+                buffer = self._reachable(spec, ask, protocol.BufferRequest(version=version))
                 if not isinstance(buffer, protocol.BufferDescriptors) or buffer.agent_name != name:
                     raise ProtocolError(
                         f"req {spec.req_id}: bad BufferDescriptors from {name}: {buffer}"
@@ -288,6 +298,18 @@ class Producer:
             peer.write_budget_s,
         )
         return peer
+
+    @staticmethod
+    def _reachable(
+        spec: DisaggSpec, ask: Callable[[protocol.Message], object], message: protocol.Message
+    ) -> object:
+        """One handshake step; no answer means the consumer is unreachable."""
+        try:
+            return ask(message)
+        except PeerTimeout as exc:
+            raise PeerUnreachable(
+                f"consumer {spec.receiver_host}:{spec.receiver_init_port} unreachable: {exc}"
+            ) from exc
 
     def _add_peer(self, spec: DisaggSpec, metadata: bytes, deadline: float) -> str:
         """Load the consumer's NIXL metadata. NIXL 1.5.1 makes the UCX endpoint here without

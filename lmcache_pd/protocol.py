@@ -209,6 +209,9 @@ class KVAbandoned(Message, frozen=True):
     req_id: ReqId
     reason: AbandonReason
     detail: Annotated[str, msgspec.Meta(max_length=MAX_ERROR_DETAIL_CHARS)] = ""
+    # False when the sender knows no write of this request can still land: the consumer then
+    # frees its pending allocations at once instead of at their lease.
+    write_in_flight: bool = True
 
 
 class AbandonAck(Message, frozen=True):

@@ -20,7 +20,7 @@ from lmcache_pd.connector.worker import ConsumerWorker, ProducerWorker
 from lmcache_pd.errors import AllocationError, BufferFull, PeerTimeout, TransferError
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.producer import Producer
-from lmcache_pd.protocol import DisaggSpec
+from lmcache_pd.protocol import CANCEL_TIMEOUT_S, DisaggSpec
 from tests.helpers import free_port, wait_for
 
 BLOCK = 32
@@ -317,6 +317,30 @@ def test_a_consumer_that_never_answers_delays_no_push_to_another(workers: Worker
         assert finish(workers.consumer) == ({"c"}, set())
         assert time.monotonic() - started < 1.0  # the stuck handshake waits 5 s
         assert workers.producer.progress().outstanding == 1  # the stuck one, still running
+
+
+def test_a_backlog_for_an_unreachable_consumer_fails_fast_after_its_first_handshake(
+    workers: Workers,
+) -> None:
+    """The consumer is gone (nothing answers its ports): the first push waits its handshake
+    deadline, the ones queued behind it fail at once (each with a short, bounded notice), so
+    a backlog does not hold the consumer's next pushes for a deadline each."""
+    handshake_s = 2.0
+    sender = workers.producer_with(handshake_timeout_s=handshake_s)
+    gone = DisaggSpec("d-gone", "127.0.0.1", free_port(), free_port())
+    prompt = list(range(64))
+    started = time.monotonic()
+    try:
+        for index in range(4):
+            request = msgspec.structs.replace(gone, req_id=f"d-gone-{index}")
+            sender.wait_for_save(save(f"p-{index}", request, prompt, [7, 3], 64))
+        wait_for(lambda: sender.progress().outstanding == 0, 20, "the backlog to drain")
+    finally:
+        sender.close()
+    took = time.monotonic() - started
+    # one handshake deadline, then 4 notices of at most CANCEL_TIMEOUT_S; 4 deadlines before
+    assert took < handshake_s + 4 * CANCEL_TIMEOUT_S + 1.0 < 4 * handshake_s
+    assert workers.producer_stats.totals()["push_failures"] == 4
 
 
 def test_known_consumers_are_connected_before_the_first_request(workers: Workers) -> None:

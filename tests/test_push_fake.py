@@ -34,6 +34,8 @@ from lmcache_pd.protocol import (
     PROTOCOL_VERSION,
     AbandonReason,
     AgentMetadata,
+    AllocRequest,
+    ChunkSpec,
     DisaggSpec,
     encode,
     write_budget_s,
@@ -413,3 +415,30 @@ def test_an_unexpected_error_in_the_service_loop_is_counted_and_serving_goes_on(
         )
     assert result.chunks_sent == 1
     assert consumer._thread.is_alive()
+
+
+@pytest.mark.parametrize("write_in_flight", [False, True])
+def test_abandoned_allocations_with_no_write_in_flight_are_freed_at_once(
+    fabric, keyer, write_in_flight: bool
+) -> None:
+    """The producer's AllocRequest was answered after it had given up (the consumer was
+    stopped meanwhile): no write will come, and saying so frees the pages now, not at the
+    lease. Control: a write that may still land keeps its pages until the lease."""
+    with start_consumer(fabric, keyer, alloc_lease_s=30.0) as consumer:
+        request = AllocRequest(
+            version=PROTOCOL_VERSION,
+            req_id="r-gave-up",
+            chunks=[ChunkSpec(k.key, 64) for k in keyer.chunk_keys(list(range(600)))],
+        )
+        with zmq.Context() as context, context.socket(zmq.DEALER) as socket:
+            socket.connect(f"tcp://127.0.0.1:{consumer.config.alloc_port}")
+            socket.send(encode(request))
+            assert socket.poll(5000)
+            socket.recv()
+        assert consumer.used_pages == 3
+        producer, _ = make_producer(fabric)
+        with producer:
+            spec = spec_for(consumer.config, "r-gave-up")
+            reason = AbandonReason.TRANSFER_FAILED
+            assert producer.abandon(spec, reason, write_in_flight=write_in_flight)
+        assert consumer.used_pages == (3 if write_in_flight else 0)

@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmcache_pd.errors import AllocationError, PDError, RequestDropped
+from lmcache_pd.errors import (
+    AllocationError,
+    PDError,
+    PeerUnreachable,
+    RequestDropped,
+    WriteTimeout,
+)
 from lmcache_pd.keys import ChunkKey
 from lmcache_pd.producer import Producer
 from lmcache_pd.protocol import AbandonReason, DisaggSpec
@@ -36,6 +42,10 @@ PeerAddress = tuple[str, int, int]  # receiver host, init port, alloc port
 # How often an idle sender looks at its stop flag, and retries connecting to a known peer.
 SENDER_POLL_S = 0.1
 WARM_RETRY_S = (0.25, 2.0)  # first and longest pause between two connect attempts
+# After a consumer failed its handshake, its pushes fail at once for this long (the consumer is
+# told, within its short deadline) instead of each waiting a handshake deadline of its own: a
+# backlog of them must not delay the first push to a restarted consumer by tens of seconds.
+DOWN_BACKOFF_S = 2.0
 STOP_TIMEOUT_S = 10.0
 # A producer talks to a handful of decode ranks; a flood of distinct addresses (bad specs) must
 # not become a flood of threads and NIXL agents.
@@ -132,6 +142,7 @@ class PeerSender:
     ) -> None:
         self.address = address
         self._outstanding = outstanding
+        self._down_until = 0.0  # monotonic; the sender thread's own
         self._make_producer = make_producer
         self._count = count
         self._trace = trace
@@ -204,6 +215,7 @@ class PeerSender:
         except PDError as exc:
             logger.info("not yet connected to %s:%d ahead of requests: %s", *self.address[:2], exc)
             return False
+        self._down_until = 0.0
         return True
 
     def _handle(self, producer: Producer, job: Job) -> None:
@@ -227,6 +239,17 @@ class PeerSender:
         spec = job.request.spec
         started = time.time()
         record = {"event": "push", "req_id": spec.req_id, "staged_at": job.staged_at}
+        if time.monotonic() < self._down_until:
+            self._count("push_failures", 1)
+            logger.warning(
+                "req %s: not pushed, %s:%d failed its handshake moments ago",
+                spec.req_id,
+                *self.address[:2],
+            )
+            record["error"] = "consumer down"
+            self._tell(producer, job.request, AbandonReason.TRANSFER_FAILED, "consumer down", False)
+            self._trace.write(record | {"start": started, "end": time.time()})
+            return
         try:
             result = producer.push(spec, job.chunks)
         except RequestDropped as exc:
@@ -248,8 +271,12 @@ class PeerSender:
                     "req %s: push failed, telling the consumer to recompute: %s", spec.req_id, exc
                 )
             record["error"] = str(exc)
-            self._tell(producer, job.request, _reason(exc), str(exc))
+            if isinstance(exc, PeerUnreachable):
+                self._down_until = time.monotonic() + DOWN_BACKOFF_S
+            in_flight = isinstance(exc, WriteTimeout)  # only a timed-out write may still land
+            self._tell(producer, job.request, _reason(exc), str(exc), in_flight)
         else:
+            self._down_until = 0.0
             self._count("pushes", 1)
             self._count("chunks_pushed", result.chunks_sent)
             self._count("chunks_skipped", result.chunks_skipped)
@@ -262,15 +289,22 @@ class PeerSender:
         self._trace.write(record | {"start": started, "end": time.time()})
 
     def _tell(
-        self, producer: Producer, request: Saving, reason: AbandonReason, detail: str
+        self,
+        producer: Producer,
+        request: Saving,
+        reason: AbandonReason,
+        detail: str,
+        write_in_flight: bool = False,
     ) -> None:
-        """Tell the consumer once that this request's KV will not come."""
+        """Tell the consumer once that this request's KV will not come. Pushes of one request
+        go in order on this thread, each done or failed before the next: only the failing
+        push's own write can still be in flight."""
         request.abandoned.set()
         if request.consumer_told:
             return
         request.consumer_told = True
         self._count("pushes_abandoned", 1)
-        producer.abandon(request.spec, reason, detail)
+        producer.abandon(request.spec, reason, detail, write_in_flight=write_in_flight)
 
     def _give_back(self, job: Job) -> None:
         """The job is over: its staging pages go back, and it no longer counts as running."""
