@@ -15,6 +15,7 @@ import msgspec
 import yaml
 
 from lmcache_pd import protocol
+from lmcache_pd.affinity import CPU_LIST
 from lmcache_pd.errors import ConfigError
 
 ENV_PREFIX = "LMCACHE_PD_"
@@ -70,6 +71,9 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     nixl_progress_thread: bool = False
     # Exported as UCX_TLS before the NIXL agent exists; None leaves UCX's own choice.
     ucx_tls: str | None = None
+    # CPUs lmcache-pd's own threads (service, senders, watchdog) run on, e.g. "2-3"; None: every
+    # CPU. Not vLLM's inference core, which they would otherwise inherit (see affinity.py).
+    thread_cpus: Annotated[str, msgspec.Meta(pattern=f"^{CPU_LIST.pattern}$")] | None = None
 
     def __post_init__(self) -> None:
         if self.claim_timeout_s > self.hold_timeout_s:

@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from lmcache_pd import protocol
+from lmcache_pd.affinity import unpin_this_thread
 from lmcache_pd.allocator import PageAllocator
 from lmcache_pd.channel import Channel, NixlChannel, RegisteredBuffer
 from lmcache_pd.chunk_store import ChunkStore
@@ -110,7 +111,9 @@ class Consumer:
         except BaseException:
             self._close_resources()
             raise
-        self._watchdog = Watchdog("consumer service loop", SERVICE_STALL_S, self._count_stall)
+        self._watchdog = Watchdog(
+            "consumer service loop", SERVICE_STALL_S, self._count_stall, config.thread_cpus
+        )
         self._thread = threading.Thread(target=self._serve, name="lmcache-pd-consumer", daemon=True)
         self._thread.start()
         logger.info(
@@ -229,6 +232,7 @@ class Consumer:
     # ---- service thread ----
 
     def _serve(self) -> None:
+        unpin_this_thread(self.config.thread_cpus, "consumer service thread")
         poller = zmq.Poller()
         poller.register(self._init_socket, zmq.POLLIN)
         poller.register(self._alloc_socket, zmq.POLLIN)

@@ -16,6 +16,8 @@ import time
 import traceback
 from collections.abc import Callable
 
+from lmcache_pd.affinity import unpin_this_thread
+
 logger = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 0.5
@@ -25,8 +27,12 @@ STOP_TIMEOUT_S = 2.0
 class Watchdog:
     """Watches one loop's beats; ``on_stall`` is called once per stall (e.g. a counter)."""
 
-    def __init__(self, name: str, stall_s: float, on_stall: Callable[[], None]) -> None:
+    def __init__(
+        self, name: str, stall_s: float, on_stall: Callable[[], None], cpus: str | None = None
+    ) -> None:
+        """``cpus``: where the watchdog's thread may run (``affinity.unpin_this_thread``)."""
         self._name = name
+        self._cpus = cpus
         self._stall_s = stall_s
         self._on_stall = on_stall
         self._last_beat = time.monotonic()
@@ -43,6 +49,7 @@ class Watchdog:
         self._thread.join(STOP_TIMEOUT_S)
 
     def _watch(self) -> None:
+        unpin_this_thread(self._cpus, f"{self._name} watchdog")
         stalled_since: float | None = None
         while not self._stop.wait(CHECK_EVERY_S):
             beat = self._last_beat

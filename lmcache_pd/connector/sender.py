@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lmcache_pd.affinity import unpin_this_thread
 from lmcache_pd.errors import (
     AllocationError,
     PDError,
@@ -139,8 +140,10 @@ class PeerSender:
         outstanding: Outstanding,
         *,
         warm: bool,
+        cpus: str | None = None,
     ) -> None:
         self.address = address
+        self._cpus = cpus
         self._outstanding = outstanding
         self._down_until = 0.0  # monotonic; the sender thread's own
         self._make_producer = make_producer
@@ -171,6 +174,8 @@ class PeerSender:
     # ---- the sender thread ----
 
     def _run(self) -> None:
+        # Before the NIXL agent exists: UCX's own threads inherit where this one may run.
+        unpin_this_thread(self._cpus, f"sender for {self.address[0]}:{self.address[1]}")
         try:
             producer = self._make_producer()
         except Exception:
@@ -343,8 +348,11 @@ class SenderPool:
         count: Count,
         trace: TraceFile,
         warm_peers: list[PeerAddress],
+        cpus: str | None = None,
     ) -> None:
+        """``cpus``: where the sender threads may run (``affinity.unpin_this_thread``)."""
         self._make_producer = make_producer
+        self._cpus = cpus
         self._count = count
         self._trace = trace
         self._outstanding = Outstanding()
@@ -393,5 +401,11 @@ class SenderPool:
     def _start(self, address: PeerAddress, *, warm: bool) -> PeerSender:
         logger.info("sender for %s:%d starting (connect ahead: %s)", *address[:2], warm)
         return PeerSender(
-            address, self._make_producer, self._count, self._trace, self._outstanding, warm=warm
+            address,
+            self._make_producer,
+            self._count,
+            self._trace,
+            self._outstanding,
+            warm=warm,
+            cpus=self._cpus,
         )

@@ -116,6 +116,7 @@ class ProducerWorker(WorkerHalf):
             stats.add,
             TraceFile(config.trace_path),
             [parse_peer(peer) for peer in config.warm_peers],
+            config.thread_cpus,
         )
 
     def wait_for_save(self, meta: PDConnectorMetadata) -> None:
