@@ -183,13 +183,7 @@ class Producer:
         request's KV will not come, so that its decode recomputes now rather than at its load
         deadline; ``write_in_flight=False`` lets it free the request's pending pages at once.
         Needs no NIXL handshake. Returns whether the consumer acknowledged it."""
-        message = protocol.KVAbandoned(
-            version=protocol.PROTOCOL_VERSION,
-            req_id=spec.req_id,
-            reason=reason,
-            detail=detail[: protocol.MAX_ERROR_DETAIL_CHARS],
-            write_in_flight=write_in_flight,
-        )
+        message = protocol.KVAbandoned.of(spec.req_id, reason, detail, write_in_flight)
         deadline = time.monotonic() + protocol.CANCEL_TIMEOUT_S
         socket = self._dealer(spec.receiver_host, spec.receiver_alloc_port)
         try:

@@ -213,6 +213,19 @@ class KVAbandoned(Message, frozen=True):
     # frees its pending allocations at once instead of at their lease.
     write_in_flight: bool = True
 
+    @classmethod
+    def of(
+        cls, req_id: str, reason: AbandonReason, detail: str = "", write_in_flight: bool = True
+    ) -> KVAbandoned:
+        """This version's notice, its detail cut to the protocol's limit."""
+        return cls(
+            version=PROTOCOL_VERSION,
+            req_id=req_id,
+            reason=reason,
+            detail=detail[:MAX_ERROR_DETAIL_CHARS],
+            write_in_flight=write_in_flight,
+        )
+
 
 class AbandonAck(Message, frozen=True):
     """Reply to KVAbandoned; ``known`` is False if the consumer held nothing of the request."""

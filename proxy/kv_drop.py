@@ -40,12 +40,8 @@ class KVDropper:
 
     async def _send(self, spec: protocol.DisaggSpec, detail: str) -> bool:
         """True if decode acknowledged; failures are logged, never raised."""
-        message = protocol.KVAbandoned(
-            version=protocol.PROTOCOL_VERSION,
-            req_id=spec.req_id,
-            reason=protocol.AbandonReason.CLIENT_GONE,
-            detail=detail[: protocol.MAX_ERROR_DETAIL_CHARS],
-        )
+        # Decode may have a write of it in flight (prefill pushes on its own): no shortcut.
+        message = protocol.KVAbandoned.of(spec.req_id, protocol.AbandonReason.CLIENT_GONE, detail)
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
