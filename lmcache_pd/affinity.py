@@ -40,7 +40,15 @@ def unpin_this_thread(cpus: str | None, name: str) -> None:
     if not hasattr(os, "sched_setaffinity"):
         return
     wanted = parse_cpus(cpus) if cpus else set(range(os.cpu_count() or 1))
+    before = os.sched_getaffinity(0)
     try:
         os.sched_setaffinity(0, wanted)  # 0: this thread
     except OSError as exc:
         logger.warning("%s: cannot run on CPUs %s (%s); it stays where it was", name, wanted, exc)
+        return
+    logger.info(
+        "%s runs on CPUs %s (it started on %s)",
+        name,
+        sorted(os.sched_getaffinity(0)),
+        sorted(before),
+    )
