@@ -343,6 +343,31 @@ def test_a_backlog_for_an_unreachable_consumer_fails_fast_after_its_first_handsh
     assert workers.producer_stats.totals()["push_failures"] == 4
 
 
+def test_a_notice_the_consumer_missed_is_sent_again(
+    workers: Workers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The consumer could not hear the first notice (stopped, restarting): it is sent again a
+    moment later, and its decode recomputes then, not at its load deadline."""
+    real_abandon = Producer.abandon
+    tries: list[float] = []
+
+    def push_fails(self: Producer, spec: DisaggSpec, chunks) -> None:
+        raise TransferError("NIXL write failed")
+
+    def first_notice_lost(self: Producer, spec: DisaggSpec, *args, **kwargs) -> bool:
+        tries.append(time.monotonic())
+        return len(tries) > 1 and real_abandon(self, spec, *args, **kwargs)
+
+    monkeypatch.setattr(Producer, "push", push_fails)
+    monkeypatch.setattr(Producer, "abandon", first_notice_lost)
+    prompt = list(range(64))
+    workers.consumer.start_load_kv(load("c", "d-1", prompt, [1, 2]))
+    workers.producer.wait_for_save(save("p", workers.spec, prompt, [7, 3], 64))
+    assert finish(workers.consumer) == ({"c"}, {"c"})  # within its 2 s deadline: told
+    assert len(tries) == 2 and 0.9 <= tries[1] - tries[0] < 1.5
+    assert workers.consumer_stats.totals()["loads_abandoned"] == 1
+
+
 def test_known_consumers_are_connected_before_the_first_request(workers: Workers) -> None:
     peer = f"127.0.0.1:{workers.common['init_port']}:{workers.common['alloc_port']}"
     warm = workers.producer_with(warm_peers=[peer])

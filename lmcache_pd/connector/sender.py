@@ -47,6 +47,11 @@ WARM_RETRY_S = (0.25, 2.0)  # first and longest pause between two connect attemp
 # told, within its short deadline) instead of each waiting a handshake deadline of its own: a
 # backlog of them must not delay the first push to a restarted consumer by tens of seconds.
 DOWN_BACKOFF_S = 2.0
+# A notice the consumer did not acknowledge (stopped, restarting, cut off) is sent again after
+# these pauses, so that a decode back within its load deadline still hears it; at most
+# MAX_UNTOLD notices wait at once (the oldest is given up).
+RETELL_AFTER_S = (1.0, 2.0, 4.0, 8.0, 16.0)
+MAX_UNTOLD = 64
 STOP_TIMEOUT_S = 10.0
 # A producer talks to a handful of decode ranks; a flood of distinct addresses (bad specs) must
 # not become a flood of threads and NIXL agents.
@@ -99,6 +104,18 @@ class AbandonJob:
 
 
 Job = PushJob | AbandonJob
+
+
+@dataclass(slots=True)
+class _Untold:
+    """A KVAbandoned notice not acknowledged yet, and when to send it again."""
+
+    due: float
+    attempt: int
+    job: AbandonJob
+    write_in_flight: bool
+
+
 # (counter name, increment), as StatsRecorder.add takes them.
 Count = Callable[[str, int], None]
 
@@ -146,6 +163,7 @@ class PeerSender:
         self._cpus = cpus
         self._outstanding = outstanding
         self._down_until = 0.0  # monotonic; the sender thread's own
+        self._untold: list[_Untold] = []  # the sender thread's own
         self._make_producer = make_producer
         self._count = count
         self._trace = trace
@@ -200,6 +218,7 @@ class PeerSender:
                     pause_s = WARM_RETRY_S[0]
                 next_try = time.monotonic() + pause_s
                 pause_s = min(WARM_RETRY_S[1], pause_s * 2)
+            self._retell(producer)
             try:
                 job = self._jobs.get(timeout=SENDER_POLL_S)
             except queue.Empty:
@@ -309,7 +328,45 @@ class PeerSender:
             return
         request.consumer_told = True
         self._count("pushes_abandoned", 1)
-        producer.abandon(request.spec, reason, detail, write_in_flight=write_in_flight)
+        if not producer.abandon(request.spec, reason, detail, write_in_flight=write_in_flight):
+            self._remember_untold(AbandonJob(request, reason, detail), write_in_flight, 0)
+
+    def _remember_untold(self, job: AbandonJob, write_in_flight: bool, attempt: int) -> None:
+        if attempt >= len(RETELL_AFTER_S):
+            logger.warning(
+                "req %s: gave up telling %s:%d that its KV will not come",
+                job.request.spec.req_id,
+                *self.address[:2],
+            )
+            return
+        if len(self._untold) >= MAX_UNTOLD:
+            dropped = self._untold.pop(0)
+            logger.warning(
+                "req %s: too many notices waiting, one given up", dropped.job.request.spec.req_id
+            )
+        due = time.monotonic() + RETELL_AFTER_S[attempt]
+        self._untold.append(_Untold(due, attempt + 1, job, write_in_flight))
+
+    def _retell(self, producer: Producer) -> None:
+        """Send again the notices that are due; each unacknowledged one waits longer."""
+        now = time.monotonic()
+        due = [untold for untold in self._untold if untold.due <= now]
+        if not due:
+            return
+        self._untold = [untold for untold in self._untold if untold.due > now]
+        for untold in due:
+            job = untold.job
+            told = producer.abandon(
+                job.request.spec, job.reason, job.detail, write_in_flight=untold.write_in_flight
+            )
+            if told:
+                logger.info(
+                    "req %s: consumer told at last (try %d)",
+                    job.request.spec.req_id,
+                    untold.attempt + 1,
+                )
+            else:
+                self._remember_untold(job, untold.write_in_flight, untold.attempt)
 
     def _give_back(self, job: Job) -> None:
         """The job is over: its staging pages go back, and it no longer counts as running."""
