@@ -29,6 +29,9 @@ GOALS = (
     "max_latency_s <= deadline_s + 1",
     "recovered_s <= 10",
 )
+# (fault, goal) -> what was seen. Empty: every goal held in the short run of 2026-11-23
+# (commit 389abaf, 14 passed in 188 s; 266 s on a busier machine). The full run's misses are in
+# benchmarks/results/chaos.md (SIGSTOP of decode, preemption, and 2P1D on two cores).
 FAILING_TODAY: dict[tuple[str, str], str] = {}
 
 
@@ -71,6 +74,11 @@ def test_errors_only_for_requests_the_fault_cut(chaos_run: dict[str, Any]) -> No
 def test_no_process_is_left_behind(chaos_run: dict[str, Any]) -> None:
     assert chaos_run["processes_left"] == []
     assert alive_groups(chaos_run["process_groups"]) == []
+
+
+def test_no_connector_thread_dies(chaos_run: dict[str, Any]) -> None:
+    dead = {r["fault"]: r["log_excerpts"] for r in chaos_run["results"] if r["threads_dead"]}
+    assert not dead
 
 
 @pytest.mark.parametrize("goal", GOALS)
