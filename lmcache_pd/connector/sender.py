@@ -271,7 +271,9 @@ class PeerSender:
                 *self.address[:2],
             )
             record["error"] = "consumer down"
-            self._tell(producer, job.request, AbandonReason.TRANSFER_FAILED, "consumer down", False)
+            # Not now: it would wait its deadline for nobody. Sent once the peer may be back.
+            reason = AbandonReason.TRANSFER_FAILED
+            self._tell(producer, job.request, reason, "consumer down", False, now=False)
             self._trace.write(record | {"start": started, "end": time.time()})
             return
         try:
@@ -319,16 +321,21 @@ class PeerSender:
         reason: AbandonReason,
         detail: str,
         write_in_flight: bool = False,
+        now: bool = True,
     ) -> None:
-        """Tell the consumer once that this request's KV will not come. Pushes of one request
-        go in order on this thread, each done or failed before the next: only the failing
-        push's own write can still be in flight."""
+        """Tell the consumer once that this request's KV will not come (``now``, or when the
+        notices waiting for this peer are next sent). Pushes of one request go in order on this
+        thread, each done or failed before the next: only the failing push's own write can
+        still be in flight."""
         request.abandoned.set()
         if request.consumer_told:
             return
         request.consumer_told = True
         self._count("pushes_abandoned", 1)
-        if not producer.abandon(request.spec, reason, detail, write_in_flight=write_in_flight):
+        told = now and producer.abandon(
+            request.spec, reason, detail, write_in_flight=write_in_flight
+        )
+        if not told:
             self._remember_untold(AbandonJob(request, reason, detail), write_in_flight, 0)
 
     def _remember_untold(self, job: AbandonJob, write_in_flight: bool, attempt: int) -> None:
@@ -350,6 +357,8 @@ class PeerSender:
     def _retell(self, producer: Producer) -> None:
         """Send again the notices that are due; each unacknowledged one waits longer."""
         now = time.monotonic()
+        if now < self._down_until:  # the peer did not answer moments ago: later
+            return
         due = [untold for untold in self._untold if untold.due <= now]
         if not due:
             return
