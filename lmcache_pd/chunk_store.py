@@ -225,11 +225,11 @@ class ChunkStore:
         """The chunk with ``key`` if a write of it was confirmed, else None. With ``holder``,
         only a page that request holds: a load must read bytes whose page cannot be freed and
         rewritten for another request while it reads them."""
-        pages = self._pages_of_key.get(key, ())
-        if holder is not None:
-            hold = self._holds.get(holder)
-            pages = [page for page in pages if hold is not None and page in hold.pages]
-        for page in pages:
+        hold = None if holder is None else self._holds.get(holder)
+        held = None if holder is None else (hold.pages if hold is not None else frozenset())
+        for page in self._pages_of_key.get(key, ()):
+            if held is not None and page not in held:
+                continue
             if self._allocator.state(page) is PageState.LIVE:
                 info = self._pages[page]
                 return LandedChunk(page, info.nbytes, info.checksum)

@@ -101,6 +101,7 @@ class AbandonJob:
     request: Saving
     reason: AbandonReason
     detail: str
+    write_in_flight: bool = False
 
 
 Job = PushJob | AbandonJob
@@ -113,7 +114,6 @@ class _Untold:
     due: float
     attempt: int
     job: AbandonJob
-    write_in_flight: bool
 
 
 # (counter name, increment), as StatsRecorder.add takes them.
@@ -246,7 +246,7 @@ class PeerSender:
         request = job.request
         if isinstance(job, AbandonJob):
             try:
-                self._tell(producer, request, job.reason, job.detail)
+                self._tell(producer, request, job.reason, job.detail, job.write_in_flight)
             finally:
                 self._give_back(job)
             return
@@ -332,13 +332,17 @@ class PeerSender:
             return
         request.consumer_told = True
         self._count("pushes_abandoned", 1)
-        told = now and producer.abandon(
-            request.spec, reason, detail, write_in_flight=write_in_flight
-        )
-        if not told:
-            self._remember_untold(AbandonJob(request, reason, detail), write_in_flight, 0)
+        job = AbandonJob(request, reason, detail, write_in_flight)
+        if not (now and self._send(producer, job)):
+            self._remember_untold(job, 0)
 
-    def _remember_untold(self, job: AbandonJob, write_in_flight: bool, attempt: int) -> None:
+    @staticmethod
+    def _send(producer: Producer, job: AbandonJob) -> bool:
+        return producer.abandon(
+            job.request.spec, job.reason, job.detail, write_in_flight=job.write_in_flight
+        )
+
+    def _remember_untold(self, job: AbandonJob, attempt: int) -> None:
         if attempt >= len(RETELL_AFTER_S):
             logger.warning(
                 "req %s: gave up telling %s:%d that its KV will not come",
@@ -352,7 +356,7 @@ class PeerSender:
                 "req %s: too many notices waiting, one given up", dropped.job.request.spec.req_id
             )
         due = time.monotonic() + RETELL_AFTER_S[attempt]
-        self._untold.append(_Untold(due, attempt + 1, job, write_in_flight))
+        self._untold.append(_Untold(due, attempt + 1, job))
 
     def _retell(self, producer: Producer) -> None:
         """Send again the notices that are due; each unacknowledged one waits longer."""
@@ -364,18 +368,14 @@ class PeerSender:
             return
         self._untold = [untold for untold in self._untold if untold.due > now]
         for untold in due:
-            job = untold.job
-            told = producer.abandon(
-                job.request.spec, job.reason, job.detail, write_in_flight=untold.write_in_flight
-            )
-            if told:
+            if self._send(producer, untold.job):
                 logger.info(
                     "req %s: consumer told at last (try %d)",
-                    job.request.spec.req_id,
+                    untold.job.request.spec.req_id,
                     untold.attempt + 1,
                 )
             else:
-                self._remember_untold(job, untold.write_in_flight, untold.attempt)
+                self._remember_untold(untold.job, untold.attempt)
 
     def _give_back(self, job: Job) -> None:
         """The job is over: its staging pages go back, and it no longer counts as running."""
