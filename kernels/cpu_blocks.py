@@ -101,6 +101,18 @@ class CpuKVCache:
         """Bytes of a chunk of ``num_tokens`` tokens."""
         return blocks_for_tokens(num_tokens, self.block_size) * self.num_layers * self.block_nbytes
 
+    def tail_blocks(self, chunk: torch.Tensor, count: int) -> torch.Tensor:
+        """The last ``count`` blocks of every layer of ``chunk`` (as :meth:`gather` made it), as
+        a chunk of their own: ``chunk`` itself when that is all of it, else a copy. A load that
+        starts inside a chunk (decode's own cache holds its first blocks) scatters only these."""
+        total = chunk.numel() // (self.num_layers * self.block_nbytes)
+        if count == total:
+            return chunk
+        if not 0 < count < total:
+            raise ValueError(f"asked for the last {count} of a chunk's {total} blocks")
+        blocks = chunk.view(self.num_layers, total, self.block_nbytes)
+        return blocks[:, total - count :].contiguous().view(-1)
+
     def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copy blocks ``block_ids`` of every layer into ``out``, ordered [layer][block][bytes]."""
         self._copy(block_ids, out, "out", to_chunk=True)

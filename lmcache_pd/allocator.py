@@ -89,15 +89,15 @@ class PageAllocator:
             self._leased += count
         return pages
 
-    def confirm(self, page: int) -> bool:
-        """End a page's lease because its write landed or will never come: the lease's reference
-        is dropped, and the page stays while others hold it. Returns True when nobody did and
-        the page was freed."""
+    def confirm(self, page: int, *, keep: bool = False) -> bool:
+        """End a page's lease because its write landed or will never come. The lease's reference
+        is dropped (the page stays while others hold it; returns True when nobody did and the
+        page was freed), or with ``keep`` handed to the caller (a cache of landed pages)."""
         if self.state(page) is not PageState.LEASED:
             raise ValueError(f"page {page} is {self._state[page].value}, not leased")
         self._state[page] = PageState.LIVE
         self._leased -= 1
-        return self.decref(page)
+        return False if keep else self.decref(page)
 
     def incref(self, page: int) -> None:
         if self.state(page) is PageState.FREE:

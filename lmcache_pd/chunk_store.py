@@ -12,6 +12,13 @@ first serves both. Holds lapse after ``claim_s`` until a decode claims the reque
 never be wanted: the client left, or decode computed the prompt itself), after ``hold_s`` once
 claimed. A request released, lapsed or abandoned is remembered for ``dropped_memory_s`` so that
 its late pushes are refused instead of holding pages again.
+
+Landed chunks outlive their requests as a cache (``cache_pages`` > 0): a confirmed write's lease
+reference becomes the cache's own, so a page nobody holds any more keeps its chunk, and a later
+request whose prompt shares it is answered "already held" instead of having it written again.
+Such idle pages are evicted, least recently used first, only when an allocation needs their room
+or more than ``cache_pages`` of them are idle; a page a request holds or a write still leases is
+never evicted.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from lmcache_pd.allocator import PageAllocator, PageState
@@ -81,8 +88,19 @@ class LandedChunk:
     checksum: int | None
 
 
+@dataclass(slots=True)
+class CacheCounts:
+    """What the cache of landed chunks saved and cost."""
+
+    hits: int = 0  # chunks asked for that had landed here already: not written again
+    misses: int = 0  # chunks given a fresh page
+    evictions: int = 0  # idle cached pages freed for room
+    bytes_not_resent: int = 0
+
+
 class ChunkStore:
-    """Keys, pages, holds, pending writes and let-go requests of one consumer rank."""
+    """Keys, pages, holds, pending writes, let-go requests and cached chunks of one consumer
+    rank."""
 
     def __init__(
         self,
@@ -91,9 +109,18 @@ class ChunkStore:
         claim_s: float,
         hold_s: float,
         dropped_memory_s: float = DROPPED_MEMORY_S,
+        cache_pages: int = 0,
     ) -> None:
         if not 0 < claim_s <= hold_s:
             raise ValueError(f"need 0 < claim_s <= hold_s, got {claim_s=} {hold_s=}")
+        if cache_pages < 0:
+            raise ValueError(f"need cache_pages >= 0, got {cache_pages}")
+        self._cache_pages = cache_pages
+        # Landed pages holding the cache's reference, and those of them nobody holds (oldest
+        # use first: the order of eviction).
+        self._cached: set[int] = set()
+        self._idle: OrderedDict[int, None] = OrderedDict()
+        self.cache_counts = CacheCounts()
         self._allocator = allocator
         self._claim_s = claim_s
         self._hold_s = hold_s
@@ -111,7 +138,13 @@ class ChunkStore:
 
     @property
     def used_pages(self) -> int:
-        return self._allocator.used_pages
+        """Pages held by a request or waiting for a write (idle cached ones are not)."""
+        return self._allocator.used_pages - len(self._idle)
+
+    @property
+    def cached_pages(self) -> int:
+        """Landed pages nobody holds, kept for a later request that shares their chunk."""
+        return len(self._idle)
 
     @property
     def pending_writes(self) -> int:
@@ -144,7 +177,9 @@ class ChunkStore:
                     f"chunk {index} has {chunk.nbytes} bytes, a page holds {page_bytes}"
                 )
         held = [self._live_page(key) for key in keys]
-        fresh = iter(self._allocator.allocate(sum(page is None for page in held), now))
+        needed = sum(page is None for page in held)
+        self._make_room(needed, {page for page in held if page is not None})
+        fresh = iter(self._allocator.allocate(needed, now))
         alloc_id = next(self._alloc_ids)
         hold = self._hold(request.req_id, now)
         pages: list[int | None] = []
@@ -159,10 +194,14 @@ class ChunkStore:
             else:
                 page = live
                 pages.append(None)
+                self.cache_counts.hits += 1
+                self.cache_counts.bytes_not_resent += self._pages[page].nbytes
             if page not in hold.pages:
                 self._allocator.incref(page)
                 hold.pages.add(page)
                 self._pages[page].holders.add(request.req_id)
+                self._idle.pop(page, None)
+        self.cache_counts.misses += needed
         if written:
             self._pending[alloc_id] = PendingWrite(request.req_id, tuple(written))
         return Allocation(alloc_id, pages)
@@ -189,7 +228,12 @@ class ChunkStore:
             info = self._pages[page]
             info.checksum = None if done.checksums is None else done.checksums[index]
             nbytes += info.nbytes
-            if self._allocator.confirm(page):
+            if self._cache_pages:
+                self._allocator.confirm(page, keep=True)
+                self._cached.add(page)
+                if not info.holders:
+                    self._idle_now(page)
+            elif self._allocator.confirm(page):
                 self._forget(page)
         return len(pending.pages), nbytes
 
@@ -263,11 +307,14 @@ class ChunkStore:
         if hold is None:
             return 0
         freed = 0
-        for page in hold.pages:
-            self._pages[page].holders.discard(req_id)
+        for page in sorted(hold.pages):  # a set: sorted, so that the cache's order is defined
+            info = self._pages[page]
+            info.holders.discard(req_id)
             if self._allocator.decref(page):
                 self._forget(page)
                 freed += 1
+            elif page in self._cached and not info.holders:
+                self._idle_now(page)
         return freed
 
     def knows(self, req_id: str) -> bool:
@@ -291,9 +338,11 @@ class ChunkStore:
             self._forget(page)
         lapsed_holds: list[str] = []
         while self._hold_deadlines and self._hold_deadlines[0][0] <= now:
-            _, req_id = heapq.heappop(self._hold_deadlines)
+            deadline, req_id = heapq.heappop(self._hold_deadlines)
             hold = self._holds.get(req_id)
-            if hold is not None and hold.deadline <= now:
+            # Only at its current deadline's own entry (an older one is stale): holds lapse in
+            # the order of their deadlines, which is the order their pages join the cache.
+            if hold is not None and hold.deadline == deadline:
                 self.release(req_id, now, HOLD_LAPSED)
                 lapsed_holds.append(req_id)
         while self._dropped_until and self._dropped_until[0][0] <= now:
@@ -316,6 +365,32 @@ class ChunkStore:
         # The entry of the old deadline stays in the heap and is skipped when it comes up.
         hold.deadline = deadline
         heapq.heappush(self._hold_deadlines, (deadline, req_id))
+
+    def _idle_now(self, page: int) -> None:
+        """Nobody holds cached ``page`` any more: it is the most recently used idle page, and
+        the oldest go while more than ``cache_pages`` are idle."""
+        self._idle[page] = None
+        while len(self._idle) > self._cache_pages:
+            self._evict(next(iter(self._idle)))
+
+    def _make_room(self, needed: int, keep: set[int]) -> None:
+        """Evict idle cached pages, oldest first and none of ``keep``, until ``needed`` pages
+        are free; none at all if that would still not be enough (the allocation is refused)."""
+        short = needed - self._allocator.free_pages
+        if short <= 0:
+            return
+        victims = [page for page in self._idle if page not in keep][:short]
+        if len(victims) == short:
+            for page in victims:
+                self._evict(page)
+
+    def _evict(self, page: int) -> None:
+        del self._idle[page]
+        self._cached.discard(page)
+        self.cache_counts.evictions += 1
+        freed = self._allocator.decref(page)  # the cache's reference was the last
+        assert freed, f"evicted page {page} is still referenced"
+        self._forget(page)
 
     def _live_page(self, key: bytes) -> int | None:
         for page in self._pages_of_key.get(key, ()):

@@ -51,6 +51,10 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     claim_timeout_s: Seconds = protocol.CLAIM_TIMEOUT_S
     # ... and pages of a claimed request nobody released, after this.
     hold_timeout_s: Seconds = protocol.HOLD_TIMEOUT_S
+    # Consumer: the share of the receive buffer that landed chunks no request holds any more
+    # may keep, as a cache for later prompts that share them (evicted least recently used
+    # first, and whenever an allocation needs their room); 0 turns the cache off.
+    cache_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
     # Producer: consumer ranks to shake hands with ahead of their first request (the launcher
     # names every decode rank here), so that no request waits for NIXL's connect.
     warm_peers: list[PeerAddressText] = msgspec.field(default_factory=list)
@@ -91,6 +95,11 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     def num_pages(self) -> int:
         """Pages of ``page_bytes`` that fit in the buffer."""
         return self.buffer_size_bytes // self.page_bytes
+
+    @property
+    def cache_pages(self) -> int:
+        """The most pages that idle cached chunks keep."""
+        return int(self.num_pages * self.cache_share)
 
 
 def replace(config: PDConfig, **changes: object) -> PDConfig:

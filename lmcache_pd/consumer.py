@@ -96,7 +96,10 @@ class Consumer:
             num_pages=config.num_pages, page_bytes=config.page_bytes, lease_s=config.alloc_lease_s
         )
         self._store = ChunkStore(
-            allocator, claim_s=config.claim_timeout_s, hold_s=config.hold_timeout_s
+            allocator,
+            claim_s=config.claim_timeout_s,
+            hold_s=config.hold_timeout_s,
+            cache_pages=config.cache_pages,
         )
         # Zeroed now so that every page is faulted in here, not on the first transfers.
         self._buffer = torch.zeros(config.num_pages * config.page_bytes, dtype=torch.uint8).zero_()
@@ -139,7 +142,9 @@ class Consumer:
         with self._lock:
             return {
                 **asdict(self.stats),
+                **{f"cache_{name}": n for name, n in asdict(self._store.cache_counts).items()},
                 "used_pages": self._store.used_pages,
+                "cached_pages": self._store.cached_pages,
                 "pending_writes": self._store.pending_writes,
                 "held_requests": self._store.held_requests,
             }

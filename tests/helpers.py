@@ -39,6 +39,9 @@ def consumer_fields(num_pages: int = 64, **overrides: object) -> dict[str, objec
         "buffer_size_bytes": num_pages * PAGE_BYTES,
         "init_port": free_port(),
         "alloc_port": free_port(),
+        # Transfer tests push the same token ranges again and again, each expecting them written:
+        # the cache of landed chunks is off unless a test is about it.
+        "cache_share": 0.0,
         **overrides,
     }
 

@@ -28,9 +28,22 @@ HOLD_S = 5.0
 DROPPED_MEMORY_S = 3.0
 
 
-def make_store(num_pages: int = 8) -> ChunkStore:
+def make_store(num_pages: int = 8, cache_pages: int = 0) -> ChunkStore:
     allocator = PageAllocator(num_pages=num_pages, page_bytes=PAGE_BYTES, lease_s=LEASE_S)
-    return ChunkStore(allocator, claim_s=CLAIM_S, hold_s=HOLD_S, dropped_memory_s=DROPPED_MEMORY_S)
+    return ChunkStore(
+        allocator,
+        claim_s=CLAIM_S,
+        hold_s=HOLD_S,
+        dropped_memory_s=DROPPED_MEMORY_S,
+        cache_pages=cache_pages,
+    )
+
+
+def landed_and_released(store: ChunkStore, req_id: str, *keys: bytes) -> None:
+    """``req_id``'s chunks land, are loaded, and the request lets them go."""
+    allocation = store.allocate(alloc_request(req_id, *keys), now=0.0)
+    store.confirm(write_done(req_id, allocation.alloc_id))
+    store.release(req_id, now=0.0)
 
 
 def alloc_request(req_id: str, *keys: bytes, nbytes: int = PAGE_BYTES) -> AllocRequest:
@@ -289,6 +302,64 @@ def test_allocation_is_all_or_nothing_when_the_buffer_is_short(asked: list[bytes
         assert refs(store, store.landed(b"k0").page) == 2
 
 
+# Landed chunks kept as a cache.
+
+
+@pytest.mark.parametrize("cache_pages", [4, 0], ids=["cache", "no_cache"])
+def test_a_landed_chunk_outlives_its_request_and_is_not_written_again(cache_pages: int) -> None:
+    store = make_store(cache_pages=cache_pages)
+    landed_and_released(store, "a", b"k0", b"k1")
+    assert store.used_pages == 0  # held by nobody: cached (or freed), not in use
+    assert store.cached_pages == (2 if cache_pages else 0)
+    allocation = store.allocate(alloc_request("b", b"k0", b"k1", b"k2"), now=1.0)
+    if cache_pages:
+        assert allocation.pages[:2] == [None, None] and allocation.new_pages == 1
+        assert store.landed(b"k0", "b") is not None  # b holds it: loadable, never evicted
+        assert store.cached_pages == 0 and store.used_pages == 3
+    else:  # control: without the cache both chunks are written again
+        assert allocation.new_pages == 3
+    counts = store.cache_counts
+    assert (counts.hits, counts.bytes_not_resent) == (
+        (2, 2 * PAGE_BYTES) if cache_pages else (0, 0)
+    )
+
+
+def test_idle_cached_chunks_are_evicted_oldest_first_only_for_room() -> None:
+    store = make_store(num_pages=4, cache_pages=4)
+    landed_and_released(store, "a", b"old")
+    landed_and_released(store, "b", b"mid")
+    held = store.allocate(alloc_request("c", b"held"), now=0.0)
+    store.confirm(write_done("c", held.alloc_id))  # c still holds its chunk
+    store.allocate(alloc_request("d", b"mid"), now=0.0)  # used again: now the newest
+    store.release("d", now=0.0)
+    assert store.cached_pages == 2 and store.used_pages == 1
+    store.allocate(alloc_request("e", b"new1"), now=0.0)  # a free page: nothing evicted
+    assert store.cache_counts.evictions == 0
+    store.allocate(alloc_request("f", b"new2"), now=0.0)  # full: the least recently used goes
+    assert store.landed(b"old") is None and store.landed(b"mid") is not None
+    assert store.landed(b"held") is not None
+    before = snapshot(store)
+    with pytest.raises(BufferFull):  # 2 pages asked, 1 could be made: nothing is evicted
+        store.allocate(alloc_request("g", b"x", b"y"), now=0.0)
+    assert snapshot(store) == before and store.cache_counts.evictions == 1
+
+
+def test_idle_cached_chunks_are_capped_at_cache_pages() -> None:
+    store = make_store(num_pages=8, cache_pages=1)
+    landed_and_released(store, "a", b"k0", b"k1", b"k2")
+    assert store.cached_pages == 1 and store.cache_counts.evictions == 2
+    assert store.landed(b"k2") is not None  # the most recently let go stays
+
+
+def test_a_write_still_in_flight_is_not_cached_until_it_lands() -> None:
+    store = make_store(cache_pages=4)
+    allocation = store.allocate(alloc_request("a", b"k0"), now=0.0)
+    store.release("a", now=0.0)  # decode let go before the write landed
+    assert store.cached_pages == 0 and store.used_pages == 1  # leased until it lands
+    store.confirm(write_done("a", allocation.alloc_id))
+    assert (store.cached_pages, store.used_pages) == (1, 0)
+
+
 @pytest.mark.parametrize(
     ("request_", "error"),
     [
@@ -337,12 +408,19 @@ class ModelPending:
 class ChunkStoreMachine(RuleBasedStateMachine):
     """Random allocate / confirm / cancel / release / claim / expire against a model."""
 
+    CACHE_PAGES = 0  # idle landed pages kept as a cache (0: none, freed at once)
+
     def __init__(self) -> None:
         super().__init__()
         self.allocator = PageAllocator(num_pages=NUM_PAGES, page_bytes=PAGE_BYTES, lease_s=LEASE_S)
         self.store = ChunkStore(
-            self.allocator, claim_s=CLAIM_S, hold_s=HOLD_S, dropped_memory_s=DROPPED_MEMORY_S
+            self.allocator,
+            claim_s=CLAIM_S,
+            hold_s=HOLD_S,
+            dropped_memory_s=DROPPED_MEMORY_S,
+            cache_pages=self.CACHE_PAGES,
         )
+        self.idle: dict[int, None] = {}  # landed pages nobody holds, least recently used first
         self.now = 0.0
         self.pages: dict[int, ModelPage] = {}
         self.holds: dict[str, set[int]] = {}
@@ -367,6 +445,21 @@ class ChunkStoreMachine(RuleBasedStateMachine):
         for pages in self.holds.values():
             pages.discard(page)
 
+    def _unheld(self, page: int) -> bool:
+        """Landed ``page`` lost its last holder: cached (the oldest idle ones evicted beyond
+        CACHE_PAGES), or freed without a cache. Returns whether it was freed at once."""
+        if not self.CACHE_PAGES:
+            self._free(page)
+            return True
+        self.idle[page] = None
+        while len(self.idle) > self.CACHE_PAGES:
+            self._evict(next(iter(self.idle)))
+        return False
+
+    def _evict(self, page: int) -> None:
+        del self.idle[page]
+        self._free(page)
+
     def _release(self, req_id: str, reason: str) -> int:
         self.claimed.discard(req_id)
         self.dropped.setdefault(req_id, (reason, self.now + DROPPED_MEMORY_S))
@@ -374,8 +467,7 @@ class ChunkStoreMachine(RuleBasedStateMachine):
         freed = 0
         for page in sorted(self.holds.pop(req_id, set())):
             if self.pages[page].live and not self._held(page):
-                self._free(page)
-                freed += 1
+                freed += self._unheld(page)
         return freed
 
     def _alloc_ids(self, data: st.DataObject) -> tuple[int, str]:
@@ -413,7 +505,7 @@ class ChunkStoreMachine(RuleBasedStateMachine):
             info.live = True
             self.last_written[page] = info.key
             if not self._held(page):
-                self._free(page)
+                self._unheld(page)
             else:
                 expected = None if checksums is None else checksums[index]
                 assert self.store._pages[page].checksum == expected
@@ -457,7 +549,12 @@ class ChunkStoreMachine(RuleBasedStateMachine):
             return
         request = alloc_request(req_id, *keys, nbytes=nbytes)
         need = [key for key in keys if not self._live_pages(key)]
-        if req_id in self.dropped or len(need) > NUM_PAGES - len(self.pages):
+        # Which landed page a shared chunk gets is the store's choice: it must be a live one.
+        shared = {key: self.store.landed(key) for key in keys if key not in need}
+        short = len(need) - (NUM_PAGES - len(self.pages))
+        kept = {landed.page for landed in shared.values()}
+        evictable = [page for page in self.idle if page not in kept]
+        if req_id in self.dropped or short > len(evictable):
             error = RequestDropped if req_id in self.dropped else BufferFull
             before = snapshot(self.store)
             with pytest.raises(error) as refused:
@@ -466,8 +563,8 @@ class ChunkStoreMachine(RuleBasedStateMachine):
                 assert refused.value.reason == self.dropped[req_id][0]
             assert snapshot(self.store) == before
             return
-        # Which landed page a shared chunk gets is the store's choice: it must be a live one.
-        shared = {key: self.store.landed(key) for key in keys if key not in need}
+        for page in evictable[: max(0, short)]:
+            self._evict(page)
         allocation = self.store.allocate(request, self.now)
         assert len(allocation.pages) == len(keys)
         assert allocation.new_pages == len(need)
@@ -478,6 +575,7 @@ class ChunkStoreMachine(RuleBasedStateMachine):
                 assert page is None
                 page = shared[key].page
                 assert page in self._live_pages(key)
+                self.idle.pop(page, None)
             else:
                 assert page is not None and page not in self.pages
                 self.pages[page] = ModelPage(key, nbytes, allocation.alloc_id)
@@ -539,7 +637,8 @@ class ChunkStoreMachine(RuleBasedStateMachine):
                 for page in pending.pages:
                     self._free(page)
         expected_holds = []
-        for req_id, deadline in list(self.hold_deadlines.items()):
+        # in the order the store lets them go (and caches their pages): by deadline, then id
+        for deadline, req_id in sorted((d, r) for r, d in self.hold_deadlines.items()):
             if deadline <= self.now:
                 expected_holds.append(req_id)
                 self._release(req_id, HOLD_LAPSED)
@@ -591,8 +690,11 @@ class ChunkStoreMachine(RuleBasedStateMachine):
         assert set(holders) <= set(self.store._pages), "a hold names a free page"
         for page, info in self.store._pages.items():
             leased = self.allocator._state[page] is PageState.LEASED
-            assert self.allocator._refs[page] == int(leased) + len(holders[page])
+            cached = bool(self.CACHE_PAGES) and not leased  # a landed page: the cache's ref
+            assert self.allocator._refs[page] == int(leased) + int(cached) + len(holders[page])
             assert info.holders == holders[page]
+        assert list(self.store._idle) == list(self.idle), "idle pages or their order differ"
+        assert self.store.used_pages == len(self.pages) - len(self.idle)
 
     @invariant()
     def store_agrees_with_the_model(self) -> None:
@@ -644,13 +746,26 @@ class ChunkStoreMachine(RuleBasedStateMachine):
         self.now += max(LEASE_S, HOLD_S, DROPPED_MEMORY_S)
         assert self.store.expire(self.now) == ([], [])
         store = self.store
-        assert not (store._pages or store._pages_of_key or store._holds or store._pending)
+        assert set(store._pages) == set(self.idle)  # only cached chunks nobody holds remain
+        assert not (store._holds or store._pending)
         assert not (store._dropped or store._dropped_until or store._claimed)
         assert not store._hold_deadlines, "stale hold deadlines outlived every hold"
 
 
 TestChunkStoreMachine = ChunkStoreMachine.TestCase
 TestChunkStoreMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+class CachingChunkStoreMachine(ChunkStoreMachine):
+    """The same, with landed chunks kept as a cache of at most 3 idle pages."""
+
+    CACHE_PAGES = 3
+
+
+TestCachingChunkStoreMachine = CachingChunkStoreMachine.TestCase
+TestCachingChunkStoreMachine.settings = settings(
+    max_examples=200, stateful_step_count=40, deadline=None
+)
 
 
 def test_a_load_reads_only_pages_its_request_holds() -> None:

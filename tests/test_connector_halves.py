@@ -110,30 +110,47 @@ def test_requests_without_or_with_a_bad_spec_are_left_alone() -> None:
         step(new=[("plain", [1], 0), ("bad", [2], 0)], scheduled={"plain": 2, "bad": 2})
     )
     assert meta.saves == []
-    consumer = ConsumerScheduler(CHUNK)
+    consumer = ConsumerScheduler()
     assert consumer.get_num_new_matched_tokens(request("plain", [1, 2, 3], None), 0) == (0, False)
 
 
-def test_consumer_scheduler_announces_all_but_the_last_token_on_chunk_boundaries() -> None:
-    scheduler = ConsumerScheduler(CHUNK)
+def test_consumer_scheduler_loads_all_but_the_last_token_past_decodes_own_hit() -> None:
+    scheduler = ConsumerScheduler()
     req = request("c", list(range(201)), {"disagg_spec": SPEC})
     assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)
     assert scheduler.get_num_new_matched_tokens(req, 64) == (136, True)
-    assert scheduler.get_num_new_matched_tokens(req, 32) == (0, False)  # not a chunk boundary
+    # decode's own hit ends inside a chunk (a block boundary): the rest is still loaded
+    assert scheduler.get_num_new_matched_tokens(req, 32) == (168, True)
+    assert scheduler.get_num_new_matched_tokens(req, 200) == (0, False)  # decode has it all
     assert scheduler.get_num_new_matched_tokens(request("one", [5], {"disagg_spec": SPEC}), 0) == (
         0,
         False,
     )
     blocks = SimpleNamespace(get_block_ids=lambda: ([3, 1, 4, 1, 5, 9, 2],))
-    scheduler.update_state_after_alloc(req, blocks, 200)
+    scheduler.update_state_after_alloc(req, blocks, 168)
     [load] = scheduler.build_connector_meta(step()).loads
     assert (load.disagg_req_id, len(load.prompt), load.start, load.block_ids[0]) == (
         "d-1",
         200,
-        0,
+        32,
         3,
     )
     assert scheduler.build_connector_meta(step()).loads == []
+
+
+def test_a_request_decode_needs_no_kv_for_has_its_chunks_released_at_once() -> None:
+    """Decode's own prefix cache covered the prompt: nothing is loaded, and the consumer is told
+    to let the request's chunks go (not hold them until the claim timeout)."""
+    scheduler = ConsumerScheduler()
+    req = request("c", list(range(201)), {"disagg_spec": SPEC})
+    assert scheduler.get_num_new_matched_tokens(req, 200) == (0, False)
+    scheduler.update_state_after_alloc(req, None, 0)
+    meta = scheduler.build_connector_meta(step())
+    assert (meta.loads, meta.unneeded) == ([], {"d-1"})
+    assert scheduler.build_connector_meta(step()).unneeded == set()
+    plain = request("plain", [1, 2, 3], None)  # control: no spec, nothing to release
+    scheduler.update_state_after_alloc(plain, None, 0)
+    assert scheduler.build_connector_meta(step()).unneeded == set()
 
 
 def paged_cache(num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
@@ -157,6 +174,11 @@ class Workers:
     consumer_stats: StatsRecorder
     keyer: ChunkKeyer
     common: dict
+
+    def consumer_used_pages(self) -> float:
+        """The consumer rank's used pages, as its next step exports them."""
+        self.consumer.finished_loads()
+        return self.consumer_stats.totals()["consumer_used_pages"]
 
     def producer_with(self, **overrides: object) -> ProducerWorker:
         """Another producer worker over the same source cache, with other settings."""
@@ -239,6 +261,37 @@ def test_kv_moves_from_producer_blocks_to_consumer_blocks_over_nixl(workers: Wor
     wait_for(lambda: workers.producer.progress().outstanding == 0, what="pushes reported done")
     workers.producer.wait_for_save(PDConnectorMetadata(finished={"p"}))
     assert workers.producer._saving == {}  # nothing kept of a finished request
+
+
+def test_a_load_past_decodes_own_hit_writes_only_the_blocks_it_lacks(workers: Workers) -> None:
+    """Decode's own cache holds the prompt's first block (shared with other requests): the
+    load starts there, inside the first chunk, and scatters only that chunk's later blocks."""
+    prompt = list(range(2000, 2150))
+    src_blocks, dst_blocks = [7, 3, 12, 20, 5], [1, 30, 2, 9, 11]
+    workers.producer.wait_for_save(save("p", workers.spec, prompt, src_blocks, 150))
+    workers.consumer.start_load_kv(
+        PDConnectorMetadata(loads=[LoadRequest("c", "d-1", prompt, dst_blocks, BLOCK)])
+    )
+    assert finish(workers.consumer) == ({"c"}, set())
+    for name in workers.source:
+        assert torch.equal(
+            workers.source[name][src_blocks[1:]], workers.target[name][dst_blocks[1:]]
+        )
+        assert not workers.target[name][dst_blocks[0]].any()  # decode's own block: untouched
+    totals = workers.consumer_stats.totals()
+    assert (totals["tokens_loaded"], totals["consumer_used_pages"]) == (150 - BLOCK, 0)
+
+
+def test_chunks_decode_needs_no_more_are_released_at_once(workers: Workers) -> None:
+    prompt = list(range(3000, 3150))
+    workers.producer.wait_for_save(save("p", workers.spec, prompt, [7, 3, 12, 20, 5], 150))
+    wait_for(lambda: workers.consumer_used_pages() == 3, what="chunks landed")
+    workers.consumer.start_load_kv(PDConnectorMetadata(unneeded={"d-1"}))
+    workers.consumer.finished_loads()
+    totals = workers.consumer_stats.totals()
+    assert (totals["consumer_held_requests"], totals["loads_unneeded"]) == (0, 1)
+    # its pages are free (or cached) once their writes are confirmed, not at the claim timeout
+    wait_for(lambda: workers.consumer_used_pages() == 0, timeout_s=2.0, what="pages back")
 
 
 def test_kv_that_never_lands_fails_the_load_at_its_deadline(workers: Workers) -> None:
@@ -434,7 +487,7 @@ def test_a_request_back_after_its_load_computes_its_prompt(preempted: bool) -> N
     """Preempted after loading (or after a failed load), a request comes back with nothing
     computed; its chunks were released, so it must be computed now, not awaited again."""
     counted: list[str] = []
-    scheduler = ConsumerScheduler(CHUNK, counted.append)
+    scheduler = ConsumerScheduler(counted.append)
     req = request("c", list(range(201)), {"disagg_spec": SPEC})
     assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)  # control: first time
     blocks = SimpleNamespace(get_block_ids=lambda: ([3, 1, 4, 1],))

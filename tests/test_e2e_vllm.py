@@ -50,6 +50,14 @@ def prompt(length: int, seed: int) -> list[int]:
 PROMPTS = {f"len-{n}": prompt(n, n) for n in LENGTHS}
 PROMPTS |= {f"batch-{i}": prompt(300 + 97 * i, 10_000 + i) for i in range(BATCH)}
 PROMPTS["orphan"] = prompt(700, 777)
+# Prompts sharing a 400-token prefix: decode's own cache holds its 3 whole blocks (384 tokens,
+# inside the second 256-token chunk) once the first was served. And one sent twice.
+SHARED_PREFIX = prompt(400, 40)
+PROMPTS |= {
+    "shared-a": SHARED_PREFIX + prompt(200, 41),
+    "shared-b": SHARED_PREFIX + prompt(300, 42),
+}
+PROMPTS["repeat"] = prompt(640, 43)
 # Fresh prompts for the rogue-producer tests: one the consumer had cached would be partly
 # computed from its own prefix cache and never reach the checks under test.
 PROMPTS |= {
@@ -244,6 +252,49 @@ def test_a_batch_of_concurrent_requests_matches_one_instance(pair: PDPair, refer
     for name in names:  # batched steps: see LOGPROB_TOLERANCE
         assert_close_answer(results[name], reference[name], name)
     assert pair.stats()["tokens_loaded"] - before == sum(len(PROMPTS[n]) for n in names)
+
+
+def test_a_prompt_sharing_a_prefix_loads_only_what_decode_lacks(
+    pair: PDPair, reference: dict
+) -> None:
+    """Decode's own cache hit ends inside a chunk: decode keeps its blocks and loads the rest,
+    that chunk's later block included, instead of computing the rest itself."""
+    assert_close_answer(pair.disaggregated("shared-a", PROMPTS["shared-a"]), reference["shared-a"])
+    before, stats = pair.tokens_by_source(), pair.stats()
+    got = pair.disaggregated("shared-b", PROMPTS["shared-b"])
+    assert_close_answer(got, reference["shared-b"], "shared-b")
+    after = pair.tokens_by_source()
+    moved = {source: after[source] - before[source] for source in after}
+    assert moved["local_cache_hit"] == 384
+    assert moved["external_kv_transfer"] == len(PROMPTS["shared-b"]) - 384
+    assert moved["local_compute"] == 1
+    # The first chunk (all shared prefix) stayed in the consumer's buffer: not written again.
+    assert pair.stats()["consumer_cache_hits"] - stats["consumer_cache_hits"] == 1
+
+
+def test_a_prompt_decode_already_holds_loads_nothing_and_frees_its_pages_at_once(
+    pair: PDPair, reference: dict
+) -> None:
+    tokens = PROMPTS["repeat"]  # 640 tokens: five whole blocks, all in decode's cache next time
+    assert_close_answer(pair.disaggregated("repeat", tokens), reference["repeat"])
+    before, sources = pair.stats(), pair.tokens_by_source()
+    pushed = pair.stats("producer")
+    assert_close_answer(pair.disaggregated("repeat", tokens), reference["repeat"])
+    assert pair.tokens_by_source()["external_kv_transfer"] == sources["external_kv_transfer"]
+    assert pair.stats()["loads_unneeded"] - before["loads_unneeded"] == 1
+    # and its three chunks were still in the consumer's buffer: none was written again
+    wait_for(
+        lambda: pair.stats("producer")["chunks_skipped"] - pushed["chunks_skipped"] == 3,
+        what="chunks counted skipped",
+    )
+    assert pair.stats("producer")["bytes_pushed"] == pushed["bytes_pushed"]
+
+    def pages_freed() -> bool:
+        pair.consumer.complete(body(pair.model, [7], 1))  # a step, so the gauge is fresh
+        return pair.stats()["consumer_used_pages"] == 0
+
+    # well before the claim timeout (30 s) that held them before
+    wait_for(pages_freed, timeout_s=5.0, what="pushed pages of a request decode did not need")
 
 
 def test_kv_that_never_comes_is_recomputed_within_the_deadline(

@@ -322,7 +322,8 @@ def test_a_bug_while_answering_gets_an_error_reply_and_serving_goes_on(
         producer.push(spec_for(consumer.config, "r-after-bug"), chunks)
     assert consumer.stats_snapshot()["internal_errors"] == 1
     consumer.release("r-after-bug")
-    assert consumer.used_pages == 0
+    # The write's notice reaches the consumer's thread a moment after push() returns.
+    wait_for(lambda: consumer.used_pages == 0, timeout_s=2.0, what="the write confirmed")
 
 
 def test_no_room_in_producer_staging_fails_before_the_consumer_is_asked(

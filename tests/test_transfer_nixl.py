@@ -111,6 +111,32 @@ def test_chunks_land_bit_exact_in_another_process(
     consumer.process.call("release", req_id=f"r-len-{length}")
 
 
+@pytest.mark.parametrize("cache_share", [1.0, 0.0], ids=["cache", "no_cache"])
+def test_a_prefix_pushed_once_is_not_written_again_while_cached(
+    tmp_path: Path, producer: Producer, keyer: ChunkKeyer, cache_share: float
+) -> None:
+    node = Consumer(tmp_path, cache_share=cache_share)
+    with node.process:
+        first = list(range(3 * CHUNK_SIZE))
+        chunks = make_chunks(keyer.chunk_keys(first), seed=5)
+        producer.push(node.spec("a"), chunks)
+        wait_landed(node, first)
+        node.process.call("release", req_id="a")
+        stats = node.process.stats()
+        assert (stats["used_pages"], stats["cached_pages"]) == (0, 3 if cache_share else 0)
+        # A later prompt shares the first two chunks and differs in the third.
+        second = first[: 2 * CHUNK_SIZE] + list(range(9000, 9000 + CHUNK_SIZE))
+        chunks_b = chunks[:2] + make_chunks(keyer.chunk_keys(second), seed=6)[2:]
+        result = producer.push(node.spec("b"), chunks_b)
+        assert (result.chunks_sent, result.chunks_skipped) == ((1, 2) if cache_share else (3, 0))
+        wait_landed(node, second)
+        landed = node.process.call("checksums", keys=[key.hex() for key, _ in chunks_b])
+        assert landed == local_checksums(chunks_b)  # the kept chunks are the bytes sent first
+        node.process.call("release", req_id="b")
+        stats = node.process.stats()
+        assert stats["cache_hits"] == (2 if cache_share else 0)
+
+
 def test_chunk_altered_after_the_write_is_caught(
     consumer: Consumer, producer: Producer, keyer: ChunkKeyer
 ) -> None:

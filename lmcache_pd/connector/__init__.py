@@ -115,9 +115,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._stats = StatsRecorder("scheduler")
             self._scheduler = (
-                ProducerScheduler()
-                if producer
-                else ConsumerScheduler(self._config.chunk_size, self._stats.add)
+                ProducerScheduler() if producer else ConsumerScheduler(self._stats.add)
             )
         else:
             from vllm.distributed.parallel_state import get_world_group

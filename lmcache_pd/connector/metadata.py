@@ -34,7 +34,9 @@ class SaveRequest:
 @dataclass(frozen=True, slots=True)
 class LoadRequest:
     """Consumer: fill ``block_ids`` with the KV of ``prompt[start:]``, pushed under
-    ``disagg_req_id``, then report ``req_id`` as received."""
+    ``disagg_req_id``, then report ``req_id`` as received. ``start`` is where decode's own
+    prefix-cache hit ends: a block boundary, not necessarily a chunk boundary (the blocks of
+    the prompt before it are decode's, shared with other requests, and never written)."""
 
     req_id: str
     disagg_req_id: str
@@ -45,13 +47,16 @@ class LoadRequest:
 
 @dataclass
 class PDConnectorMetadata(KVConnectorMetadata):
-    """One step's saves (producer) or loads (consumer), the requests that finished, and the
-    producer's requests that finished before their prompt was computed (aborted)."""
+    """One step's saves (producer) or loads (consumer), the requests that finished, the
+    producer's requests that finished before their prompt was computed (aborted), and the
+    consumer's disaggregated requests that load nothing (``unneeded``, by ``disagg_req_id``:
+    decode's own prefix cache had all of the prompt it would load)."""
 
     saves: list[SaveRequest] = field(default_factory=list)
     loads: list[LoadRequest] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)
     aborted: set[str] = field(default_factory=set)
+    unneeded: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -161,22 +161,25 @@ class ProducerScheduler(SchedulerHalf):
 
 
 class ConsumerScheduler(SchedulerHalf):
-    """Announces a disaggregated request's prompt KV as an asynchronous external hit."""
+    """Announces a disaggregated request's prompt KV, past decode's own prefix-cache hit, as an
+    asynchronous external hit."""
 
-    def __init__(self, chunk_size: int, count: Callable[[str], None] = lambda _: None) -> None:
+    def __init__(self, count: Callable[[str], None] = lambda _: None) -> None:
         """``count`` takes the name of a counter to bump (``StatsRecorder.add``)."""
-        self._chunk_size = chunk_size
         self._count = count
         self._loads: list[LoadRequest] = []
-        # Requests whose KV was loaded once (or failed to load): vLLM asks again after a failed
-        # load or a preemption, and must hear "none": the chunks are released by then.
+        self._unneeded: set[str] = set()
+        # Requests whose KV was loaded once (or failed to load, or was not needed): vLLM asks
+        # again after a failed load or a preemption, and must hear "none": the chunks are
+        # released by then.
         self._loaded: set[str] = set()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
-        """All of the prompt but its last token (the producer's first output, computed here),
-        if loading starts on a chunk boundary; else nothing and the prompt is computed."""
+        """All of the prompt past decode's own hit (``num_computed``, which vLLM ends on a block
+        boundary) but its last token (the producer's first output, computed here). A hit that
+        ends inside a chunk is fine: only that chunk's later blocks are loaded."""
         spec = disagg_spec_of(request)
-        if spec is None or num_computed % self._chunk_size:
+        if spec is None:
             return 0, False
         if request.request_id in self._loaded:
             # Its chunks were released when it loaded (or failed to): compute the prompt.
@@ -195,11 +198,16 @@ class ConsumerScheduler(SchedulerHalf):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         spec = disagg_spec_of(request)
-        if spec is None or num_external_tokens <= 0:
+        if spec is None or request.request_id in self._loaded:
+            return
+        self._loaded.add(request.request_id)
+        if num_external_tokens <= 0:
+            # Decode had the prompt's KV itself: the pushed chunks go back now, and later
+            # pushes for it are refused, instead of held until the claim timeout.
+            self._unneeded.add(spec.req_id)
             return
         prompt = list(request.prompt_token_ids or [])[:-1]
         start = len(prompt) - num_external_tokens
-        self._loaded.add(request.request_id)
         self._loads.append(
             LoadRequest(
                 request.request_id, spec.req_id, prompt, list(blocks.get_block_ids()[0]), start
@@ -207,8 +215,10 @@ class ConsumerScheduler(SchedulerHalf):
         )
 
     def build_connector_meta(self, output: SchedulerOutput) -> PDConnectorMetadata:
-        meta = PDConnectorMetadata(loads=self._loads, finished=set(output.finished_req_ids))
-        self._loads = []
+        meta = PDConnectorMetadata(
+            loads=self._loads, finished=set(output.finished_req_ids), unneeded=self._unneeded
+        )
+        self._loads, self._unneeded = [], set()
         return meta
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:

@@ -62,6 +62,7 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "tokens_loaded": "Prompt tokens loaded from a producer instead of computed.",
         "loads_failed": "Loads reported failed to vLLM, which recomputes the prompt.",
         "loads_aborted": "Loads dropped because vLLM aborted the request.",
+        "loads_unneeded": "Requests decode's own prefix cache covered: pushed chunks released.",
         "load_timeouts": "Loads not complete by their deadline (also in loads_failed).",
         "loads_abandoned": "Loads failed at once: the producer or proxy abandoned their KV.",
         "integrity_failures": "Chunks whose checksum did not match (also in loads_failed).",
@@ -78,11 +79,16 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "consumer_malformed_messages": "Malformed or out-of-bounds messages refused.",
         "consumer_internal_errors": "Unexpected errors caught in the consumer's service thread.",
         "consumer_service_stalls": "Times the consumer's service loop stopped turning for 2 s.",
+        "consumer_cache_hits": "Chunks asked for that had landed already: not written again.",
+        "consumer_cache_misses": "Chunks given a fresh page of the receive buffer.",
+        "consumer_cache_evictions": "Cached chunks nobody held, evicted for room.",
+        "consumer_cache_bytes_not_resent": "Bytes of chunks not written again (cache hits).",
     }
 )
 GAUGES: Mapping[str, str] = MappingProxyType(
     {
-        "consumer_used_pages": "Pages of the consumer's receive buffer in use.",
+        "consumer_used_pages": "Pages of the consumer's receive buffer held or being written.",
+        "consumer_cached_pages": "Pages keeping a landed chunk nobody holds, for reuse.",
         "consumer_held_requests": "Requests whose chunks the consumer holds.",
     }
 )

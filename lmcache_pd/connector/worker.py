@@ -56,6 +56,10 @@ CONSUMER_COUNTERS = (
     "malformed_messages",
     "internal_errors",
     "service_stalls",
+    "cache_hits",
+    "cache_misses",
+    "cache_evictions",
+    "cache_bytes_not_resent",
 )
 
 
@@ -67,8 +71,11 @@ def paged_cache(kv_caches: dict[str, torch.Tensor], chunk_size: int) -> CpuKVCac
     return cache
 
 
-def _chunk_blocks(block_ids: list[int], chunk: ChunkKey, block_size: int) -> torch.Tensor:
-    first = chunk.start // block_size
+def _chunk_blocks(
+    block_ids: list[int], chunk: ChunkKey, block_size: int, start: int = 0
+) -> torch.Tensor:
+    """The request's blocks that hold ``chunk``'s tokens from ``start`` on (a block boundary)."""
+    first = max(chunk.start, start) // block_size
     last = -(-chunk.end // block_size)
     return torch.tensor(block_ids[first:last], dtype=torch.int64)
 
@@ -225,8 +232,16 @@ class ConsumerWorker(WorkerHalf):
         for load in meta.loads:
             # Claimed at once: its pages stay past the claim timeout while it waits.
             self._consumer.claim(load.disagg_req_id)
-            keys = self._keyer.chunk_keys(load.prompt)
+            # Chunks wholly inside decode's own prefix-cache hit are neither awaited nor read.
+            keys = [k for k in self._keyer.chunk_keys(load.prompt) if k.end > load.start]
             self._pending.append(_PendingLoad(load, keys, 0, deadline, now))
+        for disagg_req_id in meta.unneeded:
+            self._consumer.release(disagg_req_id)
+            self._stats.add("loads_unneeded")
+            logger.info(
+                "req %s: decode's own prefix cache had its prompt; pushed chunks released",
+                disagg_req_id,
+            )
         if meta.finished:
             self._drop_aborted(meta.finished)
 
@@ -285,6 +300,7 @@ class ConsumerWorker(WorkerHalf):
                 self._stats.add(f"consumer_{name}", delta)
                 self._consumer_counts[name] = snapshot[name]
         self._stats.set_gauge("consumer_used_pages", snapshot["used_pages"])
+        self._stats.set_gauge("consumer_cached_pages", snapshot["cached_pages"])
         self._stats.set_gauge("consumer_held_requests", snapshot["held_requests"])
 
     def close(self) -> None:
@@ -325,11 +341,9 @@ class ConsumerWorker(WorkerHalf):
             )
         try:
             for chunk in pending.keys:
-                if chunk.end <= load.start:
-                    continue
                 data = self._consumer.get_chunk(chunk.key, load.disagg_req_id)
-                blocks = _chunk_blocks(load.block_ids, chunk, self._cache.block_size)
-                self._cache.scatter(data, blocks)
+                blocks = _chunk_blocks(load.block_ids, chunk, self._cache.block_size, load.start)
+                self._cache.scatter(self._cache.tail_blocks(data, len(blocks)), blocks)
         except (IntegrityError, KeyError) as exc:
             counter = "integrity_failures" if isinstance(exc, IntegrityError) else None
             return self._failed(pending, "unusable", counter, f"received KV unusable: {exc}")
