@@ -9,7 +9,8 @@ bytes written, chunks the consumer already held and so were not sent again).
 
 Goals (issue 13): decode loads the KV of every request past its own cache's hit (not 1 in 24),
 and the bytes pushed per request are its own tail (the chunks after the shared ones), not its
-whole prompt; no wrong answer.
+whole prompt; no wrong answer; after the run decode holds no page within the claim timeout
+(``after_run``: what stays is the cache of chunks nobody holds).
 
 Reproduce (~4 min a layout here; JSON and Markdown in benchmarks/results/)::
 
@@ -39,11 +40,13 @@ from lmcache_pd.benchmarks.chaos import (
     CounterTrack,
     Prompt,
     _pools_file,
+    _refresh_gauges,
     _warm_up,
     alive_groups,
     compute_references,
     judge,
     proxy_url,
+    read_counters,
 )
 from lmcache_pd.benchmarks.environment import run_environment
 from lmcache_pd.model_maker import ensure_model
@@ -57,6 +60,7 @@ SYSTEM_TOKENS = 1500  # not a multiple of the chunk (256) or block (128) size
 QUESTION_TOKENS = (30, 60)
 OUTPUT_TOKENS = 8
 SETTLE_S = 2.0  # after a round, so that the last pushes and loads are counted
+RELEASE_WAIT_S = 40.0  # beyond the claim timeout (30 s), for decode's holds to end
 
 
 def make_prompts(rounds: int, per_round: int, seed: int) -> list[list[Prompt]]:
@@ -147,6 +151,29 @@ def run_round(
     }
 
 
+def holds_end(launcher: PoolLauncher, model: str) -> dict[str, Any]:
+    """After the run: how long until decode holds no page (what it keeps is the cache of
+    chunks nobody holds), and the pages it keeps cached then."""
+    started = time.monotonic()
+    while True:
+        _refresh_gauges(launcher, model)
+        gauges = [
+            read_counters(launcher, name, "metrics") or {}
+            for name in launcher.servers
+            if name.startswith("decode")
+        ]
+        used = sum(
+            g.get("consumer_used_pages", 0) + g.get("consumer_held_requests", 0) for g in gauges
+        )
+        waited = time.monotonic() - started
+        if used == 0 or waited > RELEASE_WAIT_S:
+            return {
+                "holds_ended_after_s": round(waited, 1) if used == 0 else None,
+                "cached_pages_after": sum(g.get("consumer_cached_pages", 0) for g in gauges),
+            }
+        time.sleep(1.0)
+
+
 def _median(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return round(statistics.median(present), 3) if present else None
@@ -187,6 +214,7 @@ def main(
     """Rounds of concurrent requests sharing a system prompt; write JSON and Markdown."""
     console = Console(width=None if sys.stdout.isatty() else 160)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="lmcache-pd-shared-"))
+    workdir.mkdir(parents=True, exist_ok=True)
     config = _pools_file(pools)
     layout = f"{len(config.prefill)}P{len(config.decode)}D"
     output = output or RESULTS / f"shared_prefix-{layout.lower()}.json"
@@ -194,6 +222,7 @@ def main(
     prompts = make_prompts(rounds, per_round, seed)
     groups: list[int] = []
     records: list[dict[str, Any]] = []
+    after_run: dict[str, Any] = {}
     started = time.monotonic()
     try:
         every = [p for batch in prompts for p in batch]
@@ -216,6 +245,8 @@ def main(
                     record |= run_round(launcher, client, proxy.model, batch, references)
                     records.append(record)
                     console.print(record)
+                after_run = holds_end(launcher, proxy.model)
+                console.print(after_run)
     finally:
         left = alive_groups(groups)
     document = {
@@ -232,6 +263,7 @@ def main(
         },
         "wall_s": round(time.monotonic() - started, 1),
         "processes_left": left,
+        "after_run": after_run,
         "results": records,
     }
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 import yaml
@@ -50,14 +51,27 @@ def prompt(length: int, seed: int) -> list[int]:
 PROMPTS = {f"len-{n}": prompt(n, n) for n in LENGTHS}
 PROMPTS |= {f"batch-{i}": prompt(300 + 97 * i, 10_000 + i) for i in range(BATCH)}
 PROMPTS["orphan"] = prompt(700, 777)
-# Prompts sharing a 400-token prefix: decode's own cache holds its 3 whole blocks (384 tokens,
-# inside the second 256-token chunk) once the first was served. And one sent twice.
-SHARED_PREFIX = prompt(400, 40)
-PROMPTS |= {
-    "shared-a": SHARED_PREFIX + prompt(200, 41),
-    "shared-b": SHARED_PREFIX + prompt(300, 42),
-}
+# Pairs of prompts sharing a prefix of 1, 2 or 3 whole vLLM blocks (128 tokens) and a few tokens
+# more: once the first was served, decode's own cache ends inside the first 256-token chunk, on
+# a chunk boundary, or inside the second chunk. And one prompt sent twice.
+BLOCK_TOKENS = 128
+CHUNK_TOKENS = 256
+SHARED_BLOCKS = (1, 2, 3)
+for _blocks in SHARED_BLOCKS:
+    _prefix = prompt(_blocks * BLOCK_TOKENS + 16, 40 + _blocks)
+    PROMPTS[f"shared{_blocks}-a"] = _prefix + prompt(200, 50 + _blocks)
+    PROMPTS[f"shared{_blocks}-b"] = _prefix + prompt(300, 60 + _blocks)
 PROMPTS["repeat"] = prompt(640, 43)
+# Two requests on one prefix sent together; a prefix decode's vLLM forgot between two requests.
+_prefix = prompt(700, 70)
+PROMPTS |= {f"together-{i}": _prefix + prompt(90 + 40 * i, 71 + i) for i in range(2)}
+_prefix = prompt(600, 80)
+PROMPTS |= {f"evicted-{i}": _prefix + prompt(150 + 30 * i, 81 + i) for i in range(2)}
+# A three-turn chat that resends the conversation (its answers are fixed tokens here).
+CHAT = [prompt(300, 90) + prompt(40, 91)]
+for _turn in (2, 3):
+    CHAT.append(CHAT[-1] + prompt(30, 90 + 2 * _turn) + prompt(40, 91 + 2 * _turn))
+PROMPTS |= {f"chat-{turn}": tokens for turn, tokens in enumerate(CHAT, 1)}
 # Fresh prompts for the rogue-producer tests: one the consumer had cached would be partly
 # computed from its own prefix cache and never reach the checks under test.
 PROMPTS |= {
@@ -139,6 +153,7 @@ class PDPair:
             workdir / "consumer.log",
             kv_transfer_config=configs["kv_consumer"],
             cpu=1,
+            env={"VLLM_SERVER_DEV_MODE": "1"},  # for /reset_prefix_cache
             extra_args=SERVER_ARGS,
             log_stats=True,
             wait=False,
@@ -254,22 +269,87 @@ def test_a_batch_of_concurrent_requests_matches_one_instance(pair: PDPair, refer
     assert pair.stats()["tokens_loaded"] - before == sum(len(PROMPTS[n]) for n in names)
 
 
+def moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: after[name] - before.get(name, 0.0) for name in after}
+
+
+def chunks_skipped(pair: PDPair, before: float, expected: int) -> None:
+    """Prefill counted ``expected`` chunks as held by the consumer already (not written)."""
+    wait_for(
+        lambda: pair.stats("producer")["chunks_skipped"] - before >= expected,
+        what="pushes counted",
+    )
+    assert pair.stats("producer")["chunks_skipped"] - before == expected
+
+
+@pytest.mark.parametrize("blocks", SHARED_BLOCKS)
 def test_a_prompt_sharing_a_prefix_loads_only_what_decode_lacks(
+    pair: PDPair, reference: dict, blocks: int
+) -> None:
+    """Decode's own cache hit ends inside a chunk or on its boundary: decode keeps its blocks and
+    loads the rest, a chunk's later block included, instead of computing the rest itself; the
+    chunks wholly in the shared prefix stayed in the consumer's buffer and are not resent."""
+    first, second = f"shared{blocks}-a", f"shared{blocks}-b"
+    assert_close_answer(pair.disaggregated(first, PROMPTS[first]), reference[first])
+    before, skipped = pair.tokens_by_source(), pair.stats("producer")["chunks_skipped"]
+    assert_close_answer(pair.disaggregated(second, PROMPTS[second]), reference[second], second)
+    tokens = moved(before, pair.tokens_by_source())
+    hit = blocks * BLOCK_TOKENS
+    assert tokens["local_cache_hit"] == hit
+    assert tokens["external_kv_transfer"] == len(PROMPTS[second]) - hit
+    assert tokens["local_compute"] == 1
+    chunks_skipped(pair, skipped, (hit + 16) // CHUNK_TOKENS)
+
+
+def test_two_requests_sharing_a_prefix_sent_together(pair: PDPair, reference: dict) -> None:
+    names = ["together-0", "together-1"]
+    before = pair.tokens_by_source()
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda n: pair.disaggregated(n, PROMPTS[n]), names))
+    for name, got in zip(names, results, strict=True):
+        assert_close_answer(got, reference[name], name)
+    tokens = moved(before, pair.tokens_by_source())
+    # Every prompt token but the last of each came from the transfer or decode's own cache.
+    assert tokens["local_compute"] == 2
+    assert tokens["external_kv_transfer"] + tokens["local_cache_hit"] == sum(
+        len(PROMPTS[n]) for n in names
+    )
+    assert tokens["external_kv_transfer"] > 0
+
+
+def test_a_prefix_decode_forgot_is_loaded_from_the_consumers_buffer(
     pair: PDPair, reference: dict
 ) -> None:
-    """Decode's own cache hit ends inside a chunk: decode keeps its blocks and loads the rest,
-    that chunk's later block included, instead of computing the rest itself."""
-    assert_close_answer(pair.disaggregated("shared-a", PROMPTS["shared-a"]), reference["shared-a"])
-    before, stats = pair.tokens_by_source(), pair.stats()
-    got = pair.disaggregated("shared-b", PROMPTS["shared-b"])
-    assert_close_answer(got, reference["shared-b"], "shared-b")
-    after = pair.tokens_by_source()
-    moved = {source: after[source] - before[source] for source in after}
-    assert moved["local_cache_hit"] == 384
-    assert moved["external_kv_transfer"] == len(PROMPTS["shared-b"]) - 384
-    assert moved["local_compute"] == 1
-    # The first chunk (all shared prefix) stayed in the consumer's buffer: not written again.
-    assert pair.stats()["consumer_cache_hits"] - stats["consumer_cache_hits"] == 1
+    """vLLM's own prefix cache on decode is emptied between two requests on one prefix: the
+    second loads all of its prompt, the shared chunks from the consumer's buffer, not resent."""
+    assert_close_answer(
+        pair.disaggregated("evicted-0", PROMPTS["evicted-0"]), reference["evicted-0"]
+    )
+    response = httpx.post(f"{pair.consumer.url}/reset_prefix_cache", timeout=30.0)
+    response.raise_for_status()
+    before, skipped = pair.tokens_by_source(), pair.stats("producer")["chunks_skipped"]
+    got = pair.disaggregated("evicted-1", PROMPTS["evicted-1"])
+    assert_close_answer(got, reference["evicted-1"], "evicted-1")
+    tokens = moved(before, pair.tokens_by_source())
+    assert tokens["local_cache_hit"] == 0  # control: decode's own cache had nothing
+    assert tokens["external_kv_transfer"] == len(PROMPTS["evicted-1"])
+    chunks_skipped(pair, skipped, 600 // CHUNK_TOKENS)
+
+
+def test_a_chat_that_resends_the_conversation_loads_only_each_turns_news(
+    pair: PDPair, reference: dict
+) -> None:
+    for turn, tokens in enumerate(CHAT, 1):
+        before, skipped = pair.tokens_by_source(), pair.stats("producer")["chunks_skipped"]
+        name = f"chat-{turn}"
+        assert_close_answer(pair.disaggregated(name, tokens), reference[name], name)
+        sources = moved(before, pair.tokens_by_source())
+        assert sources["local_compute"] == 1, name
+        assert sources["external_kv_transfer"] + sources["local_cache_hit"] == len(tokens)
+        if turn > 1:  # the earlier turns: decode's own cache, and not resent
+            earlier = len(CHAT[turn - 2])
+            assert sources["local_cache_hit"] == earlier // BLOCK_TOKENS * BLOCK_TOKENS, name
+            chunks_skipped(pair, skipped, earlier // CHUNK_TOKENS)
 
 
 def test_a_prompt_decode_already_holds_loads_nothing_and_frees_its_pages_at_once(

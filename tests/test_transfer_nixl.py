@@ -124,6 +124,8 @@ def test_a_prefix_pushed_once_is_not_written_again_while_cached(
         node.process.call("release", req_id="a")
         stats = node.process.stats()
         assert (stats["used_pages"], stats["cached_pages"]) == (0, 3 if cache_share else 0)
+        # lookup (the longest prefix held here) counts cached chunks
+        assert node.process.call("lookup", tokens=first) == (len(first) if cache_share else 0)
         # A later prompt shares the first two chunks and differs in the third.
         second = first[: 2 * CHUNK_SIZE] + list(range(9000, 9000 + CHUNK_SIZE))
         chunks_b = chunks[:2] + make_chunks(keyer.chunk_keys(second), seed=6)[2:]
