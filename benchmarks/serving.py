@@ -44,6 +44,7 @@ from lmcache_pd.benchmarks.serving_load import (
 )
 from lmcache_pd.benchmarks.serving_plots import write_plots
 from lmcache_pd.benchmarks.serving_systems import SYSTEMS, make_system
+from lmcache_pd.metrics_scrape import prompt_tokens_by_source
 from lmcache_pd.model_maker import ensure_model
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,21 @@ def _phase_summary(phases: list[dict[str, Any]]) -> dict[str, float]:
         "chunks_skipped_per_request": median(p["chunks_skipped"] for p in phases),
         "chunks_skipped_total": sum(p["chunks_skipped"] for p in phases),
         "loaded_fraction": sum(p["loaded"] for p in phases) / len(phases),
+    }
+
+
+def _decode_sources(before: dict[str, float], after: dict[str, float], requests: int) -> dict:
+    """Where decode's prompt tokens came from over one run: loaded from prefill, found in its
+    own prefix cache, computed; and the share of what it lacked that was loaded."""
+    moved = {source: after.get(source, 0.0) - before.get(source, 0.0) for source in after}
+    loaded, computed = moved.get("external_kv_transfer", 0.0), moved.get("local_compute", 0.0)
+    # Each request computes its last prompt token (prefill's first output) on decode.
+    lacked = loaded + computed - requests
+    return {
+        "decode_tokens_loaded": loaded,
+        "decode_tokens_cached": moved.get("local_cache_hit", 0.0),
+        "decode_tokens_computed": computed,
+        "decode_lacked_loaded_fraction": loaded / lacked if lacked > 0 else 1.0,
     }
 
 
@@ -120,6 +136,7 @@ def measure(
                             task, description=f"{name}: {workload.name}, run {run + 1}/{runs}"
                         )
                         prompts = workload.prompts(num_prompts, seed * 1000 + run)
+                        sources = prompt_tokens_by_source(system.decode_url)
                         started = time.perf_counter()
                         results = asyncio.run(
                             run_load(
@@ -133,6 +150,8 @@ def measure(
                             )
                         )
                         summary = summarize(results, time.perf_counter() - started)
+                        after = prompt_tokens_by_source(system.decode_url)
+                        summary |= _decode_sources(sources, after, len(prompts))
                         phases = system.breakdown()
                         ours = [phases[r.response_id] for r in results if r.response_id in phases]
                         summary |= _phase_summary(ours)
@@ -186,14 +205,17 @@ def goals(records: list[dict[str, Any]]) -> dict[str, Any]:
 def markdown(records: list[dict[str, Any]], found: dict[str, Any]) -> str:
     lines = [
         "| system | workload | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | E2E p50 | tok/s | "
-        "req/s | failures |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "req/s | failures | decode tokens loaded / cached / computed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
+        sources = "/".join(
+            f"{r.get(f'decode_tokens_{kind}', 0):.0f}" for kind in ("loaded", "cached", "computed")
+        )
         lines.append(
             f"| {r['system']} | {r['workload']} | {r['ttft_ms_p50']:.1f} | {r['ttft_ms_p99']:.1f}"
             f" | {r['itl_ms_p50']:.1f} | {r['itl_ms_p99']:.1f} | {r['e2e_ms_p50']:.0f}"
-            f" | {r['output_tok_s']:.1f} | {r['req_s']:.2f} | {r['failures']} |"
+            f" | {r['output_tok_s']:.1f} | {r['req_s']:.2f} | {r['failures']} | {sources} |"
         )
     ours = [r for r in records if "prefill_ms_p50" in r]
     if ours:

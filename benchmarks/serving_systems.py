@@ -6,8 +6,10 @@
 - ``nixl``: vLLM's own NixlConnector, 1 prefill + 1 decode, behind the small router of
   ``nixl_baseline.py`` that follows vLLM's documented protocol.
 
-All run the same model with the same flags (fp32, eager, the same vLLM arguments); the PD pairs
-get one core per instance and the colocated instance the same two cores.
+All run the same model with the same flags (fp32, eager, the same vLLM arguments, stats on); the
+PD pairs get one core per instance and the colocated instance the same two cores. Each names its
+``decode_url``: the instance whose ``vllm:prompt_tokens_by_source_total`` says where decode's
+prompt tokens came from (loaded, its own prefix cache, computed).
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ class LmcachePD:
         )
         self._launcher = PoolLauncher(pools, workdir)
         self._proxy: subprocess.Popen | None = None
+
+    @property
+    def decode_url(self) -> str:
+        return self._launcher.servers["decode-0"].url
 
     def __enter__(self) -> LmcachePD:
         self._launcher.start()
@@ -116,9 +122,10 @@ class Colocated:
             workdir / "colocated.log",
             cpu=cpus,
             extra_args=vllm_args,
+            log_stats=True,
             wait=False,
         )
-        self.url = self._server.url
+        self.url = self.decode_url = self._server.url
 
     def __enter__(self) -> Colocated:
         self._server.wait_until_healthy()
@@ -139,12 +146,14 @@ class NixlPD:
     def __init__(self, model: Path, workdir: Path, vllm_args: list[str]) -> None:
         from lmcache_pd.benchmarks.nixl_baseline import NixlBaseline
 
-        self._baseline = NixlBaseline(model, workdir, extra_args=vllm_args)
-        self.url = ""
+        self._baseline = NixlBaseline(model, workdir, extra_args=vllm_args, log_stats=True)
+        self.url = self.decode_url = ""
 
     def __enter__(self) -> NixlPD:
         self._baseline.__enter__()
         self.url = self._baseline.url
+        assert self._baseline.decode is not None
+        self.decode_url = self._baseline.decode.url
         self._baseline.warm_up()  # the one-off first P->D handshake, not measured
         return self
 

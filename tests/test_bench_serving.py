@@ -74,8 +74,12 @@ def test_a_short_run_of_all_three_systems_writes_sane_results(tmp_path: Path) ->
     assert ours["loaded_fraction"] == 1.0  # decode loaded every prompt's KV
     assert ours["kv_mib_per_request"] > 0 and ours["transfer_ms_p50"] > 0
     assert ours["prefill_ms_p50"] > 0 and ours["exposed_transfer_ms_p50"] > 0
-    # Chunks of the shared prefix are not resent while the consumer still holds them for
-    # another request; how often that happens depends on timing, so only the field is checked.
+    # decode's own counters: every prompt token it lacked was loaded, none computed but the last
+    assert ours["decode_tokens_loaded"] == 3 * 300
+    assert ours["decode_lacked_loaded_fraction"] == 1.0
+    assert records[("colocated", "300/4")]["decode_tokens_loaded"] == 0  # control
+    # Chunks of the shared prefix are not resent while the consumer holds or caches them; how
+    # often that happens depends on timing (requests sent together), so only the field is checked.
     assert isinstance(records[("lmcache-pd", "600/4@512")]["chunks_skipped_total"], int)
     assert "prefill_ms_p50" not in records[("colocated", "300/4")]
     for plot in ("serving_ttft_cdf.png", "serving_itl_cdf.png", "serving_timeline.png"):
