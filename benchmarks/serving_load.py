@@ -2,7 +2,8 @@
 generator that streams completions and times every token of every request.
 
 Prompts are random token ids, unique per request (so no prefix cache hides prefill work), except
-in a shared-prefix workload, where every prompt starts with the same tokens (so dedup shows).
+in a shared-prefix workload, where every prompt starts with the same tokens (so dedup shows), and
+in a multi-turn one, where each turn of a conversation resends the whole conversation so far.
 Outputs are forced to their full length (``ignore_eos``) at temperature 0.
 """
 
@@ -26,44 +27,58 @@ from lmcache_pd.proxy.flow import UPSTREAM_KEEPALIVE_S
 # Token ids drawn for prompts: clear of the tiny model's special tokens, inside its vocabulary.
 TOKEN_RANGE = (10, 1500)
 REQUEST_TIMEOUT_S = 300.0
-WORKLOAD_PATTERN = re.compile(r"^(\d+)/(\d+)(?:@(\d+))?$")
+WORKLOAD_PATTERN = re.compile(r"^(\d+)/(\d+)(?:@(\d+))?(?:x(\d+))?$")
 
 
 @dataclass(frozen=True, slots=True)
 class Workload:
     """``input_len`` prompt tokens (the first ``shared_prefix`` of them common to all requests)
-    and ``output_len`` generated tokens per request; or prompts read from a JSONL file."""
+    and ``output_len`` generated tokens per request; with ``turns`` > 1, conversations whose
+    turn ``t`` resends the ``t - 1`` turns before it and adds ``input_len - shared_prefix``
+    tokens (the answer it had and the next question); or prompts read from a JSONL file."""
 
     name: str
     input_len: int
     output_len: int
     shared_prefix: int = 0
     jsonl: Path | None = None
+    turns: int = 1
 
     @classmethod
     def parse(cls, spec: str) -> Workload:
-        """``IN/OUT`` or ``IN/OUT@PREFIX`` (e.g. ``1280/32@1024``), or a path to a JSONL file."""
+        """``IN/OUT``, ``IN/OUT@PREFIX`` (e.g. ``1500/32@1400``), either with ``xTURNS`` (e.g.
+        ``400/32x3``: three-turn chats), or a path to a JSONL file."""
         if (match := WORKLOAD_PATTERN.match(spec)) is None:
             path = Path(spec)
             if not path.is_file():
-                raise ValueError(f"workload {spec!r} is neither IN/OUT[@PREFIX] nor a JSONL file")
+                raise ValueError(
+                    f"workload {spec!r} is neither IN/OUT[@PREFIX][xTURNS] nor a JSONL file"
+                )
             return cls(path.stem, 0, 0, jsonl=path)
-        input_len, output_len, prefix = (int(g) if g else 0 for g in match.groups())
+        input_len, output_len, prefix, turns = (int(g) if g else 0 for g in match.groups())
         if not 0 <= prefix < input_len or output_len < 1:
             raise ValueError(f"workload {spec!r}: need 0 <= PREFIX < IN and OUT >= 1")
-        return cls(spec, input_len, output_len, prefix)
+        return cls(spec, input_len, output_len, prefix, turns=max(1, turns))
 
     def prompts(self, count: int, seed: int) -> list[tuple[list[int] | str, int]]:
-        """``count`` (prompt, max_tokens) pairs, the same for the same seed."""
+        """``count`` (prompt, max_tokens) pairs, the same for the same seed. Chats come turn by
+        turn: every conversation's first turn, then every second one, and so on."""
         if self.jsonl is not None:
             return _jsonl_prompts(self.jsonl, count)
         generator = random.Random(f"{self.name}:{seed}")
-        prefix = [generator.randrange(*TOKEN_RANGE) for _ in range(self.shared_prefix)]
+
+        def tokens(n: int) -> list[int]:
+            return [generator.randrange(*TOKEN_RANGE) for _ in range(n)]
+
+        prefix = tokens(self.shared_prefix)
         tail = self.input_len - self.shared_prefix
-        return [
-            (prefix + [generator.randrange(*TOKEN_RANGE) for _ in range(tail)], self.output_len)
-            for _ in range(count)
-        ]
+        talks = [list(prefix) for _ in range(-(-count // self.turns))]
+        prompts: list[tuple[list[int] | str, int]] = []
+        for _ in range(self.turns):
+            for talk in talks:
+                talk += tokens(tail)
+                prompts.append((list(talk), self.output_len))
+        return prompts[:count]
 
 
 def _jsonl_prompts(path: Path, count: int) -> list[tuple[list[int] | str, int]]:

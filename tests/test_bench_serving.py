@@ -24,6 +24,10 @@ def test_workload_specs_parse_and_prompts_are_unique_or_share_their_prefix() -> 
     assert plain.prompts(3, seed=1) == plain.prompts(3, seed=1)
     heads = {tuple(p[:32]) for p, _ in shared.prompts(3, seed=1)}
     assert len(heads) == 1
+    # three-turn chats: each turn resends its conversation so far and adds 40 tokens
+    chats = [p for p, _ in Workload.parse("40/8x3").prompts(6, seed=1)]
+    assert [len(p) for p in chats] == [40, 40, 80, 80, 120, 120]
+    assert chats[2][:40] == chats[0] and chats[4][:80] == chats[2] and chats[0] != chats[1]
     with pytest.raises(ValueError, match="PREFIX"):
         Workload.parse("40/8@40")
     with pytest.raises(ValueError, match="JSONL"):
