@@ -96,6 +96,7 @@ class CacheCounts:
     misses: int = 0  # chunks given a fresh page
     evictions: int = 0  # idle cached pages freed for room
     bytes_not_resent: int = 0
+    not_needed: int = 0  # chunks decode's own prefix cache had: not written at all
 
 
 class ChunkStore:
@@ -133,6 +134,8 @@ class ChunkStore:
         self._claimed: set[str] = set()
         self._pending: dict[int, PendingWrite] = {}
         self._dropped: dict[str, str] = {}
+        # Per claimed request, chunk keys its decode has in its own cache: never written for it.
+        self._not_needed: dict[str, frozenset[bytes]] = {}
         self._dropped_until: deque[tuple[float, str]] = deque()
         self._alloc_ids = itertools.count(1)
 
@@ -176,8 +179,9 @@ class ChunkStore:
                 raise AllocationError(
                     f"chunk {index} has {chunk.nbytes} bytes, a page holds {page_bytes}"
                 )
+        skip = self._not_needed.get(request.req_id, frozenset())
         held = [self._live_page(key) for key in keys]
-        needed = sum(page is None for page in held)
+        needed = sum(page is None and key not in skip for page, key in zip(held, keys, strict=True))
         self._make_room(needed, {page for page in held if page is not None})
         fresh = iter(self._allocator.allocate(needed, now))
         alloc_id = next(self._alloc_ids)
@@ -185,6 +189,10 @@ class ChunkStore:
         pages: list[int | None] = []
         written: list[int] = []
         for chunk, live in zip(request.chunks, held, strict=True):
+            if chunk.key in skip:
+                pages.append(None)  # written for nobody: "already held" to the producer
+                self.cache_counts.not_needed += 1
+                continue
             if live is None:
                 page = next(fresh)
                 self._pages_of_key.setdefault(chunk.key, set()).add(page)
@@ -279,16 +287,25 @@ class ChunkStore:
                 return LandedChunk(page, info.nbytes, info.checksum)
         return None
 
-    def claim(self, req_id: str, now: float) -> str | None:
+    def claim(
+        self, req_id: str, now: float, not_needed: frozenset[bytes] = frozenset()
+    ) -> str | None:
         """A decode will load ``req_id``: its hold lasts ``hold_s`` from now on, not
-        ``claim_s``. Returns why the request was let go if it was (its KV will not come)."""
+        ``claim_s``. Chunks in ``not_needed`` (decode's own prefix cache has them) are let go
+        now, and allocations of them for this request are answered without a page, so they are
+        not written. Returns why the request was let go if it was (its KV will not come)."""
         reason = self._dropped.get(req_id)
         if reason is not None:
             return reason
         self._claimed.add(req_id)
+        if not_needed:
+            self._not_needed[req_id] = not_needed
         hold = self._holds.get(req_id)
         if hold is not None:
             self._renew(hold, req_id, now + self._hold_s)
+            for page in sorted(p for p in hold.pages if self._pages[p].key in not_needed):
+                hold.pages.discard(page)
+                self._unhold(req_id, page)
         return None
 
     def dropped_reason(self, req_id: str) -> str | None:
@@ -300,22 +317,27 @@ class ChunkStore:
         ``dropped_memory_s``; returns how many pages that freed. Idempotent: the first reason
         stays."""
         self._claimed.discard(req_id)
+        self._not_needed.pop(req_id, None)
         if req_id not in self._dropped:
             self._dropped[req_id] = reason
             self._dropped_until.append((now + self._dropped_memory_s, req_id))
         hold = self._holds.pop(req_id, None)
         if hold is None:
             return 0
-        freed = 0
-        for page in sorted(hold.pages):  # a set: sorted, so that the cache's order is defined
-            info = self._pages[page]
-            info.holders.discard(req_id)
-            if self._allocator.decref(page):
-                self._forget(page)
-                freed += 1
-            elif page in self._cached and not info.holders:
-                self._idle_now(page)
-        return freed
+        # A set: sorted, so that the order pages join the cache in is defined.
+        return sum(self._unhold(req_id, page) for page in sorted(hold.pages))
+
+    def _unhold(self, req_id: str, page: int) -> bool:
+        """``req_id`` (whose hold no longer names ``page``) lets go of it; True if that freed
+        it, else it stays for its other holders, its write, or the cache."""
+        info = self._pages[page]
+        info.holders.discard(req_id)
+        if self._allocator.decref(page):
+            self._forget(page)
+            return True
+        if page in self._cached and not info.holders:
+            self._idle_now(page)
+        return False
 
     def knows(self, req_id: str) -> bool:
         """Whether ``req_id`` holds pages or was claimed here."""

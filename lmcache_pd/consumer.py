@@ -172,11 +172,13 @@ class Consumer:
                     return index
         return len(keys)
 
-    def claim(self, req_id: str) -> str | None:
-        """A decode is about to wait for ``req_id``'s KV: keep its pages until released. Returns
-        why the request was let go (its KV will not come: recompute now), else None."""
+    def claim(self, req_id: str, not_needed: frozenset[bytes] = frozenset()) -> str | None:
+        """A decode is about to wait for ``req_id``'s KV: keep its pages until released, except
+        chunks in ``not_needed`` (its own prefix cache has them: let go, and not written if
+        still to come). Returns why the request was let go (its KV will not come: recompute
+        now), else None."""
         with self._lock:
-            return self._store.claim(req_id, time.monotonic())
+            return self._store.claim(req_id, time.monotonic(), not_needed)
 
     def dropped_reason(self, req_id: str) -> str | None:
         """Why ``req_id`` was let go (abandoned by its producer, lapsed...), else None."""

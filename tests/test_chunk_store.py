@@ -351,6 +351,27 @@ def test_idle_cached_chunks_are_capped_at_cache_pages() -> None:
     assert store.landed(b"k2") is not None  # the most recently let go stays
 
 
+@pytest.mark.parametrize(
+    "decode_has", [frozenset({b"k0", b"k2"}), frozenset()], ids=["has", "none"]
+)
+def test_chunks_decode_has_itself_are_let_go_at_its_claim_and_never_written(
+    decode_has: frozenset[bytes],
+) -> None:
+    store = make_store()
+    first = store.allocate(alloc_request("a", b"k0", b"k1"), now=0.0)
+    store.confirm(write_done("a", first.alloc_id))
+    assert store.claim("a", now=0.0, not_needed=decode_has) is None
+    # k0 (decode's own cache has it) goes back at the claim; k1 stays for the load
+    assert (store.landed(b"k0", "a") is None) == bool(decode_has)
+    assert store.landed(b"k1", "a") is not None
+    later = store.allocate(alloc_request("a", b"k2", b"k3"), now=0.0)
+    if decode_has:  # k2 is not written at all, k3 is
+        assert later.pages[0] is None and later.new_pages == 1
+        assert store.used_pages == 2 and store.cache_counts.not_needed == 1
+    else:  # control: both are written
+        assert later.new_pages == 2 and store.used_pages == 4
+
+
 def test_a_write_still_in_flight_is_not_cached_until_it_lands() -> None:
     store = make_store(cache_pages=4)
     allocation = store.allocate(alloc_request("a", b"k0"), now=0.0)
@@ -421,6 +442,7 @@ class ChunkStoreMachine(RuleBasedStateMachine):
             cache_pages=self.CACHE_PAGES,
         )
         self.idle: dict[int, None] = {}  # landed pages nobody holds, least recently used first
+        self.not_needed: dict[str, set[bytes]] = {}  # per claimed request: never written for it
         self.now = 0.0
         self.pages: dict[int, ModelPage] = {}
         self.holds: dict[str, set[int]] = {}
@@ -462,6 +484,7 @@ class ChunkStoreMachine(RuleBasedStateMachine):
 
     def _release(self, req_id: str, reason: str) -> int:
         self.claimed.discard(req_id)
+        self.not_needed.pop(req_id, None)
         self.dropped.setdefault(req_id, (reason, self.now + DROPPED_MEMORY_S))
         self.hold_deadlines.pop(req_id, None)
         freed = 0
@@ -548,11 +571,13 @@ class ChunkStoreMachine(RuleBasedStateMachine):
             self._allocate_malformed(req_id, keys, fault)
             return
         request = alloc_request(req_id, *keys, nbytes=nbytes)
-        need = [key for key in keys if not self._live_pages(key)]
+        skip = self.not_needed.get(req_id, set())
+        need = [key for key in keys if key not in skip and not self._live_pages(key)]
         # Which landed page a shared chunk gets is the store's choice: it must be a live one.
-        shared = {key: self.store.landed(key) for key in keys if key not in need}
+        shared = {key: self.store.landed(key) for key in keys if key not in need + list(skip)}
         short = len(need) - (NUM_PAGES - len(self.pages))
-        kept = {landed.page for landed in shared.values()}
+        landed = [self.store.landed(key) for key in keys]
+        kept = {chunk.page for chunk in landed if chunk is not None}
         evictable = [page for page in self.idle if page not in kept]
         if req_id in self.dropped or short > len(evictable):
             error = RequestDropped if req_id in self.dropped else BufferFull
@@ -571,6 +596,9 @@ class ChunkStoreMachine(RuleBasedStateMachine):
         hold = self.holds.setdefault(req_id, set())
         written: list[int] = []
         for key, page in zip(keys, allocation.pages, strict=True):
+            if key in skip:  # decode has it: neither written nor held
+                assert page is None
+                continue
             if key in shared:
                 assert page is None
                 page = shared[key].page
@@ -612,17 +640,28 @@ class ChunkStoreMachine(RuleBasedStateMachine):
         expected = self._release(req_id, reason)
         assert self.store.release(req_id, self.now, reason) == expected
 
-    @rule(req_id=st.sampled_from(REQ_IDS))
-    def claim(self, req_id: str) -> None:
+    @rule(
+        req_id=st.sampled_from(REQ_IDS),
+        skip=st.lists(st.sampled_from(KEYS), max_size=2, unique=True),
+    )
+    def claim(self, req_id: str, skip: list[bytes]) -> None:
+        not_needed = frozenset(skip)  # decode's own cache has these
         if req_id in self.dropped:
             before = snapshot(self.store)
-            assert self.store.claim(req_id, self.now) == self.dropped[req_id][0]
+            assert self.store.claim(req_id, self.now, not_needed) == self.dropped[req_id][0]
             assert snapshot(self.store) == before
             return
-        assert self.store.claim(req_id, self.now) is None
+        assert self.store.claim(req_id, self.now, not_needed) is None
         self.claimed.add(req_id)
+        if skip:
+            self.not_needed[req_id] = set(skip)
         if req_id in self.holds:
             self.hold_deadlines[req_id] = self.now + HOLD_S
+            for page in sorted(self.holds[req_id]):
+                if self.pages[page].key in not_needed:
+                    self.holds[req_id].discard(page)
+                    if self.pages[page].live and not self._held(page):
+                        self._unheld(page)
 
     @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0]))
     def advance_and_expire(self, dt: float) -> None:

@@ -282,6 +282,28 @@ def test_a_load_past_decodes_own_hit_writes_only_the_blocks_it_lacks(workers: Wo
     assert (totals["tokens_loaded"], totals["consumer_used_pages"]) == (150 - BLOCK, 0)
 
 
+def test_a_chunk_decode_has_itself_is_not_written_when_its_claim_comes_first(
+    workers: Workers,
+) -> None:
+    """Decode's claim (its own cache holds the first chunk) reaches the consumer before the
+    push: that chunk is answered "not needed" and never written; the rest lands and loads."""
+    prompt = list(range(4000, 4150))
+    src_blocks, dst_blocks = [7, 3, 12, 20, 5], [1, 30, 2, 9, 11]
+    workers.consumer.start_load_kv(
+        PDConnectorMetadata(loads=[LoadRequest("c", "d-1", prompt, dst_blocks, CHUNK)])
+    )
+    workers.producer.wait_for_save(save("p", workers.spec, prompt, src_blocks, 150))
+    assert finish(workers.consumer) == ({"c"}, set())
+    for name in workers.source:
+        assert torch.equal(
+            workers.source[name][src_blocks[2:]], workers.target[name][dst_blocks[2:]]
+        )
+        assert not workers.target[name][dst_blocks[:2]].any()  # decode's own: untouched
+    wait_for(lambda: workers.producer.progress().outstanding == 0, what="pushes reported done")
+    totals = workers.producer_stats.totals()
+    assert (totals["chunks_pushed"], totals["chunks_skipped"]) == (2, 1)
+
+
 def test_chunks_decode_needs_no_more_are_released_at_once(workers: Workers) -> None:
     prompt = list(range(3000, 3150))
     workers.producer.wait_for_save(save("p", workers.spec, prompt, [7, 3, 12, 20, 5], 150))

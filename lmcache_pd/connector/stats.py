@@ -83,6 +83,7 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "consumer_cache_misses": "Chunks given a fresh page of the receive buffer.",
         "consumer_cache_evictions": "Cached chunks nobody held, evicted for room.",
         "consumer_cache_bytes_not_resent": "Bytes of chunks not written again (cache hits).",
+        "consumer_cache_not_needed": "Chunks decode's own prefix cache had: not written.",
     }
 )
 GAUGES: Mapping[str, str] = MappingProxyType(

@@ -60,6 +60,7 @@ CONSUMER_COUNTERS = (
     "cache_misses",
     "cache_evictions",
     "cache_bytes_not_resent",
+    "cache_not_needed",
 )
 
 
@@ -230,10 +231,13 @@ class ConsumerWorker(WorkerHalf):
         deadline = time.monotonic() + self._config.load_timeout_s
         now = time.time()
         for load in meta.loads:
+            # Chunks wholly inside decode's own prefix-cache hit are neither awaited, read, nor
+            # (if still to come) written.
+            every = self._keyer.chunk_keys(load.prompt)
+            keys = [k for k in every if k.end > load.start]
+            not_needed = frozenset(k.key for k in every if k.end <= load.start)
             # Claimed at once: its pages stay past the claim timeout while it waits.
-            self._consumer.claim(load.disagg_req_id)
-            # Chunks wholly inside decode's own prefix-cache hit are neither awaited nor read.
-            keys = [k for k in self._keyer.chunk_keys(load.prompt) if k.end > load.start]
+            self._consumer.claim(load.disagg_req_id, not_needed)
             self._pending.append(_PendingLoad(load, keys, 0, deadline, now))
         for disagg_req_id in meta.unneeded:
             self._consumer.release(disagg_req_id)
