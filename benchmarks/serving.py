@@ -44,7 +44,7 @@ from lmcache_pd.benchmarks.serving_load import (
 )
 from lmcache_pd.benchmarks.serving_plots import write_plots
 from lmcache_pd.benchmarks.serving_systems import SYSTEMS, make_system
-from lmcache_pd.metrics_scrape import prompt_tokens_by_source
+from lmcache_pd.metrics_scrape import decode_sources
 from lmcache_pd.model_maker import ensure_model
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,8 @@ def _phase_summary(phases: list[dict[str, Any]]) -> dict[str, float]:
 
 def _decode_sources(before: dict[str, float], after: dict[str, float], requests: int) -> dict:
     """Where decode's prompt tokens came from over one run: loaded from prefill, found in its
-    own prefix cache, computed; and the share of what it lacked that was loaded."""
+    own prefix cache, computed; the share of what it lacked that was loaded; and the KV bytes
+    it received per request (any connector's, from its own counters)."""
     moved = {source: after.get(source, 0.0) - before.get(source, 0.0) for source in after}
     loaded, computed = moved.get("external_kv_transfer", 0.0), moved.get("local_compute", 0.0)
     # Each request computes its last prompt token (prefill's first output) on decode.
@@ -88,6 +89,7 @@ def _decode_sources(before: dict[str, float], after: dict[str, float], requests:
         "decode_tokens_cached": moved.get("local_cache_hit", 0.0),
         "decode_tokens_computed": computed,
         "decode_lacked_loaded_fraction": loaded / lacked if lacked > 0 else 1.0,
+        "kv_mib_received_per_request": moved.get("kv_bytes_received", 0.0) / requests / 2**20,
     }
 
 
@@ -136,7 +138,7 @@ def measure(
                             task, description=f"{name}: {workload.name}, run {run + 1}/{runs}"
                         )
                         prompts = workload.prompts(num_prompts, seed * 1000 + run)
-                        sources = prompt_tokens_by_source(system.decode_url)
+                        sources = decode_sources(system.decode_url)
                         started = time.perf_counter()
                         results = asyncio.run(
                             run_load(
@@ -150,7 +152,7 @@ def measure(
                             )
                         )
                         summary = summarize(results, time.perf_counter() - started)
-                        after = prompt_tokens_by_source(system.decode_url)
+                        after = decode_sources(system.decode_url)
                         summary |= _decode_sources(sources, after, len(prompts))
                         phases = system.breakdown()
                         ours = [phases[r.response_id] for r in results if r.response_id in phases]
@@ -205,8 +207,8 @@ def goals(records: list[dict[str, Any]]) -> dict[str, Any]:
 def markdown(records: list[dict[str, Any]], found: dict[str, Any]) -> str:
     lines = [
         "| system | workload | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | E2E p50 | tok/s | "
-        "req/s | failures | decode tokens loaded / cached / computed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "req/s | failures | decode tokens loaded / cached / computed | KV MiB/req received |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         sources = "/".join(
@@ -215,7 +217,8 @@ def markdown(records: list[dict[str, Any]], found: dict[str, Any]) -> str:
         lines.append(
             f"| {r['system']} | {r['workload']} | {r['ttft_ms_p50']:.1f} | {r['ttft_ms_p99']:.1f}"
             f" | {r['itl_ms_p50']:.1f} | {r['itl_ms_p99']:.1f} | {r['e2e_ms_p50']:.0f}"
-            f" | {r['output_tok_s']:.1f} | {r['req_s']:.2f} | {r['failures']} | {sources} |"
+            f" | {r['output_tok_s']:.1f} | {r['req_s']:.2f} | {r['failures']} | {sources}"
+            f" | {r.get('kv_mib_received_per_request', 0):.2f} |"
         )
     ours = [r for r in records if "prefill_ms_p50" in r]
     if ours:

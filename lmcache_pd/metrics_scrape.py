@@ -49,6 +49,31 @@ def parse_prompt_tokens_by_source(text: str) -> dict[str, float]:
     return totals
 
 
+# Samples of the KV bytes a decode instance received: ours (the consumer rank's landed writes)
+# and vLLM's NixlConnector's (decode reads the blocks it lacks).
+KV_BYTES_RECEIVED = ("lmcache_pd_consumer_bytes_landed_total", "vllm:nixl_bytes_transferred_sum")
+
+
+def parse_kv_bytes_received(text: str) -> float:
+    """KV bytes received so far by the instance whose exposition ``text`` is, whichever of
+    lmcache-pd or NixlConnector moved them (0 for neither)."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in KV_BYTES_RECEIVED
+    )
+
+
+def decode_sources(url: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> dict[str, float]:
+    """One GET of a decode instance's ``/metrics``: its prompt tokens by source and, as
+    ``kv_bytes_received``, the KV bytes it received. Raises ``httpx.HTTPError``."""
+    text = _fetch_metrics(url, timeout_s)
+    return parse_prompt_tokens_by_source(text) | {
+        "kv_bytes_received": parse_kv_bytes_received(text)
+    }
+
+
 def scrape(url: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> dict[str, float]:
     """GET ``<url>/metrics`` and return our ``lmcache_pd_*`` samples summed over labels, e.g.
     ``{"tokens_loaded": 1000.0, "consumer_used_pages": 0.0}``. Raises ``httpx.HTTPError``."""

@@ -82,6 +82,8 @@ def test_a_short_run_of_all_three_systems_writes_sane_results(tmp_path: Path) ->
     assert ours["decode_tokens_loaded"] == 3 * 300
     assert ours["decode_lacked_loaded_fraction"] == 1.0
     assert records[("colocated", "300/4")]["decode_tokens_loaded"] == 0  # control
+    assert ours["kv_mib_received_per_request"] > 0
+    assert records[("colocated", "300/4")]["kv_mib_received_per_request"] == 0
     # Chunks of the shared prefix are not resent while the consumer holds or caches them; how
     # often that happens depends on timing (requests sent together), so only the field is checked.
     assert isinstance(records[("lmcache-pd", "600/4@512")]["chunks_skipped_total"], int)

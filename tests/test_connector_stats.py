@@ -35,7 +35,7 @@ from lmcache_pd.connector.stats import (
     PDPromMetrics,
     StatsRecorder,
 )
-from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
+from lmcache_pd.metrics_scrape import decode_sources, prompt_tokens_by_source, scrape
 
 LABELS = ["model_name", "engine"]
 ENGINE_LABELS: dict[int, list[object]] = {0: ["demo", "0"], 1: ["demo", "1"]}
@@ -400,6 +400,34 @@ def test_prompt_tokens_by_source_sums_over_engines(metrics_server: tuple[str, An
     assert prompt_tokens_by_source(url + "/metrics") == {
         "local_compute": 32.0,
         "external_kv_transfer": 1000.0,
+    }
+
+
+NIXL_EXPOSITION = b"""\
+# HELP vllm:nixl_bytes_transferred Number of bytes transferred per NIXL KV Cache transfers.
+# TYPE vllm:nixl_bytes_transferred histogram
+vllm:nixl_bytes_transferred_bucket{engine="0",le="+Inf",model_name="m"} 2.0
+vllm:nixl_bytes_transferred_count{engine="0",model_name="m"} 2.0
+vllm:nixl_bytes_transferred_sum{engine="0",model_name="m"} 3145728.0
+"""
+
+
+@pytest.mark.parametrize(
+    ("body", "received"),
+    [(FIXED_EXPOSITION, 0.0), (NIXL_EXPOSITION, 3145728.0)],
+    ids=["ours_none_landed", "nixl"],
+)
+def test_decode_sources_reads_kv_bytes_of_either_connector(
+    metrics_server: tuple[str, Any], body: bytes, received: float
+) -> None:
+    url, handler = metrics_server
+    handler.body = body + b"lmcache_pd_consumer_bytes_landed_total 0.0\n"
+    assert decode_sources(url)["kv_bytes_received"] == received
+    handler.body = FIXED_EXPOSITION + b"lmcache_pd_consumer_bytes_landed_total 1048576.0\n"
+    assert decode_sources(url) == {
+        "local_compute": 32.0,
+        "external_kv_transfer": 1000.0,
+        "kv_bytes_received": 1048576.0,
     }
 
 
