@@ -3,7 +3,8 @@
 A request goes to prefill for one token; that token is sent to the client at once (its own SSE
 chunk when streaming), and only then is decode asked for the rest, on the exact prompt token ids
 plus that token, while the KV may still be on its way (the consumer waits for it, with its own
-deadline). asyncio end to end: nothing here blocks the event loop.
+deadline). A prompt under ``min_disagg_tokens`` goes to a decode instance alone instead
+(``direct.py``). asyncio end to end: nothing here blocks the event loop.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lmcache_pd.protocol import DisaggSpec
 from lmcache_pd.proxy.app_thread import AppThread
 from lmcache_pd.proxy.client_request import BadRequest, ClientRequest, Endpoint
 from lmcache_pd.proxy.config import ProxyConfig
+from lmcache_pd.proxy.direct import serve_alone
 from lmcache_pd.proxy.flow import (
     MAX_EVENT_BYTES,
     UPSTREAM_KEEPALIVE_S,
@@ -36,31 +38,19 @@ from lmcache_pd.proxy.flow import (
 from lmcache_pd.proxy.kv_drop import KVDropper
 from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
 from lmcache_pd.proxy.openai_format import Piece, ResponseWriter, Usage, error_body
+from lmcache_pd.proxy.prompt_size import PromptSizer
+from lmcache_pd.proxy.responses import (
+    SSE_HEADERS,
+    ClientGone,
+    error_response,
+    json_response,
+    sse,
+    write,
+)
 from lmcache_pd.proxy.routing import HealthChecker, NoHealthyInstance, Pool, Role, Upstream
 from lmcache_pd.trace import TraceFile
 
 logger = logging.getLogger(__name__)
-
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-
-def _json(body: dict[str, Any], status: int = 200) -> web.Response:
-    return web.Response(
-        body=msgspec.json.encode(body), status=status, content_type="application/json"
-    )
-
-
-def _error(message: str, kind: str, status: int) -> web.Response:
-    return _json(error_body(message, kind, status), status)
-
-
-def _sse(event: dict[str, Any] | str) -> bytes:
-    data = event.encode() if isinstance(event, str) else msgspec.json.encode(event)
-    return b"data: " + data + b"\n\n"
-
-
-class _ClientGone(Exception):
-    """Writing to the client failed: it disconnected."""
 
 
 class Proxy:
@@ -82,6 +72,7 @@ class Proxy:
         self._flow: Disaggregator | None = None
         self._dropper: KVDropper | None = None
         self._trace = TraceFile(config.trace_path)
+        self._sizer = PromptSizer(config.min_disagg_tokens, config.tokenizer)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
@@ -136,7 +127,7 @@ class Proxy:
             pool.role.value: [m.url for m in pool.members if m.healthy]
             for pool in (self.prefill, self.decode)
         }
-        return _json({"up": up}, 200 if all(up.values()) else 503)
+        return json_response({"up": up}, 200 if all(up.values()) else 503)
 
     async def prometheus(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition(), content_type="text/plain")
@@ -156,7 +147,7 @@ class Proxy:
                     content_type="application/json",
                 )
         except (NoHealthyInstance, aiohttp.ClientError, TimeoutError) as exc:
-            return _error(
+            return error_response(
                 f"no prefill instance answered /v1/models: {exc}", "ServiceUnavailable", 503
             )
 
@@ -177,13 +168,13 @@ class Proxy:
             )
         except msgspec.DecodeError as exc:
             self.metrics.requests.labels(label, Outcome.BAD_REQUEST.value).inc()
-            return _error(f"malformed JSON body: {exc}", "BadRequestError", 400)
+            return error_response(f"malformed JSON body: {exc}", "BadRequestError", 400)
         except BadRequest as exc:
             self.metrics.requests.labels(label, Outcome.BAD_REQUEST.value).inc()
-            return _error(str(exc), exc.kind, exc.status)
+            return error_response(str(exc), exc.kind, exc.status)
         except web.HTTPRequestEntityTooLarge as exc:
             self.metrics.requests.labels(label, Outcome.BAD_REQUEST.value).inc()
-            return _error(exc.text or "request body too large", "BadRequestError", 413)
+            return error_response(exc.text or "request body too large", "BadRequestError", 413)
         req_id = f"pd-{uuid.uuid4().hex}"
         outcome = Outcome.INTERNAL_ERROR
         trace: dict[str, Any] = {"event": "proxy", "req_id": req_id, "arrived": time.time()}
@@ -196,7 +187,9 @@ class Proxy:
             raise
         except Exception:  # a bug of ours: this request is lost, the proxy keeps serving
             logger.exception("req %s: failed inside the proxy", req_id)
-            return _error(f"internal error in the proxy (req {req_id})", "InternalError", 500)
+            return error_response(
+                f"internal error in the proxy (req {req_id})", "InternalError", 500
+            )
         finally:
             self.metrics.requests.labels(label, outcome.value).inc()
             if self._trace.enabled:
@@ -214,7 +207,13 @@ class Proxy:
         try:
             decoder = self.decode.pick() if client.needs_decode else None
         except NoHealthyInstance as exc:
-            return _error(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE
+            return error_response(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE
+        if decoder is not None and self._sizer.is_short(client):
+            self.metrics.served_alone.inc()
+            with decoder.busy():
+                return await serve_alone(
+                    http, self._flow, self.metrics, client, req_id, decoder, started, trace
+                )
         spec = None
         if decoder is not None:
             assert decoder.receiver is not None
@@ -254,7 +253,7 @@ class Proxy:
                 params["disagg_spec"] = msgspec.structs.asdict(spec)
             prefilled = await self._flow.prefill(client, req_id, params)
         except NoHealthyInstance as exc:
-            return _error(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE, None
+            return error_response(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE, None
         except UpstreamRejected as exc:
             response = web.Response(
                 body=exc.body, status=exc.status, content_type="application/json"
@@ -262,7 +261,7 @@ class Proxy:
             return response, Outcome.UPSTREAM_REJECTED, None
         except UpstreamFailed as exc:
             logger.error("req %s: lost before its first token: %s", req_id, exc)
-            return _error(str(exc), "BadGateway", 502), Outcome.PREFILL_FAILED, None
+            return error_response(str(exc), "BadGateway", 502), Outcome.PREFILL_FAILED, None
         trace |= {"prefill": prefilled.instance, "prefilled": time.time()}
         prefix = "cmpl-" if client.endpoint is Endpoint.COMPLETIONS else "chatcmpl-"
         writer = ResponseWriter(client.endpoint, client.model, prefix + req_id)
@@ -348,7 +347,7 @@ class _Answer:
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(http)
         try:
-            await _write(response, _sse(self.writer.chunk(self.prefilled.piece)))
+            await write(response, sse(self.writer.chunk(self.prefilled.piece)))
             self.trace["first_sent"] = time.time()
             last = time.perf_counter()
             self.metrics.ttft.observe(last - self.started)
@@ -356,8 +355,8 @@ class _Answer:
             if self.continues:
                 try:
                     async for pieces in self._rest():
-                        events = b"".join(_sse(self.writer.chunk(piece)) for piece in pieces)
-                        await _write(response, events)
+                        events = b"".join(sse(self.writer.chunk(piece)) for piece in pieces)
+                        await write(response, events)
                         now = time.perf_counter()
                         self.metrics.itl.observe(now - last)
                         for _ in pieces[1:]:  # they came in one read and went out together
@@ -365,21 +364,21 @@ class _Answer:
                         last = now
                 except UpstreamFailed as exc:
                     self._decode_failed(exc)
-                    await _write(response, _sse(error_body(str(exc), "BadGateway", 502)))
+                    await write(response, sse(error_body(str(exc), "BadGateway", 502)))
                     outcome = Outcome.DECODE_FAILED
             if self.client.include_usage and outcome is Outcome.OK:
-                await _write(response, _sse(self.writer.usage_chunk(self.usage)))
-            await _write(response, _sse("[DONE]"))
+                await write(response, sse(self.writer.usage_chunk(self.usage)))
+            await write(response, sse("[DONE]"))
             await response.write_eof()
-        except _ClientGone:
+        except ClientGone:
             logger.info("req %s: client disconnected; upstream requests cancelled", self.req_id)
             return response, Outcome.CLIENT_DISCONNECTED
         except Exception:  # a bug of ours after the headers went out: end the stream clearly
             logger.exception("req %s: failed inside the proxy while streaming", self.req_id)
-            with contextlib.suppress(_ClientGone):
+            with contextlib.suppress(ClientGone):
                 message = f"internal error in the proxy (req {self.req_id})"
-                await _write(response, _sse(error_body(message, "InternalError", 500)))
-                await _write(response, _sse("[DONE]"))
+                await write(response, sse(error_body(message, "InternalError", 500)))
+                await write(response, sse("[DONE]"))
             return response, Outcome.INTERNAL_ERROR
         self._log_done(outcome)
         return response, outcome
@@ -392,9 +391,9 @@ class _Answer:
                 pieces.extend([piece async for batch in self._rest() for piece in batch])
             except UpstreamFailed as exc:
                 self._decode_failed(exc)
-                return _error(str(exc), "BadGateway", 502), Outcome.DECODE_FAILED
+                return error_response(str(exc), "BadGateway", 502), Outcome.DECODE_FAILED
         self._log_done(Outcome.OK)
-        return _json(self.writer.body(pieces, self.usage)), Outcome.OK
+        return json_response(self.writer.body(pieces, self.usage)), Outcome.OK
 
     def _log_done(self, outcome: Outcome) -> None:
         self.trace |= {
@@ -410,13 +409,6 @@ class _Answer:
             self.decoder.url if self.continues and self.decoder else "not needed",
             1000 * (time.perf_counter() - self.started),
         )
-
-
-async def _write(response: web.StreamResponse, data: bytes) -> None:
-    try:
-        await response.write(data)
-    except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
-        raise _ClientGone from exc
 
 
 async def serve(

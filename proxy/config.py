@@ -15,6 +15,8 @@ import yaml
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.protocol import Port
 
+# Measured 2026-11-24 (benchmarks/selective.py, results/selective.json).
+MIN_DISAGG_TOKENS = 0
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=3600)]
 Url = Annotated[str, msgspec.Meta(pattern=r"^https?://[^/]+$")]
 
@@ -63,6 +65,13 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 8 << 20
     # Where to append one JSON line per request with its phases' times (None: nowhere).
     trace_path: str | None = None
+    # Prompts of fewer tokens are served by a decode instance alone, with no transfer (0: every
+    # prompt is disaggregated). The default is where PD's first token stops costing more than
+    # decode's own on this project's machines (benchmarks/selective.py).
+    min_disagg_tokens: Annotated[int, msgspec.Meta(ge=0)] = MIN_DISAGG_TOKENS
+    # A model folder whose tokenizer.json counts text prompts near that threshold (None: such
+    # texts are disaggregated).
+    tokenizer: str | None = None
 
 
 def proxy_config(raw: object, source: str = "<dict>") -> ProxyConfig:

@@ -170,12 +170,8 @@ class Disaggregator:
         self, member: Upstream, endpoint: Endpoint, req_id: str, body: dict[str, Any]
     ) -> Prefilled:
         async with self._call(member, endpoint, req_id, body, self._prefill_timeout) as response:
-            raw = await response.read()
-            if 400 <= response.status < 500:
-                raise UpstreamRejected(response.status, raw)
-            if response.status != 200:
-                raise UpstreamFailed(member, "status", f"answered {response.status}: {raw[:300]!r}")
-            prefilled = _prefilled(endpoint, msgspec.json.decode(raw))
+            await _ensure_ok(member, response)
+            prefilled = _prefilled(endpoint, msgspec.json.decode(await response.read()))
         if prefilled is None:
             raise UpstreamFailed(member, "bad_answer", "answer lacks token ids")
         return prefilled
@@ -210,6 +206,38 @@ class Disaggregator:
                 if items:
                     yield items
             raise UpstreamFailed(member, "truncated", "stream ended without [DONE]")
+
+    async def alone(
+        self, member: Upstream, request: ClientRequest, req_id: str
+    ) -> AsyncIterator[list[bytes]]:
+        """The client's own request served whole by ``member`` (a decode instance, for a prompt
+        too short to disaggregate): the data of its SSE events, a list per network read, ending
+        with ``[DONE]``; or, not streamed, its JSON body as the one item. Raises
+        ``UpstreamRejected`` for a 4xx and ``UpstreamFailed`` for any other failure, including
+        a stream that ends without ``[DONE]``."""
+        endpoint, timeout = request.endpoint, self._decode_timeout
+        async with self._call(member, endpoint, req_id, request.body, timeout) as response:
+            await _ensure_ok(member, response)
+            if not request.stream:
+                yield [await response.read()]
+                return
+            async for events in _sse_batches(member, response):
+                yield events
+                if events[-1] == b"[DONE]":
+                    await response.content.read()  # to the body's end, so the connection is reused
+                    return
+            raise UpstreamFailed(member, "truncated", "stream ended without [DONE]")
+
+
+async def _ensure_ok(member: Upstream, response: aiohttp.ClientResponse) -> None:
+    """Raise ``UpstreamRejected`` for a 4xx (the client's request was refused: it gets vLLM's own
+    answer) and ``UpstreamFailed`` for any other status but 200."""
+    if response.status == 200:
+        return
+    raw = await response.read()
+    if 400 <= response.status < 500:
+        raise UpstreamRejected(response.status, raw)
+    raise UpstreamFailed(member, "status", f"answered {response.status}: {raw[:300]!r}")
 
 
 async def _sse_batches(

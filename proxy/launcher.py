@@ -25,7 +25,13 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lmcache_pd.errors import ConfigError, PDError
 from lmcache_pd.metrics_scrape import scrape
-from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig, Timeouts
+from lmcache_pd.proxy.config import (
+    MIN_DISAGG_TOKENS,
+    DecodeInstance,
+    PrefillInstance,
+    ProxyConfig,
+    Timeouts,
+)
 from lmcache_pd.vllm_server import TINY_MODEL_ARGS, VLLMServer
 
 logger = logging.getLogger(__name__)
@@ -48,6 +54,8 @@ class ProxySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8000
     decode_read_timeout_s: float = 120.0
+    # Prompts shorter than this go to decode alone (0: every prompt is disaggregated).
+    min_disagg_tokens: Annotated[int, msgspec.Meta(ge=0)] = MIN_DISAGG_TOKENS
 
 
 class PoolsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -177,6 +185,8 @@ class PoolLauncher:
             port=self.pools.proxy.port,
             timeouts=Timeouts(decode_read_s=self.pools.proxy.decode_read_timeout_s),
             trace_path=str(self.workdir / "proxy.trace.jsonl") if self.pools.trace else None,
+            tokenizer=self.pools.model,
+            min_disagg_tokens=self.pools.proxy.min_disagg_tokens,
         )
         # What `lmcache-pd proxy` would need to front these same instances.
         (self.workdir / "proxy.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(proxy)))

@@ -63,6 +63,11 @@ class ProxyMetrics:
             "request ended badly)",
             registry=self.registry,
         )
+        self.served_alone = Counter(
+            f"{prefix}_served_alone",
+            "Requests whose prompt was under min_disagg_tokens, served by decode alone",
+            registry=self.registry,
+        )
         self.prefill_retries = Counter(
             f"{prefix}_prefill_retries",
             "Requests retried on another prefill instance before their first token",

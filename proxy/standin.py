@@ -24,6 +24,7 @@ VOCAB = 1000
 class Fault(enum.Enum):
     NONE = "none"
     STATUS_500 = "500"  # answer every generation request with an internal error
+    STATUS_400 = "400"  # refuse every generation request as a bad one
     HANG = "hang"  # accept, then never answer
     DIE_MID_STREAM = "die_mid_stream"  # cut the connection after a few streamed tokens
     EOS_FIRST = "eos_first"  # the first generated token is EOS
@@ -106,6 +107,9 @@ class Standin:
                 await asyncio.sleep(3600)
             if state.fault is Fault.STATUS_500:
                 return web.json_response({"error": {"message": "boom", "code": 500}}, status=500)
+            if state.fault is Fault.STATUS_400:
+                error = {"message": "refused by the stand-in", "type": "BadRequestError"}
+                return web.json_response({"error": {**error, "code": 400}}, status=400)
             await asyncio.sleep(state.first_delay_s)
             if body.get("stream"):
                 return await self._stream(request, body)

@@ -51,6 +51,8 @@ class Stack:
             self.urls.append(f"http://127.0.0.1:{port}")
         config = proxy_config(
             {
+                # Every prompt here is short: all are disaggregated unless a test says otherwise.
+                "min_disagg_tokens": 0,
                 "model": MODEL,
                 "port": free_port(),
                 "prefill": [{"url": url} for url in self.urls[: len(prefill)]],
@@ -340,6 +342,85 @@ def test_failed_decode_is_a_clear_error_within_the_read_deadline(stacks, decode,
     # and the next request is served
     healthy = stacks()
     assert healthy.client.completions.create(model=MODEL, prompt=[1], max_tokens=2).choices
+
+
+# ---- selective disaggregation: short prompts served by decode alone ----
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_prompt_under_min_disagg_tokens_is_served_by_decode_alone(
+    stacks, stream: bool, endpoint: str
+) -> None:
+    """The client's own request goes to decode unchanged, no KV is involved, and decode's answer
+    reaches the client as decode wrote it; a prompt at the threshold is disaggregated."""
+    stack = stacks(min_disagg_tokens=8)
+    if endpoint == "chat":
+        short: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
+        long: dict[str, Any] = {"messages": [{"role": "user", "content": "x" * 200}]}
+        create = stack.client.chat.completions.create
+    else:
+        short, long = {"prompt": list(range(5, 12))}, {"prompt": list(range(5, 13))}
+        create = stack.client.completions.create
+    answer = create(model=MODEL, max_tokens=3, stream=stream, **short)
+    chunks = list(answer) if stream else [answer]
+    assert stack.prefill[0].state.received == []
+    [(_, path, to_decode)] = stack.decode[0].state.received
+    assert path == f"/v1/{'chat/' if endpoint == 'chat' else ''}completions"
+    assert to_decode == {"model": MODEL, "max_tokens": 3, "stream": stream, **short}
+    assert {chunk.id for chunk in chunks if chunk.choices} == {"standin"}  # decode's own answer
+    assert stack.metric("lmcache_pd_proxy_served_alone_total") == 1
+    assert stack.metric("lmcache_pd_proxy_requests_total", endpoint=path, outcome="ok") == 1
+    # Control: a prompt of min_disagg_tokens goes through prefill first.
+    answer = create(model=MODEL, max_tokens=3, stream=stream, **long)
+    if stream:
+        list(answer)
+    assert len(stack.prefill[0].state.received) == 1
+    assert stack.metric("lmcache_pd_proxy_served_alone_total") == 1
+
+
+@pytest.mark.parametrize(
+    ("decode", "stream"),
+    [
+        (None, False),
+        (Fault.HANG, True),
+        (Fault.STATUS_500, False),
+        (Fault.STATUS_500, True),
+        (Fault.DIE_MID_STREAM, True),  # a whole answer has no middle to die in
+    ],
+    ids=str,
+)
+def test_decode_failing_a_request_it_serves_alone_is_a_clear_error(stacks, decode, stream) -> None:
+    settings = {"timeouts": {"decode_read_s": 1.0}, "health_interval_s": 60}
+    settings["min_disagg_tokens"] = 100
+    if decode is None:
+        port = free_port()
+        with AppThread(Standin().app(), "127.0.0.1", port):
+            stack = stacks(decode=[port], **settings)
+    else:
+        stack = stacks(decode=[Standin(StandinState(fault=decode))], **settings)
+    started = time.monotonic()
+    with pytest.raises(openai.APIError) as failure:
+        answer = stack.client.completions.create(
+            model=MODEL, prompt=[4, 2], max_tokens=6, stream=stream
+        )
+        if stream:
+            list(answer)
+    assert time.monotonic() - started < 5
+    assert "decode instance" in str(failure.value)
+    assert stack.metric(
+        "lmcache_pd_proxy_requests_total", endpoint="/v1/completions", outcome="decode_failed"
+    )
+    assert stack.prefill[0].state.received == []
+
+
+def test_decode_refusing_a_request_it_serves_alone_passes_its_answer_on(stacks) -> None:
+    stack = stacks(decode=[Standin(StandinState(fault=Fault.STATUS_400))], min_disagg_tokens=100)
+    with pytest.raises(openai.BadRequestError, match="refused by the stand-in"):
+        stack.client.completions.create(model=MODEL, prompt=[4, 2], max_tokens=6)
+    assert stack.metric(
+        "lmcache_pd_proxy_requests_total", endpoint="/v1/completions", outcome="upstream_rejected"
+    )
 
 
 def test_client_that_disconnects_mid_stream_cancels_decode(stacks) -> None:

@@ -1,0 +1,44 @@
+"""What the proxy writes to its client: JSON answers, OpenAI-shaped errors, and server-sent events
+whose writes turn a client that went away into one exception."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from lmcache_pd.proxy.openai_format import error_body
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class ClientGone(Exception):
+    """Writing to the client failed: it disconnected."""
+
+
+def json_response(body: dict[str, Any], status: int = 200) -> web.Response:
+    return web.Response(
+        body=msgspec.json.encode(body), status=status, content_type="application/json"
+    )
+
+
+def error_response(message: str, kind: str, status: int) -> web.Response:
+    return json_response(error_body(message, kind, status), status)
+
+
+def sse(event: dict[str, Any] | str | bytes) -> bytes:
+    """One SSE event: a dict is encoded as JSON, text and bytes are sent as they are."""
+    if isinstance(event, dict):
+        event = msgspec.json.encode(event)
+    elif isinstance(event, str):
+        event = event.encode()
+    return b"data: " + event + b"\n\n"
+
+
+async def write(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+    except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+        raise ClientGone from exc
