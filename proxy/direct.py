@@ -19,6 +19,7 @@ from lmcache_pd.proxy.openai_format import error_body
 from lmcache_pd.proxy.responses import (
     SSE_HEADERS,
     ClientGone,
+    close_after_done,
     error_response,
     sse,
     write,
@@ -63,7 +64,7 @@ async def serve_alone(
             last = now
             await write(response, b"".join(sse(data) for data in events))
         assert response is not None  # alone() yields [DONE] at least, or raises
-        await response.write_eof()
+        await close_after_done(response)
         return response, Outcome.OK
     except UpstreamRejected as exc:  # only before anything was sent
         rejected = web.Response(body=exc.body, status=exc.status, content_type="application/json")

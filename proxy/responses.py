@@ -3,6 +3,7 @@ whose writes turn a client that went away into one exception."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import aiohttp
@@ -42,3 +43,9 @@ async def write(response: web.StreamResponse, data: bytes) -> None:
         await response.write(data)
     except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
         raise ClientGone from exc
+
+
+async def close_after_done(response: web.StreamResponse) -> None:
+    """End a stream whose ``[DONE]`` is out: a client that already hung up got its whole answer."""
+    with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+        await response.write_eof()

@@ -139,6 +139,34 @@ def test_a_prefix_pushed_once_is_not_written_again_while_cached(
         assert stats["cache_hits"] == (2 if cache_share else 0)
 
 
+@pytest.mark.parametrize(
+    "change", [None, "prompt", "model_name", "kv_dtype"], ids=["same", "prompt", "model", "dtype"]
+)
+def test_a_cached_chunk_serves_only_the_prefix_model_and_dtype_that_made_it(
+    tmp_path: Path, producer: Producer, change: str | None
+) -> None:
+    """A chunk kept after its request is answered "already held" only to a push of the exact
+    same prefix, model and dtype; any other is written anew (and so never loaded in its place)."""
+    fields = {"model_name": "demo", "world_size": 1, "worker_id": 0, "kv_dtype": "float32"}
+    first_keyer = ChunkKeyer(**fields, chunk_size=CHUNK_SIZE)
+    tokens = list(range(2 * CHUNK_SIZE))
+    node = Consumer(tmp_path, cache_share=1.0)
+    with node.process:
+        producer.push(node.spec("a"), make_chunks(first_keyer.chunk_keys(tokens), seed=1))
+        wait_landed(node, tokens)
+        node.process.call("release", req_id="a")
+        assert node.process.stats()["cached_pages"] == 2
+        other = dict(fields)
+        if change in ("model_name", "kv_dtype"):
+            other[change] = "other"
+        keys = ChunkKeyer(**other, chunk_size=CHUNK_SIZE).chunk_keys(
+            [7, *tokens[1:]] if change == "prompt" else tokens
+        )
+        result = producer.push(node.spec("b"), make_chunks(keys, seed=2))
+        assert (result.chunks_sent, result.chunks_skipped) == ((0, 2) if change is None else (2, 0))
+        node.process.call("release", req_id="b")
+
+
 def test_chunk_altered_after_the_write_is_caught(
     consumer: Consumer, producer: Producer, keyer: ChunkKeyer
 ) -> None:
