@@ -344,6 +344,30 @@ def test_idle_cached_chunks_are_evicted_oldest_first_only_for_room() -> None:
     assert snapshot(store) == before and store.cache_counts.evictions == 1
 
 
+@pytest.mark.parametrize("pinned", [True, False], ids=["answered_held", "evicted_first"])
+def test_a_cached_chunk_evicted_under_a_lookup_is_written_again_never_read_stale(
+    pinned: bool,
+) -> None:
+    """A lookup saw ``k0`` cached. If its request's allocation came first, the answer "already
+    held" pinned it: pressure for room finds nothing to evict. If pressure came first, ``k0`` is
+    gone: the request finds nothing of its own to load (it waits for a write or recomputes)
+    and its allocation gets a new page to be written, never another chunk's bytes."""
+    store = make_store(num_pages=3, cache_pages=3)
+    landed_and_released(store, "a", b"k0")
+    assert store.landed(b"k0") is not None  # what the lookup saw
+    if pinned:
+        assert store.allocate(alloc_request("b", b"k0"), now=0.0).pages == [None]
+        with pytest.raises(BufferFull):
+            store.allocate(alloc_request("x", b"x0", b"x1", b"x2"), now=0.0)
+        assert store.landed(b"k0", "b") is not None
+    else:
+        landed_and_released(store, "x", b"x0", b"x1", b"x2")
+        assert store.cache_counts.evictions == 1 and store.landed(b"k0") is None
+        assert store.landed(b"k0", "b") is None
+        again = store.allocate(alloc_request("b", b"k0"), now=0.0)
+        assert again.new_pages == 1 and store.landed(b"k0", "b") is None  # until written
+
+
 def test_idle_cached_chunks_are_capped_at_cache_pages() -> None:
     store = make_store(num_pages=8, cache_pages=1)
     landed_and_released(store, "a", b"k0", b"k1", b"k2")
