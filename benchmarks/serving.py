@@ -43,7 +43,7 @@ from lmcache_pd.benchmarks.serving_load import (
     summarize,
 )
 from lmcache_pd.benchmarks.serving_plots import write_plots
-from lmcache_pd.benchmarks.serving_systems import SYSTEMS, make_system
+from lmcache_pd.benchmarks.serving_systems import DEFAULT_SYSTEMS, SYSTEMS, make_system
 from lmcache_pd.metrics_scrape import decode_sources
 from lmcache_pd.model_maker import ensure_model
 
@@ -272,7 +272,7 @@ def _versions() -> tuple[str, ...]:
 @app.command()
 def main(
     systems: Annotated[str, typer.Option(help=f"comma-separated, of {SYSTEMS}")] = ",".join(
-        SYSTEMS
+        DEFAULT_SYSTEMS
     ),
     workloads: Annotated[
         str, typer.Option(help="IN/OUT or IN/OUT@SHARED_PREFIX, or a JSONL file; comma-separated")

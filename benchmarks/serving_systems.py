@@ -2,6 +2,7 @@
 
 - ``lmcache-pd``: 1 prefill + 1 decode vLLM with our connector (the pool launcher), behind our
   proxy in its own process, every process tracing its per-request phases;
+- ``lmcache-pd-nocache``: the same with the consumer's cache of landed chunks off;
 - ``colocated``: one plain vLLM instance doing prefill and decode;
 - ``nixl``: vLLM's own NixlConnector, 1 prefill + 1 decode, behind the small router of
   ``nixl_baseline.py`` that follows vLLM's documented protocol.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from lmcache_pd.proxy.launcher import (
     InstanceSpec,
@@ -31,13 +32,16 @@ from lmcache_pd.vllm_server import VLLMServer, wait_until_healthy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PROXY_START_TIMEOUT_S = 30.0
-SYSTEMS = ("lmcache-pd", "colocated", "nixl")
+SYSTEMS = ("lmcache-pd", "lmcache-pd-nocache", "colocated", "nixl")
+# What ``lmcache-pd bench`` compares unless told otherwise.
+DEFAULT_SYSTEMS = ("lmcache-pd", "colocated", "nixl")
 
 
 class LmcachePD:
     """Our 1P1D pools and proxy, as ``lmcache-pd serve`` would run them, with tracing on."""
 
     name = "lmcache-pd"
+    consumer_env: ClassVar[dict[str, str]] = {}
 
     def __init__(self, model: Path, workdir: Path, vllm_args: list[str]) -> None:
         self.workdir = workdir
@@ -46,7 +50,9 @@ class LmcachePD:
         pools = PoolsConfig(
             model=str(model),
             prefill=[InstanceSpec(config=str(CONFIGS / "producer.yaml"), cpus="0")],
-            decode=[InstanceSpec(config=str(CONFIGS / "consumer.yaml"), cpus="1")],
+            decode=[
+                InstanceSpec(config=str(CONFIGS / "consumer.yaml"), cpus="1", env=self.consumer_env)
+            ],
             proxy=ProxySpec(port=port),
             vllm_args=vllm_args,
             trace=True,
@@ -110,6 +116,14 @@ class LmcachePD:
         return phases
 
 
+class LmcachePDNoCache(LmcachePD):
+    """lmcache-pd with the consumer's cache of landed chunks off (``cache_share: 0``): the same
+    run's control for what keeping chunks for reuse buys or costs."""
+
+    name = "lmcache-pd-nocache"
+    consumer_env: ClassVar[dict[str, str]] = {"LMCACHE_PD_CACHE_SHARE": "0"}
+
+
 class Colocated:
     """One plain vLLM instance, on the cores the PD pairs use between them."""
 
@@ -167,7 +181,12 @@ class NixlPD:
 def make_system(name: str, model: Path, workdir: Path, vllm_args: list[str]):
     """The system called ``name`` (one of ``SYSTEMS``), not yet started."""
     workdir.mkdir(parents=True, exist_ok=True)
-    kinds = {"lmcache-pd": LmcachePD, "colocated": Colocated, "nixl": NixlPD}
+    kinds = {
+        "lmcache-pd": LmcachePD,
+        "lmcache-pd-nocache": LmcachePDNoCache,
+        "colocated": Colocated,
+        "nixl": NixlPD,
+    }
     if name not in kinds:
         raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
     return kinds[name](model, workdir, vllm_args)
