@@ -12,11 +12,11 @@ probe ran (``stall``: what that probe cost the requests already decoding). Media
 
 Two lengths come out. ``ttft_crossing_tokens``: from there on PD's TTFT stays at or below
 decode-alone's (None: never, up to the longest probe). ``recommended_min_disagg_tokens``: the
-shortest length whose prompt costs decode more than one gap between the tokens of the streams it
-is already serving (decode-alone's TTFT over its TTFT for the shortest prompt, with no
-background, against the busiest level's median gap between events with no probe running, the
-same run's ceiling). A prompt shorter than that delays running streams by less than the wait
-for their next token, while PD adds its own round trip and a transfer: it goes to decode alone.
+shortest length whose prompt costs decode more than one inter-token latency of the streams it is
+already serving (decode-alone's TTFT over its TTFT for the shortest prompt, with no background,
+against the busiest level's inter-token latency with no probe running, the same run's ceiling).
+A prompt shorter than that delays running streams by less than the wait for their next token,
+while PD adds its own round trip and a transfer: it goes to decode alone.
 
 Reproduce (~3 min a background level here; JSON and Markdown in benchmarks/results/)::
 
@@ -87,7 +87,7 @@ def probe(client: openai.OpenAI, model: str, tokens: list[int]) -> dict[str, Any
 
 class Background:
     """``streams`` threads, each sending long streamed completions one after another until
-    stopped (each thread finishes its request first), noting when each event arrived."""
+    stopped (each thread finishes its request first), noting when each token arrived."""
 
     def __init__(self, base_url: str, model: str, streams: int) -> None:
         self._stop = threading.Event()
@@ -114,16 +114,15 @@ class Background:
                         logprobs=0,
                         stream=True,
                     ) as events:
-                        # One time per event that carries tokens: vLLM joins several tokens
-                        # into one event when its reader lags, and the stall is between events.
-                        for event in events:
-                            if any(c.logprobs and c.logprobs.tokens for c in event.choices):
-                                arrivals.append(time.monotonic())
+                        for event in events:  # an event can carry several tokens
+                            for choice in event.choices:
+                                count = len(choice.logprobs.tokens or []) if choice.logprobs else 0
+                                arrivals += [time.monotonic()] * count
                 except openai.OpenAIError:
                     self.failed += 1
 
     def gaps(self) -> list[tuple[float, float]]:
-        """(from, to) of every pair of consecutive events of one request."""
+        """(from, to) of every pair of consecutive tokens of one request."""
         return [(a, b) for times in self.arrivals for a, b in itertools.pairwise(times)]
 
     def __enter__(self) -> Background:
@@ -173,7 +172,9 @@ def measure(
     for client in clients.values():
         client.close()
     gaps = load.gaps()
-    quiet = [b - a for a, b in gaps if quiet_start <= a and b <= quiet_end]
+    # Tokens come in bursts (several per event, events read together): a stream's inter-token
+    # latency is the window over the tokens it got in it.
+    quiet_tokens = sum(quiet_start <= t <= quiet_end for times in load.arrivals for t in times)
     rows = []
     for (length, route), runs in sorted(samples.items()):
         rows.append(
@@ -187,12 +188,16 @@ def measure(
             }
         )
     by = {(r["prompt_tokens"], r["route"]): r for r in rows}
-    quiet_itl_ms = _median(list(quiet))
+    quiet_itl_ms = (
+        round(1000 * (quiet_end - quiet_start) * background / quiet_tokens, 1)
+        if quiet_tokens
+        else None
+    )
     record = {
         "background_streams": background,
         "background_requests": len(load.arrivals),
         "background_failed": load.failed,
-        "background_itl_p50_ms_without_probes": quiet_itl_ms,
+        "background_itl_ms_without_probes": quiet_itl_ms,
         "ttft_crossing_tokens": crossing(
             lambda n: _at_most(by[(n, "pd")]["ttft_p50_ms"], by[(n, "alone")]["ttft_p50_ms"])
         ),
@@ -217,11 +222,11 @@ def crossing(holds: Callable[[int], bool]) -> int | None:
 
 
 def recommended(records: list[dict[str, Any]]) -> int | None:
-    """The shortest probe length whose prompt costs an idle decode more than one gap between the
-    events of the busiest level's streams (None: a level is missing, or no length does)."""
+    """The shortest probe length whose prompt costs an idle decode more than one inter-token
+    latency of the busiest level's streams (None: a level is missing, or no length does)."""
     idle = [r for r in records if r["background_streams"] == 0]
     busy = max(records, key=lambda r: r["background_streams"])
-    gap = busy["background_itl_p50_ms_without_probes"]
+    gap = busy["background_itl_ms_without_probes"]
     if not idle or gap is None:
         return None
     alone = {r["prompt_tokens"]: r["ttft_p50_ms"] for r in idle[0]["rows"] if r["route"] == "alone"}
@@ -250,8 +255,8 @@ def markdown(records: list[dict[str, Any]]) -> str:
     lines.append("")
     for r in records:
         lines.append(
-            f"- background {r['background_streams']} (their gap between events without probes "
-            f"{r['background_itl_p50_ms_without_probes']} ms): PD's TTFT at or below "
+            f"- background {r['background_streams']} (their inter-token latency without probes "
+            f"{r['background_itl_ms_without_probes']} ms): PD's TTFT at or below "
             f"decode-alone's from {r['ttft_crossing_tokens']} tokens on"
         )
     return "\n".join(lines) + "\n"
