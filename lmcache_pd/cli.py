@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
+import msgspec
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
@@ -138,7 +139,8 @@ def demo(
     with (
         _terminate_on_sigterm(),
         PoolLauncher(settings, workdir, console) as launcher,
-        proxy_thread(launcher.start()) as running,
+        # A demo of the transfer: its short prompt is disaggregated too (min_disagg_tokens 0).
+        proxy_thread(msgspec.structs.replace(launcher.start(), min_disagg_tokens=0)) as running,
     ):
         client = OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)
         # The first request of each instance pays one-off costs (kernels, handshake): not shown.

@@ -15,8 +15,10 @@ import yaml
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.protocol import Port
 
-# Measured 2026-11-24 (benchmarks/selective.py, results/selective.json).
-MIN_DISAGG_TOKENS = 0
+# Measured 2026-11-24 (benchmarks/selective.py, results/selective.json; 3 runs recommended 256,
+# 64, 256): below this, decode computing the prompt costs its running streams less than one
+# inter-token latency, while PD adds ~3-20 ms to the first token and a transfer.
+MIN_DISAGG_TOKENS = 256
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=3600)]
 Url = Annotated[str, msgspec.Meta(pattern=r"^https?://[^/]+$")]
 

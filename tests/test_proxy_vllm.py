@@ -28,8 +28,9 @@ import openai
 import pytest
 import yaml
 
-from lmcache_pd.metrics_scrape import scrape
+from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
 from lmcache_pd.model_maker import ensure_model
+from lmcache_pd.proxy.config import MIN_DISAGG_TOKENS
 from lmcache_pd.vllm_server import VLLMServer
 from tests.helpers import free_port, wait_for
 
@@ -204,18 +205,44 @@ def reference(served_and_plain: tuple[Served, VLLMServer], model: Path) -> dict[
     return answers
 
 
+def prompt_length(model: Path, prompt: str | list[int]) -> int:
+    """The prompt's tokens as vLLM counts them (the tokenizer adds a BOS to a text)."""
+    from tokenizers import Tokenizer
+
+    if isinstance(prompt, list):
+        return len(prompt)
+    return len(Tokenizer.from_file(str(model / "tokenizer.json")).encode(prompt).ids)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", NAMES)
 def test_completions_through_the_proxy_equal_one_instance(
     served: Served, reference: dict, model: Path, name: str, mode: str
 ) -> None:
+    """Prompts under the default ``min_disagg_tokens`` are computed by decode alone, the others
+    loaded from prefill's push: both answer as one plain instance does, and decode's own
+    counters say which happened."""
     prompt = PROMPTS[f"{name}-{mode}"]
-    loaded = served.stats("decode-0")["tokens_loaded"]
+    decode_url = served.proxy_config()["decode"][0]["url"]
+    loaded, computed = served.stats("decode-0")["tokens_loaded"], computed_by(decode_url)
+    alone = scrape(served.url).get("proxy_served_alone", 0)
     request = completion_request(model, prompt)
     got = completion_answer(client_of(served.url), request, stream=mode == "streamed")
     # tokens, logprobs (bit for bit) and finish reason
     assert got == reference[f"{name}-{mode}"]
-    assert served.stats("decode-0")["tokens_loaded"] > loaded  # decode loaded, not recomputed
+    loaded = served.stats("decode-0")["tokens_loaded"] - loaded
+    computed = computed_by(decode_url) - computed
+    length = prompt_length(model, prompt)
+    if length < MIN_DISAGG_TOKENS:
+        assert scrape(served.url)["proxy_served_alone"] == alone + 1
+        assert (loaded, computed) == (0, length)
+    else:  # decode loaded the prompt, and computed only the token prefill made
+        assert (loaded, computed) == (length, 1)
+
+
+def computed_by(url: str) -> float:
+    """Prompt tokens decode computed itself, by vLLM's own count."""
+    return prompt_tokens_by_source(url).get("local_compute", 0.0)
 
 
 @pytest.mark.parametrize("mode", MODES)
