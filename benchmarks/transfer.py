@@ -121,12 +121,12 @@ def _raw_write(producer: Producer, peer: Peer, segments: np.ndarray) -> float:
     """Seconds of one bare NIXL WRITE of ``segments`` with an empty notification."""
     deadline = time.monotonic() + producer.config.transfer_timeout_s
     started = time.perf_counter()
-    handle = producer.channel.post_write(peer.name, segments, peer.buffer, b"")
+    handle = peer.channel.post_write(peer.name, segments, peer.buffer, b"")
     try:
-        wait_for_transfer(producer.channel, handle, deadline, "raw NIXL write")
+        wait_for_transfer(peer.channel, handle, deadline, "raw NIXL write")
         return time.perf_counter() - started
     finally:
-        producer.channel.release(handle)
+        peer.channel.release(handle)
 
 
 def _memcpy(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> float:

@@ -20,13 +20,15 @@ import numpy as np
 import torch
 import zmq
 
-from lmcache_pd import protocol
+from lmcache_pd import protocol, transport
 from lmcache_pd.channel import Channel, NixlChannel, RegisteredBuffer, wait_for_transfer
+from lmcache_pd.compat import KVProfile, incompatibilities
 from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import (
     AllocationError,
     BufferFull,
     ConfigError,
+    Incompatible,
     PDError,
     PeerError,
     PeerRestarted,
@@ -35,6 +37,7 @@ from lmcache_pd.errors import (
     ProtocolError,
     RequestDropped,
     TransferError,
+    TransportUnusable,
     VersionMismatch,
 )
 from lmcache_pd.integrity import checksum
@@ -44,6 +47,10 @@ from lmcache_pd.staging import Staging
 logger = logging.getLogger(__name__)
 
 Chunk = tuple[bytes, torch.Tensor]
+# (counter name, increment), as the connector's StatsRecorder.add takes them.
+Count = Callable[[str, int], None]
+# A self-test's ProbeCheck is repeated with this back-off until its deadline.
+PROBE_POLL_S = (0.0005, 0.02)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +69,9 @@ class Peer:
     """A consumer rank we have shaken hands with."""
 
     name: str
+    # The agent that shook hands with it (one per transport setting), and that setting.
+    channel: Channel
+    ucx_tls: str | None
     buffer: RegisteredBuffer
     page_bytes: int
     num_pages: int
@@ -80,19 +90,29 @@ class Producer:
         *,
         channel: Channel | None = None,
         staging: Staging | None = None,
+        profile: KVProfile | None = None,
+        count: Count | None = None,
     ) -> None:
         """``staging`` is shared with other producers of this process (a buffer of its own,
-        of ``config``'s size, if None)."""
+        of ``config``'s size, if None). ``channel`` (a fake, in tests) serves every peer;
+        without it a NIXL agent is made per transport setting a handshake picks
+        (``transport.py``). ``profile``: what the vLLM connector knows of its KV format,
+        compared with each consumer's; by default the config's chunk size and page bytes.
+        ``count`` is told of handshakes (``StatsRecorder.add``)."""
         if config.kv_role != "kv_producer":
             raise ConfigError(f"a Producer needs kv_role kv_producer, got {config.kv_role}")
         self.config = config
+        self.profile = profile or KVProfile(
+            chunk_size=config.chunk_size, page_bytes=config.page_bytes
+        )
+        self._count = count or (lambda name, n: None)
+        self._stack = transport.stack_identity()
         self._staging = staging or Staging(num_pages=config.num_pages, page_bytes=config.page_bytes)
-        self._channel = channel or NixlChannel.from_config(config, role="producer")
-        try:
-            self._channel.register(self._staging.buffer)
-        except BaseException:
-            self._channel.close()
-            raise
+        self._given_channel = channel
+        self._channels: dict[str | None, Channel] = {}
+        if channel is not None:
+            self._register(channel)
+            self._channels[config.ucx_tls] = channel
         self._context = zmq.Context()
         self._peers: dict[tuple[str, int, int], Peer] = {}
         self._closed = False
@@ -209,7 +229,9 @@ class Producer:
         for key in list(self._peers):
             self._forget_peer_key(key)
         self._context.term()
-        self._channel.close()
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
 
     def __enter__(self) -> Producer:
         return self
@@ -218,11 +240,6 @@ class Producer:
         self.close()
 
     # ---- steps of a push ----
-
-    @property
-    def channel(self) -> Channel:
-        """The transport, for callers that measure it bare (benchmarks)."""
-        return self._channel
 
     def connected(self, spec: DisaggSpec) -> bool:
         """Whether a handshake with ``spec``'s consumer is done and still trusted."""
@@ -233,39 +250,139 @@ class Producer:
         ) in self._peers
 
     def connect(self, spec: DisaggSpec) -> Peer:
-        """The peer of ``spec``, after a two-step handshake on its init port the first time;
-        call ahead of a first push to take the handshake off its latency."""
+        """The peer of ``spec``, after a handshake on its init port the first time; call ahead
+        of a first push to take the handshake off its latency.
+
+        Step 1 swaps KV profiles (a mismatch raises ``Incompatible``) and network-stack
+        identities, which pick the transports (``transport.choose``); step 2 loads the
+        consumer's agent and buffer into the agent of those transports; step 3, the self-test,
+        writes a nonce with a notification that must arrive in time. A transport that fails it
+        is followed by TCP; if none passes, ``TransportUnusable`` names the peer and each try.
+        """
         key = (spec.receiver_host, spec.receiver_init_port, spec.receiver_alloc_port)
         peer = self._peers.get(key)
         if peer is not None:
             return peer
-        deadline = time.monotonic() + self.config.handshake_timeout_s
+        where = f"consumer {spec.receiver_host}:{spec.receiver_init_port}"
         socket = self._dealer(spec.receiver_host, spec.receiver_init_port)
-        version = protocol.PROTOCOL_VERSION
-
-        def ask(message: protocol.Message) -> object:
-            return self._ask(socket, message, protocol.INIT_REPLIES, deadline, spec.req_id)
-
         try:
-            metadata = self._reachable(spec, ask, protocol.MetadataRequest(version=version))
-            if not isinstance(metadata, protocol.AgentMetadata):
-                raise ProtocolError(f"req {spec.req_id}: expected AgentMetadata, got {metadata}")
-            name = self._add_peer(spec, metadata.metadata, deadline)
-            try:
-                buffer = self._reachable(spec, ask, protocol.BufferRequest(version=version))
-                if not isinstance(buffer, protocol.BufferDescriptors) or buffer.agent_name != name:
-                    raise ProtocolError(
-                        f"req {spec.req_id}: bad BufferDescriptors from {name}: {buffer}"
-                    )
-            except BaseException:
-                # Half a handshake: the next attempt starts from a clean NIXL peer table.
-                with contextlib.suppress(PDError):
-                    self._channel.remove_peer(name)
-                raise
+            metadata = self._consumer_metadata(spec, socket)
+            choice = transport.choose(
+                self._stack,
+                metadata.stack,
+                local_tls=self.config.ucx_tls,
+                remote_tls=self.config.ucx_tls_remote,
+                fallback=self.config.transport_fallback,
+            )
+            tried: list[str] = []
+            for ucx_tls in choice.attempts:
+                peer = self._attempt(spec, socket, metadata, ucx_tls, tried)
+                if peer is not None:
+                    break
+            else:
+                raise TransportUnusable(
+                    f"req {spec.req_id}: {where} ({metadata.agent_name}, "
+                    f"{'same' if choice.same_stack else 'another'} network stack): no transport "
+                    f"passed the self-test; tried {'; '.join(tried)}"
+                )
         finally:
             socket.close(linger=0)
-        peer = Peer(
+        self._peers[key] = peer
+        counter = (
+            "peers_fallback_transport"
+            if tried
+            else ("peers_local_transport" if choice.same_stack else "peers_remote_transport")
+        )
+        self._count(counter, 1)
+        logger.info(
+            "req %s: handshake with %s at %s:%d done over %s (%s network stack%s; %d pages of "
+            "%d bytes, writes end within %.1f s of their allocation)",
+            spec.req_id,
+            peer.name,
+            spec.receiver_host,
+            spec.receiver_init_port,
+            transport.describe(peer.ucx_tls),
+            "same" if choice.same_stack else "another",
+            f", after {'; '.join(tried)}" if tried else "",
+            peer.num_pages,
+            peer.page_bytes,
+            peer.write_budget_s,
+        )
+        return peer
+
+    def _consumer_metadata(self, spec: DisaggSpec, socket: zmq.Socket) -> protocol.AgentMetadata:
+        """Step 1: profiles and identities swapped, and checked on both sides."""
+        deadline = time.monotonic() + self.config.handshake_timeout_s
+        request = protocol.MetadataRequest(
+            version=protocol.PROTOCOL_VERSION, profile=self.profile, stack=self._stack
+        )
+        reply = self._reachable(
+            spec,
+            lambda m: self._ask(socket, m, protocol.INIT_REPLIES, deadline, spec.req_id),
+            request,
+        )
+        where = f"consumer {spec.receiver_host}:{spec.receiver_init_port}"
+        if isinstance(reply, protocol.ErrorReply):
+            if reply.code is ErrorCode.INCOMPATIBLE:
+                self._count("handshakes_refused", 1)
+                raise Incompatible(f"req {spec.req_id}: {where} refused: {reply.detail}")
+            raise _error_from_reply(spec.req_id, reply)
+        if not isinstance(reply, protocol.AgentMetadata):
+            raise ProtocolError(f"req {spec.req_id}: expected AgentMetadata, got {reply}")
+        problems = incompatibilities(self.profile, reply.profile)
+        if problems:
+            self._count("handshakes_refused", 1)
+            raise Incompatible(
+                f"req {spec.req_id}: {where} has incompatible KV: {'; '.join(problems)}"
+            )
+        return reply
+
+    def _attempt(
+        self,
+        spec: DisaggSpec,
+        socket: zmq.Socket,
+        metadata: protocol.AgentMetadata,
+        ucx_tls: str | None,
+        tried: list[str],
+    ) -> Peer | None:
+        """Steps 2 and 3 over ``ucx_tls``: the peer, or None (and why, in ``tried``) if the
+        self-test failed."""
+        deadline = time.monotonic() + self.config.handshake_timeout_s
+        channel = self._channel_for(ucx_tls)
+        name = self._add_peer(spec, channel, metadata.metadata, deadline)
+        try:
+            buffer = self._reachable(
+                spec,
+                lambda m: self._ask(socket, m, protocol.INIT_REPLIES, deadline, spec.req_id),
+                protocol.BufferRequest(version=protocol.PROTOCOL_VERSION),
+            )
+            if not isinstance(buffer, protocol.BufferDescriptors) or buffer.agent_name != name:
+                raise ProtocolError(
+                    f"req {spec.req_id}: bad BufferDescriptors from {name}: {buffer}"
+                )
+            failure = self._self_test(spec, socket, channel, name, buffer)
+        except BaseException:
+            # Half a handshake: the next attempt starts from a clean NIXL peer table.
+            with contextlib.suppress(PDError):
+                channel.remove_peer(name)
+            raise
+        if failure is not None:
+            self._count("transport_self_test_failures", 1)
+            tried.append(f"{transport.describe(ucx_tls)}: {failure}")
+            logger.warning(
+                "req %s: transport self-test with %s over %s failed: %s",
+                spec.req_id,
+                name,
+                transport.describe(ucx_tls),
+                failure,
+            )
+            with contextlib.suppress(PDError):
+                channel.remove_peer(name)
+            return None
+        return Peer(
             name=name,
+            channel=channel,
+            ucx_tls=ucx_tls,
             buffer=RegisteredBuffer(
                 buffer.mem_type,
                 buffer.device_id,
@@ -279,19 +396,77 @@ class Producer:
                 self.config.transfer_timeout_s, protocol.write_budget_s(buffer.alloc_lease_s)
             ),
         )
-        self._peers[key] = peer
-        logger.info(
-            "req %s: handshake with %s at %s:%d done (%d pages of %d bytes, writes end within "
-            "%.1f s of their allocation)",
-            spec.req_id,
-            name,
-            spec.receiver_host,
-            spec.receiver_init_port,
-            peer.num_pages,
-            peer.page_bytes,
-            peer.write_budget_s,
-        )
-        return peer
+
+    def _self_test(
+        self,
+        spec: DisaggSpec,
+        socket: zmq.Socket,
+        channel: Channel,
+        name: str,
+        buffer: protocol.BufferDescriptors,
+    ) -> str | None:
+        """Step 3: write the consumer's nonce into its slot with a ProbeDone notification and
+        ask until the consumer has seen both. None if it did, else what went wrong."""
+        if not self.config.transport_self_test:
+            return None
+        timeout_s = self.config.self_test_timeout_s
+        deadline = time.monotonic() + timeout_s
+        nonce = buffer.probe_nonce
+        size = protocol.PROBE_NONCE_BYTES
+        remote = RegisteredBuffer(buffer.mem_type, buffer.device_id, buffer.probe_addr, size)
+        notif = protocol.encode(protocol.ProbeDone(version=protocol.PROTOCOL_VERSION, nonce=nonce))
+        with self._staging.probe_slot() as source:
+            source.copy_(torch.frombuffer(bytearray(nonce), dtype=torch.uint8))
+            segments = np.array([[source.data_ptr(), buffer.probe_addr, size]], dtype=np.uint64)
+            handle = channel.post_write(name, segments, remote, notif)
+            try:
+                wait_for_transfer(channel, handle, deadline, f"self-test write to {name}")
+            except (TransferError, PeerTimeout) as exc:
+                return f"write not done: {exc}"
+            finally:
+                channel.release(handle)
+        check = protocol.ProbeCheck(version=protocol.PROTOCOL_VERSION, nonce=nonce)
+        pause_s = PROBE_POLL_S[0]
+        while True:
+            try:
+                reply = self._ask(socket, check, protocol.INIT_REPLIES, deadline, spec.req_id)
+            except PeerTimeout:
+                return f"no answer to the self-test check within {timeout_s:.1f} s"
+            if not isinstance(reply, protocol.ProbeResult) or reply.nonce != nonce:
+                raise ProtocolError(f"req {spec.req_id}: bad ProbeResult from {name}: {reply}")
+            if reply.state is protocol.ProbeState.LANDED:
+                return None
+            if reply.state is not protocol.ProbeState.PENDING:
+                return f"consumer reports the self-test {reply.state.value}"
+            if time.monotonic() + pause_s >= deadline:
+                return f"written, but its notification did not arrive within {timeout_s:.1f} s"
+            time.sleep(pause_s)
+            pause_s = min(PROBE_POLL_S[1], pause_s * 2)
+
+    def _channel_for(self, ucx_tls: str | None) -> Channel:
+        """The agent of ``ucx_tls``, made (and the staging buffer registered) on first use."""
+        if self._given_channel is not None:
+            return self._given_channel
+        channel = self._channels.get(ucx_tls)
+        if channel is None:
+            config = self.config
+            channel = NixlChannel(
+                role="producer",
+                backends=config.nixl_backends,
+                ucx_error_handling_mode=config.ucx_error_handling_mode,
+                progress_thread=config.nixl_progress_thread,
+                ucx_tls=ucx_tls,
+            )
+            self._register(channel)
+            self._channels[ucx_tls] = channel
+        return channel
+
+    def _register(self, channel: Channel) -> None:
+        try:
+            channel.register(self._staging.buffer)
+        except BaseException:
+            channel.close()
+            raise
 
     @staticmethod
     def _reachable(
@@ -305,12 +480,14 @@ class Producer:
                 f"consumer {spec.receiver_host}:{spec.receiver_init_port} unreachable: {exc}"
             ) from exc
 
-    def _add_peer(self, spec: DisaggSpec, metadata: bytes, deadline: float) -> str:
+    def _add_peer(
+        self, spec: DisaggSpec, channel: Channel, metadata: bytes, deadline: float
+    ) -> str:
         """Load the consumer's NIXL metadata. NIXL 1.5.1 makes the UCX endpoint here without
         waiting for the consumer (1-30 ms measured), but the call has no deadline of its own and
         cannot be interrupted: say when it overran ours."""
         started = time.monotonic()
-        name = self._channel.add_peer(metadata)
+        name = channel.add_peer(metadata)
         finished = time.monotonic()
         if finished > deadline:
             logger.warning(
@@ -399,22 +576,22 @@ class Producer:
         segments[:, 1] = peer.buffer.base_addr + pages * peer.page_bytes
         segments[:, 2] = [sizes[i] for i in to_write]
         try:
-            handle = self._channel.post_write(peer.name, segments, peer.buffer, notif)
+            handle = peer.channel.post_write(peer.name, segments, peer.buffer, notif)
         except TransferError as exc:
             self._cancel(spec, peer, response.alloc_id)
             raise TransferError(f"req {spec.req_id}: {exc}") from exc
         try:
-            wait_for_transfer(self._channel, handle, deadline, f"req {spec.req_id} to {peer.name}")
+            wait_for_transfer(peer.channel, handle, deadline, f"req {spec.req_id} to {peer.name}")
         except TransferError as exc:
             # A failed write that NIXL let us release writes no more: its pages can go back
             # now. A timed-out one might still land, so its pages wait for their lease.
-            if self._channel.release(handle):
+            if peer.channel.release(handle):
                 self._cancel(spec, peer, response.alloc_id)
             raise TransferError(f"req {spec.req_id}: {exc}") from exc
         except BaseException:
-            self._channel.release(handle)
+            peer.channel.release(handle)
             raise
-        self._channel.release(handle)
+        peer.channel.release(handle)
 
     def _cancel(self, spec: DisaggSpec, peer: Peer, alloc_id: int) -> None:
         """Best effort: tell the consumer that ``alloc_id`` will not be written."""
@@ -485,7 +662,7 @@ class Producer:
         if peer is not None:
             peer.alloc_socket.close(linger=0)
             with contextlib.suppress(PDError):
-                self._channel.remove_peer(peer.name)
+                peer.channel.remove_peer(peer.name)
 
 
 def _error_from_reply(req_id: str, reply: protocol.ErrorReply) -> PDError:
