@@ -13,19 +13,25 @@ everything made is deleted on exit, in reverse order, even after a failure half-
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import secrets
 import shutil
 import subprocess
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from lmcache_pd.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 IP_TIMEOUT_S = 10.0
+NETNS_DIR = "/var/run/netns"
+CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
 # Interface names are at most 15 characters (IFNAMSIZ 16 with the NUL).
 MAX_IFNAME_CHARS = 15
 
@@ -38,9 +44,34 @@ class Side:
     device: str
     address: str
 
-    def command(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside this namespace."""
-        return ["ip", "netns", "exec", self.netns, *argv]
+    @property
+    def wrap(self) -> list[str]:
+        """What runs a command inside this namespace, put before its argv."""
+        return ["ip", "netns", "exec", self.netns]
+
+    def call(self, function: Callable[[], T], timeout_s: float) -> T:
+        """``function()`` on a new thread of this process moved into this namespace (a
+        network namespace belongs to a thread, and threads it starts inherit it): its sockets,
+        and those of servers it starts on threads, live there. The caller's thread stays
+        where it is. Raises what ``function`` raised; ``TimeoutError`` past ``timeout_s``."""
+        outcome: list = []
+
+        def run() -> None:
+            try:
+                _enter(self.netns)
+                outcome.append((True, function()))
+            except BaseException as exc:  # handed to the caller
+                outcome.append((False, exc))
+
+        thread = threading.Thread(target=run, name=f"in-{self.netns}", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if not outcome:
+            raise TimeoutError(f"call in network namespace {self.netns} ran past {timeout_s} s")
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +140,18 @@ def veth_pair(tag: str = "lmpd") -> Iterator[VethPair]:
             right.address,
         )
         yield VethPair(left, right)
+
+
+def _enter(name: str) -> None:
+    """Move the calling thread into network namespace ``name``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns into {name}: {os.strerror(error)}")
+    finally:
+        os.close(fd)
 
 
 def _delete_netns(name: str) -> None:
