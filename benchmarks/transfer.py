@@ -12,6 +12,11 @@ on free ports, and a producer here pushes from pages of its registered staging b
 - raw NIXL: ``post_write`` + ``wait_for_transfer`` of the same pages, no protocol, no notification;
 - memcpy: single-thread ``Tensor.copy_`` of the same chunks into another buffer.
 
+With ``--netns`` the producer runs in one network namespace and the consumer in another, joined
+by a veth pair (``lmcache_pd.netns``; needs root), as two hosts are: the handshake then picks
+``ucx_tls_remote`` (TCP by default) and raw NIXL writes over that same agent, so both cross the
+same link with the same transport. JSON in ``benchmarks/results/transfer-netns.json``.
+
 Raw NIXL is a ceiling only where the initiator alone completes a write (the default: CMA, error
 mode "none"). Over tcp, or in error mode "peer", completion waits on the consumer's progress, and
 an idle consumer polls NIXL every 5 ms, against 0.1 ms while a push's write is pending: there raw
@@ -22,6 +27,7 @@ Reproduce (medians of 7 runs; table on stdout, JSON in benchmarks/results/transf
     .venv/bin/python benchmarks/transfer.py
     .venv/bin/python -m lmcache_pd.benchmarks.transfer --sizes 1M,16M --chunks-per-request 64 \\
         --runs 5 --ucx-tls tcp --output /tmp/transfer-tcp.json
+    .venv/bin/python benchmarks/transfer.py --netns --runs 3   # across two network namespaces
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import logging
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -45,6 +53,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from lmcache_pd import netns
 from lmcache_pd.benchmarks.environment import run_environment
 from lmcache_pd.channel import wait_for_transfer
 from lmcache_pd.config import PDConfig, load_config
@@ -57,6 +66,7 @@ logger = logging.getLogger(__name__)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "transfer.json"
+NETNS_OUTPUT = Path(__file__).resolve().parent / "results" / "transfer-netns.json"
 DEFAULT_SIZES = "256K,1M,4M,16M"
 DEFAULT_CHUNKS = "1,64"
 DEFAULTS = (DEFAULT_SIZES, DEFAULT_CHUNKS, 7)
@@ -121,12 +131,12 @@ def _raw_write(producer: Producer, peer: Peer, segments: np.ndarray) -> float:
     """Seconds of one bare NIXL WRITE of ``segments`` with an empty notification."""
     deadline = time.monotonic() + producer.config.transfer_timeout_s
     started = time.perf_counter()
-    handle = producer.channel.post_write(peer.name, segments, peer.buffer, b"")
+    handle = peer.channel.post_write(peer.name, segments, peer.buffer, b"")
     try:
-        wait_for_transfer(producer.channel, handle, deadline, "raw NIXL write")
+        wait_for_transfer(peer.channel, handle, deadline, "raw NIXL write")
         return time.perf_counter() - started
     finally:
-        producer.channel.release(handle)
+        peer.channel.release(handle)
 
 
 def _memcpy(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
@@ -141,11 +151,20 @@ def _memcpy(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
     return time.perf_counter() - started
 
 
-def _measure(chunk_bytes: int, count: int, runs: int, settings: dict[str, Any]) -> dict[str, Any]:
-    """One record: medians and samples of every method for ``count`` chunks of ``chunk_bytes``."""
+def _measure(
+    chunk_bytes: int,
+    count: int,
+    runs: int,
+    settings: dict[str, Any],
+    consumer_netns: str | None = None,
+    consumer_host: str = "127.0.0.1",
+) -> dict[str, Any]:
+    """One record: medians and samples of every method for ``count`` chunks of ``chunk_bytes``;
+    the consumer in network namespace ``consumer_netns`` at ``consumer_host`` if given."""
     init_port, alloc_port = _free_ports(2)
     overrides = {
         **settings,
+        "receiver_host": consumer_host,
         "page_bytes": chunk_bytes,
         "buffer_size_bytes": (count + 1) * chunk_bytes,
         "init_port": init_port,
@@ -161,9 +180,10 @@ def _measure(chunk_bytes: int, count: int, runs: int, settings: dict[str, Any]) 
         CONFIGS / "producer.yaml", **settings, **staging, integrity_checksums=True
     )
     unchecked = msgspec.structs.replace(checked, integrity_checksums=False)
-    spec = DisaggSpec("bench-connect", "127.0.0.1", init_port, alloc_port)
+    spec = DisaggSpec("bench-connect", consumer_host, init_port, alloc_port)
+    wrap = ["ip", "netns", "exec", consumer_netns] if consumer_netns else []
     with (
-        ConsumerProcess(CONFIGS / "consumer.yaml", env=env) as consumer,
+        ConsumerProcess(CONFIGS / "consumer.yaml", env=env, wrap=wrap) as consumer,
         Producer(checked) as producer,
         producer.staged(count) as pages,
     ):
@@ -208,6 +228,7 @@ def _measure(chunk_bytes: int, count: int, runs: int, settings: dict[str, Any]) 
         "raw_vs_memcpy": gbps["raw_nixl"] / gbps["memcpy"],
         "samples_s": samples,
         "consumer_unknown_notifications": stats["unknown_notifications"],
+        "transport": peer.ucx_tls,
     }
     logger.info("%d x %d B: %s", count, chunk_bytes, {k: round(v, 2) for k, v in gbps.items()})
     return record
@@ -222,6 +243,8 @@ def run_benchmark(
     progress_thread: bool = False,
     ucx_tls: str | None = None,
     command: str | None = None,
+    consumer_netns: str | None = None,
+    consumer_host: str = "127.0.0.1",
 ) -> dict[str, Any]:
     """Measure every (size, chunks per request) and return the JSON document (see module doc)."""
     settings = {
@@ -232,7 +255,9 @@ def run_benchmark(
     inherited_tls = os.environ.get("UCX_TLS")  # what UCX uses when ucx_tls is None
     default = load_config(CONFIGS / "producer.yaml")
     records = [
-        _measure(size, count, runs, settings) for size in sizes for count in chunks_per_request
+        _measure(size, count, runs, settings, consumer_netns, consumer_host)
+        for size in sizes
+        for count in chunks_per_request
     ]
     environment = run_environment(("torch", "nixl", "lmcache-pd"), command)
     return {
@@ -245,6 +270,8 @@ def run_benchmark(
             "runs": runs,
             "warmup_runs": WARMUP_RUNS,
             "memcpy": "numpy.copyto, one thread",
+            "ucx_tls_remote": default.ucx_tls_remote,
+            "across_network_namespaces": consumer_netns is not None,
         },
         "records": records,
     }
@@ -291,11 +318,21 @@ def main(
     quick: Annotated[
         bool, typer.Option("--quick", help="defaults 64K,1M x 1,8 chunks, 3 runs")
     ] = False,
+    across_netns: Annotated[
+        bool,
+        typer.Option("--netns", help="producer and consumer in two network namespaces (root)"),
+    ] = False,
+    consumer_netns: Annotated[str | None, typer.Option(hidden=True)] = None,
+    consumer_host: Annotated[str, typer.Option(hidden=True)] = "127.0.0.1",
+    command: Annotated[str | None, typer.Option(hidden=True)] = None,
 ) -> None:
     """Run the benchmark, print the table and write the JSON."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if across_netns:
+        _rerun_across_namespaces(output if output != DEFAULT_OUTPUT else NETNS_OUTPUT)
+        return
     default_sizes, default_chunks, default_runs = QUICK if quick else DEFAULTS
     document = run_benchmark(
         parse_sizes(sizes or default_sizes),
@@ -304,11 +341,37 @@ def main(
         ucx_error_mode=ucx_error_mode,
         progress_thread=progress_thread,
         ucx_tls=ucx_tls,
+        command=command,
+        consumer_netns=consumer_netns,
+        consumer_host=consumer_host,
     )
     print_table(document)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(document, indent=2) + "\n")
     logger.info("wrote %s", output)
+
+
+def _rerun_across_namespaces(output: Path) -> None:
+    """Make two namespaces, and run this benchmark again inside the first with its consumers
+    in the second: every NIXL agent and socket of the producer is then in its namespace."""
+    argv = [arg for arg in sys.argv[1:] if arg != "--netns"]
+    argv = [a for i, a in enumerate(argv) if a != "--output" and argv[i - 1 : i] != ["--output"]]
+    with netns.veth_pair("lmpd-bench") as pair:
+        command = [
+            *pair.left.wrap,
+            sys.executable,
+            str(Path(__file__).resolve()),
+            *argv,
+            "--output",
+            str(output),
+            "--consumer-netns",
+            pair.right.netns,
+            "--consumer-host",
+            pair.right.address,
+            "--command",
+            " ".join([Path(sys.executable).name, *sys.argv]),
+        ]
+        subprocess.run(command, check=True)
 
 
 if __name__ == "__main__":

@@ -73,8 +73,20 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     # never reported by UCX, which is why every wait of ours has a deadline.
     ucx_error_handling_mode: Literal["none", "peer"] = "none"
     nixl_progress_thread: bool = False
-    # Exported as UCX_TLS before the NIXL agent exists; None leaves UCX's own choice.
+    # Exported as UCX_TLS before a NIXL agent exists; None leaves UCX's own choice. A consumer's
+    # one agent uses it for every producer; a producer uses it for consumers on its own network
+    # stack (same kernel and network, IPC and PID namespaces: see transport.py)...
     ucx_tls: str | None = None
+    # ... and this for consumers on any other (another host, pod or network namespace), where
+    # UCX's own choice moves no notification (measured). "all" or None: UCX's own choice.
+    ucx_tls_remote: str | None = "tcp"
+    # Producer: prove the chosen transports at handshake with one small WRITE whose notification
+    # must reach the consumer within self_test_timeout_s; if it does not and
+    # transport_fallback is on, try TCP; if nothing passes, the handshake fails naming the peer
+    # and what was tried (the request is recomputed by its decode).
+    transport_self_test: bool = True
+    transport_fallback: bool = True
+    self_test_timeout_s: Seconds = protocol.PROBE_TIMEOUT_S
     # CPUs lmcache-pd's own threads (service, senders, watchdog) run on, e.g. "2-3"; None: every
     # CPU. Not vLLM's inference core, which they would otherwise inherit (see affinity.py).
     thread_cpus: Annotated[str, msgspec.Meta(pattern=f"^{CPU_LIST.pattern}$")] | None = None

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -22,8 +23,9 @@ import zmq
 from lmcache_pd import protocol
 from lmcache_pd.affinity import unpin_this_thread
 from lmcache_pd.allocator import PageAllocator
-from lmcache_pd.channel import Channel, NixlChannel, RegisteredBuffer
+from lmcache_pd.channel import Channel, NixlChannel
 from lmcache_pd.chunk_store import ChunkStore
+from lmcache_pd.compat import KVProfile, incompatibilities
 from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import (
     AllocationError,
@@ -36,7 +38,8 @@ from lmcache_pd.errors import (
 )
 from lmcache_pd.integrity import checksum
 from lmcache_pd.keys import ChunkKey, ChunkKeyer
-from lmcache_pd.protocol import ErrorCode, ErrorReply
+from lmcache_pd.protocol import ErrorCode, ErrorReply, ProbeState
+from lmcache_pd.transport import stack_identity
 from lmcache_pd.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -78,19 +81,50 @@ class ConsumerStats:
     leases_expired: int = 0
     holds_expired: int = 0
     integrity_failures: int = 0
+    handshakes_refused: int = 0
+    self_tests_landed: int = 0
+
+
+@dataclass(slots=True)
+class _Probe:
+    """A transport self-test handed out: its slot, when, and what was seen of it."""
+
+    slot: int
+    issued_at: float
+    state: ProbeState = ProbeState.PENDING
+
+
+@dataclass(slots=True)
+class _Probes:
+    """Self-tests handed out, by nonce; the service thread's own."""
+
+    by_nonce: dict[bytes, _Probe] = field(default_factory=dict)
+    next_slot: int = 0
 
 
 class Consumer:
     """Receives chunks into its registered buffer; use as a context manager or call ``close``."""
 
     def __init__(
-        self, config: PDConfig, keyer: ChunkKeyer, *, channel: Channel | None = None
+        self,
+        config: PDConfig,
+        keyer: ChunkKeyer,
+        *,
+        channel: Channel | None = None,
+        profile: KVProfile | None = None,
     ) -> None:
+        """``profile``: what the vLLM connector knows of its KV format (compared with every
+        producer's at handshake); by default only the config's chunk size and page bytes."""
         if config.kv_role != "kv_consumer":
             raise ConfigError(f"a Consumer needs kv_role kv_consumer, got {config.kv_role}")
         self.config = config
         self.keyer = keyer
         self.stats = ConsumerStats()
+        self.profile = profile or KVProfile(
+            chunk_size=config.chunk_size, page_bytes=config.page_bytes
+        )
+        self._stack = stack_identity()
+        self._probes = _Probes()
         self._lock = threading.Lock()
         allocator = PageAllocator(
             num_pages=config.num_pages, page_bytes=config.page_bytes, lease_s=config.alloc_lease_s
@@ -101,14 +135,24 @@ class Consumer:
             hold_s=config.hold_timeout_s,
             cache_pages=config.cache_pages,
         )
-        # Zeroed now so that every page is faulted in here, not on the first transfers.
-        self._buffer = torch.zeros(config.num_pages * config.page_bytes, dtype=torch.uint8).zero_()
+        # Zeroed now so that every page is faulted in here, not on the first transfers. The
+        # self-test slots follow the pages.
+        self._pages_bytes = config.num_pages * config.page_bytes
+        self._buffer = torch.zeros(
+            self._pages_bytes + protocol.PROBE_AREA_BYTES, dtype=torch.uint8
+        ).zero_()
         self._channel = channel or NixlChannel.from_config(config, role="consumer")
         self._context = zmq.Context()
         self._stop = threading.Event()
         try:
-            registered = self._channel.register(self._buffer)
-            self._handshake_replies = self._make_handshake_replies(registered)
+            self._registered = self._channel.register(self._buffer)
+            self._agent_metadata = protocol.AgentMetadata(
+                version=protocol.PROTOCOL_VERSION,
+                agent_name=self._channel.agent_name,
+                metadata=self._channel.local_metadata(),
+                profile=self.profile,
+                stack=self._stack,
+            )
             self._init_socket = self._bind(config.init_port)
             self._alloc_socket = self._bind(config.alloc_port)
         except BaseException:
@@ -313,8 +357,74 @@ class Consumer:
         message = self._decode(protocol.INIT_REQUESTS, body)
         if isinstance(message, ErrorReply):
             return message
+        if isinstance(message, protocol.ProbeCheck):
+            return self._on_probe_check(message)
         self.stats.init_requests += 1
-        return self._handshake_replies[type(message)]
+        if isinstance(message, protocol.BufferRequest):
+            return self._buffer_descriptors()
+        problems = incompatibilities(message.profile, self.profile)
+        if problems:
+            with self._lock:
+                self.stats.handshakes_refused += 1
+            detail = "; ".join(problems)
+            logger.warning("refused a producer's handshake (stack %s): %s", message.stack, detail)
+            return self._refuse(ErrorCode.INCOMPATIBLE, f"incompatible KV: {detail}")
+        return self._agent_metadata
+
+    def _buffer_descriptors(self) -> protocol.BufferDescriptors:
+        """The registered buffer, and a fresh self-test slot for the producer to write."""
+        probes = self._probes
+        now = time.monotonic()
+        for nonce in [
+            n for n, p in probes.by_nonce.items() if now - p.issued_at > protocol.PROBE_TICKET_TTL_S
+        ]:
+            del probes.by_nonce[nonce]
+        slot = probes.next_slot
+        probes.next_slot = (slot + 1) % protocol.PROBE_SLOTS
+        # A slot is handed out again only PROBE_SLOTS self-tests later: forget its last one.
+        for nonce in [n for n, p in probes.by_nonce.items() if p.slot == slot]:
+            del probes.by_nonce[nonce]
+        nonce = secrets.token_bytes(protocol.PROBE_NONCE_BYTES)
+        probes.by_nonce[nonce] = _Probe(slot, now)
+        registered = self._registered
+        return protocol.BufferDescriptors(
+            version=protocol.PROTOCOL_VERSION,
+            agent_name=self._channel.agent_name,
+            mem_type=registered.mem_type,
+            device_id=registered.device_id,
+            base_addr=registered.base_addr,
+            page_bytes=self.config.page_bytes,
+            num_pages=self.config.num_pages,
+            alloc_lease_s=self.config.alloc_lease_s,
+            probe_addr=registered.base_addr + self._slot_offset(slot),
+            probe_nonce=nonce,
+        )
+
+    def _slot_offset(self, slot: int) -> int:
+        return self._pages_bytes + slot * protocol.PROBE_NONCE_BYTES
+
+    def _on_probe_check(self, check: protocol.ProbeCheck) -> protocol.ProbeResult:
+        probe = self._probes.by_nonce.get(check.nonce)
+        state = ProbeState.UNKNOWN if probe is None else probe.state
+        return protocol.ProbeResult(
+            version=protocol.PROTOCOL_VERSION, nonce=check.nonce, state=state
+        )
+
+    def _on_probe_done(self, peer: str, done: protocol.ProbeDone) -> None:
+        """A self-test's notification: NIXL delivers it after its data, so the slot must hold
+        the nonce by now."""
+        probe = self._probes.by_nonce.get(done.nonce)
+        if probe is None:
+            logger.info("self-test notification from %s for a slot no longer known", peer)
+            return
+        start = self._slot_offset(probe.slot)
+        landed = bytes(self._buffer[start : start + protocol.PROBE_NONCE_BYTES].numpy())
+        probe.state = ProbeState.LANDED if landed == done.nonce else ProbeState.CORRUPT
+        if probe.state is ProbeState.LANDED:
+            with self._lock:
+                self.stats.self_tests_landed += 1
+        else:
+            logger.warning("self-test from %s: notification arrived, data did not", peer)
 
     def _on_alloc(self, body: bytes) -> protocol.Message:
         request = self._decode(protocol.ALLOC_REQUESTS, body)
@@ -402,6 +512,9 @@ class Consumer:
         for peer, message in self._channel.notifications():
             try:
                 done = protocol.NOTIFICATIONS.decode(message)
+                if isinstance(done, protocol.ProbeDone):
+                    self._on_probe_done(peer, done)
+                    continue
                 with self._lock:
                     landed, nbytes = self._store.confirm(done)
                     self.stats.chunks_landed += landed
@@ -451,26 +564,6 @@ class Consumer:
             req_id=req_id[: protocol.MAX_REQ_ID_CHARS],
             retry_after_s=retry_after_s,
         )
-
-    def _make_handshake_replies(self, registered: RegisteredBuffer) -> dict[type, protocol.Message]:
-        """Both handshake answers are constant for the consumer's life: build them once."""
-        name = self._channel.agent_name
-        version = protocol.PROTOCOL_VERSION
-        return {
-            protocol.MetadataRequest: protocol.AgentMetadata(
-                version=version, agent_name=name, metadata=self._channel.local_metadata()
-            ),
-            protocol.BufferRequest: protocol.BufferDescriptors(
-                version=version,
-                agent_name=name,
-                mem_type=registered.mem_type,
-                device_id=registered.device_id,
-                base_addr=registered.base_addr,
-                page_bytes=self.config.page_bytes,
-                num_pages=self.config.num_pages,
-                alloc_lease_s=self.config.alloc_lease_s,
-            ),
-        }
 
     def _bind(self, port: int) -> zmq.Socket:
         socket = self._context.socket(zmq.ROUTER)

@@ -74,3 +74,13 @@ class TransferError(PDError):
 
 class IntegrityError(PDError):
     """A landed chunk's bytes do not match the checksum its producer sent with it."""
+
+
+class Incompatible(PDError):
+    """The two sides' KV formats or layouts differ (the message names the field and both
+    values): the handshake is refused and their requests are recomputed."""
+
+
+class TransportUnusable(TransferError):
+    """No transport tried with a consumer passed the handshake's self-test (the message names
+    the peer and every transport tried)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,24 +21,21 @@ import torch
 import zmq
 
 from lmcache_pd import protocol
-from lmcache_pd.channel import Channel, NixlChannel, RegisteredBuffer, wait_for_transfer
+from lmcache_pd.channel import Channel, NixlChannel, wait_for_transfer
+from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import (
     AllocationError,
     BufferFull,
     ConfigError,
     PDError,
-    PeerError,
     PeerRestarted,
-    PeerTimeout,
-    PeerUnreachable,
     ProtocolError,
-    RequestDropped,
     TransferError,
-    VersionMismatch,
 )
+from lmcache_pd.handshake import Count, Handshake, Peer, ask, dealer, error_from_reply
 from lmcache_pd.integrity import checksum
-from lmcache_pd.protocol import AbandonReason, DisaggSpec, ErrorCode
+from lmcache_pd.protocol import AbandonReason, DisaggSpec
 from lmcache_pd.staging import Staging
 
 logger = logging.getLogger(__name__)
@@ -57,20 +54,6 @@ class PushResult:
     seconds: float
 
 
-@dataclass(slots=True)
-class Peer:
-    """A consumer rank we have shaken hands with."""
-
-    name: str
-    buffer: RegisteredBuffer
-    page_bytes: int
-    num_pages: int
-    alloc_socket: zmq.Socket
-    # How long after its AllocRequest a write may still go into the pages (the consumer's lease
-    # less a margin, capped by our own transfer_timeout_s).
-    write_budget_s: float
-
-
 class Producer:
     """Pushes chunks to consumers; use as a context manager or call ``close``."""
 
@@ -80,20 +63,36 @@ class Producer:
         *,
         channel: Channel | None = None,
         staging: Staging | None = None,
+        profile: KVProfile | None = None,
+        count: Count | None = None,
     ) -> None:
         """``staging`` is shared with other producers of this process (a buffer of its own,
-        of ``config``'s size, if None)."""
+        of ``config``'s size, if None). ``channel`` (a fake, in tests) serves every peer;
+        without it a NIXL agent is made per transport setting a handshake picks
+        (``transport.py``). ``profile``: what the vLLM connector knows of its KV format,
+        compared with each consumer's; by default the config's chunk size and page bytes.
+        ``count`` is told of handshakes (``StatsRecorder.add``)."""
         if config.kv_role != "kv_producer":
             raise ConfigError(f"a Producer needs kv_role kv_producer, got {config.kv_role}")
         self.config = config
+        self.profile = profile or KVProfile(
+            chunk_size=config.chunk_size, page_bytes=config.page_bytes
+        )
         self._staging = staging or Staging(num_pages=config.num_pages, page_bytes=config.page_bytes)
-        self._channel = channel or NixlChannel.from_config(config, role="producer")
-        try:
-            self._channel.register(self._staging.buffer)
-        except BaseException:
-            self._channel.close()
-            raise
+        self._given_channel = channel
+        self._channels: dict[str | None, Channel] = {}
+        if channel is not None:
+            self._register(channel)
+            self._channels[config.ucx_tls] = channel
         self._context = zmq.Context()
+        self._handshake = Handshake(
+            config,
+            profile=self.profile,
+            staging=self._staging,
+            context=self._context,
+            channel_for=self._channel_for,
+            count=count or (lambda name, n: None),
+        )
         self._peers: dict[tuple[str, int, int], Peer] = {}
         self._closed = False
 
@@ -185,9 +184,9 @@ class Producer:
         Needs no NIXL handshake. Returns whether the consumer acknowledged it."""
         message = protocol.KVAbandoned.of(spec.req_id, reason, detail, write_in_flight)
         deadline = time.monotonic() + protocol.CANCEL_TIMEOUT_S
-        socket = self._dealer(spec.receiver_host, spec.receiver_alloc_port)
+        socket = dealer(self._context, spec.receiver_host, spec.receiver_alloc_port)
         try:
-            reply = self._ask(socket, message, protocol.ALLOC_REPLIES, deadline, spec.req_id)
+            reply = ask(socket, message, protocol.ALLOC_REPLIES, deadline, spec.req_id)
         except PDError as exc:
             logger.warning(
                 "req %s: could not tell %s:%d that its KV will not come: %s",
@@ -209,7 +208,9 @@ class Producer:
         for key in list(self._peers):
             self._forget_peer_key(key)
         self._context.term()
-        self._channel.close()
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
 
     def __enter__(self) -> Producer:
         return self
@@ -218,11 +219,6 @@ class Producer:
         self.close()
 
     # ---- steps of a push ----
-
-    @property
-    def channel(self) -> Channel:
-        """The transport, for callers that measure it bare (benchmarks)."""
-        return self._channel
 
     def connected(self, spec: DisaggSpec) -> bool:
         """Whether a handshake with ``spec``'s consumer is done and still trusted."""
@@ -233,97 +229,42 @@ class Producer:
         ) in self._peers
 
     def connect(self, spec: DisaggSpec) -> Peer:
-        """The peer of ``spec``, after a two-step handshake on its init port the first time;
-        call ahead of a first push to take the handshake off its latency."""
+        """The peer of ``spec``, after a handshake on its init port the first time; call ahead
+        of a first push to take the handshake off its latency.
+
+        See ``handshake.py``: raises ``Incompatible``, ``TransportUnusable``,
+        ``PeerUnreachable``, ``ProtocolError`` or ``TransferError``.
+        """
         key = (spec.receiver_host, spec.receiver_init_port, spec.receiver_alloc_port)
         peer = self._peers.get(key)
-        if peer is not None:
-            return peer
-        deadline = time.monotonic() + self.config.handshake_timeout_s
-        socket = self._dealer(spec.receiver_host, spec.receiver_init_port)
-        version = protocol.PROTOCOL_VERSION
-
-        def ask(message: protocol.Message) -> object:
-            return self._ask(socket, message, protocol.INIT_REPLIES, deadline, spec.req_id)
-
-        try:
-            metadata = self._reachable(spec, ask, protocol.MetadataRequest(version=version))
-            if not isinstance(metadata, protocol.AgentMetadata):
-                raise ProtocolError(f"req {spec.req_id}: expected AgentMetadata, got {metadata}")
-            name = self._add_peer(spec, metadata.metadata, deadline)
-            try:
-                buffer = self._reachable(spec, ask, protocol.BufferRequest(version=version))
-                if not isinstance(buffer, protocol.BufferDescriptors) or buffer.agent_name != name:
-                    raise ProtocolError(
-                        f"req {spec.req_id}: bad BufferDescriptors from {name}: {buffer}"
-                    )
-            except BaseException:
-                # Half a handshake: the next attempt starts from a clean NIXL peer table.
-                with contextlib.suppress(PDError):
-                    self._channel.remove_peer(name)
-                raise
-        finally:
-            socket.close(linger=0)
-        peer = Peer(
-            name=name,
-            buffer=RegisteredBuffer(
-                buffer.mem_type,
-                buffer.device_id,
-                buffer.base_addr,
-                buffer.page_bytes * buffer.num_pages,
-            ),
-            page_bytes=buffer.page_bytes,
-            num_pages=buffer.num_pages,
-            alloc_socket=self._dealer(spec.receiver_host, spec.receiver_alloc_port),
-            write_budget_s=min(
-                self.config.transfer_timeout_s, protocol.write_budget_s(buffer.alloc_lease_s)
-            ),
-        )
-        self._peers[key] = peer
-        logger.info(
-            "req %s: handshake with %s at %s:%d done (%d pages of %d bytes, writes end within "
-            "%.1f s of their allocation)",
-            spec.req_id,
-            name,
-            spec.receiver_host,
-            spec.receiver_init_port,
-            peer.num_pages,
-            peer.page_bytes,
-            peer.write_budget_s,
-        )
+        if peer is None:
+            peer = self._peers[key] = self._handshake.run(spec)
         return peer
 
-    @staticmethod
-    def _reachable(
-        spec: DisaggSpec, ask: Callable[[protocol.Message], object], message: protocol.Message
-    ) -> object:
-        """One handshake step; no answer means the consumer is unreachable."""
-        try:
-            return ask(message)
-        except PeerTimeout as exc:
-            raise PeerUnreachable(
-                f"consumer {spec.receiver_host}:{spec.receiver_init_port} unreachable: {exc}"
-            ) from exc
-
-    def _add_peer(self, spec: DisaggSpec, metadata: bytes, deadline: float) -> str:
-        """Load the consumer's NIXL metadata. NIXL 1.5.1 makes the UCX endpoint here without
-        waiting for the consumer (1-30 ms measured), but the call has no deadline of its own and
-        cannot be interrupted: say when it overran ours."""
-        started = time.monotonic()
-        name = self._channel.add_peer(metadata)
-        finished = time.monotonic()
-        if finished > deadline:
-            logger.warning(
-                "req %s: NIXL took %.1f s to connect to %s at %s:%d, past the %.1f s handshake "
-                "deadline",
-                spec.req_id,
-                finished - started,
-                name,
-                spec.receiver_host,
-                spec.receiver_init_port,
-                self.config.handshake_timeout_s,
+    def _channel_for(self, ucx_tls: str | None) -> Channel:
+        """The agent of ``ucx_tls``, made (and the staging buffer registered) on first use."""
+        if self._given_channel is not None:
+            return self._given_channel
+        channel = self._channels.get(ucx_tls)
+        if channel is None:
+            config = self.config
+            channel = NixlChannel(
+                role="producer",
+                backends=config.nixl_backends,
+                ucx_error_handling_mode=config.ucx_error_handling_mode,
+                progress_thread=config.nixl_progress_thread,
+                ucx_tls=ucx_tls,
             )
-        return name
+            self._register(channel)
+            self._channels[ucx_tls] = channel
+        return channel
+
+    def _register(self, channel: Channel) -> None:
+        try:
+            channel.register(self._staging.buffer)
+        except BaseException:
+            channel.close()
+            raise
 
     def _allocate(
         self, spec: DisaggSpec, peer: Peer, specs: list[protocol.ChunkSpec]
@@ -334,13 +275,11 @@ class Producer:
         )
         deadline = time.monotonic() + self.config.alloc_timeout_s
         for attempt in range(self.config.max_alloc_retries + 1):
-            reply = self._ask(
-                peer.alloc_socket, request, protocol.ALLOC_REPLIES, deadline, spec.req_id
-            )
+            reply = ask(peer.alloc_socket, request, protocol.ALLOC_REPLIES, deadline, spec.req_id)
             if isinstance(reply, protocol.AllocResponse):
                 self._check_allocation(spec, peer, reply, len(specs))
                 return reply
-            error = _error_from_reply(spec.req_id, reply)
+            error = error_from_reply(spec.req_id, reply)
             wait_s = reply.retry_after_s
             if (
                 not isinstance(error, BufferFull)
@@ -399,22 +338,22 @@ class Producer:
         segments[:, 1] = peer.buffer.base_addr + pages * peer.page_bytes
         segments[:, 2] = [sizes[i] for i in to_write]
         try:
-            handle = self._channel.post_write(peer.name, segments, peer.buffer, notif)
+            handle = peer.channel.post_write(peer.name, segments, peer.buffer, notif)
         except TransferError as exc:
             self._cancel(spec, peer, response.alloc_id)
             raise TransferError(f"req {spec.req_id}: {exc}") from exc
         try:
-            wait_for_transfer(self._channel, handle, deadline, f"req {spec.req_id} to {peer.name}")
+            wait_for_transfer(peer.channel, handle, deadline, f"req {spec.req_id} to {peer.name}")
         except TransferError as exc:
             # A failed write that NIXL let us release writes no more: its pages can go back
             # now. A timed-out one might still land, so its pages wait for their lease.
-            if self._channel.release(handle):
+            if peer.channel.release(handle):
                 self._cancel(spec, peer, response.alloc_id)
             raise TransferError(f"req {spec.req_id}: {exc}") from exc
         except BaseException:
-            self._channel.release(handle)
+            peer.channel.release(handle)
             raise
-        self._channel.release(handle)
+        peer.channel.release(handle)
 
     def _cancel(self, spec: DisaggSpec, peer: Peer, alloc_id: int) -> None:
         """Best effort: tell the consumer that ``alloc_id`` will not be written."""
@@ -423,7 +362,7 @@ class Producer:
         )
         deadline = time.monotonic() + protocol.CANCEL_TIMEOUT_S
         try:
-            self._ask(peer.alloc_socket, cancel, protocol.ALLOC_REPLIES, deadline, spec.req_id)
+            ask(peer.alloc_socket, cancel, protocol.ALLOC_REPLIES, deadline, spec.req_id)
         except PDError as exc:
             logger.warning("req %s: could not cancel alloc %d: %s", spec.req_id, alloc_id, exc)
 
@@ -450,31 +389,6 @@ class Producer:
             )
         return data
 
-    def _dealer(self, host: str, port: int) -> zmq.Socket:
-        socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
-        socket.connect(f"tcp://{host}:{port}")
-        return socket
-
-    @staticmethod
-    def _ask(
-        socket: zmq.Socket,
-        message: protocol.Message,
-        codec: protocol.Codec,
-        deadline: float,
-        req_id: str,
-    ) -> object:
-        """Send one request and wait for its reply until ``deadline``."""
-        try:
-            socket.send(protocol.encode(message), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            raise PeerTimeout(f"req {req_id}: cannot send {type(message).__name__}: {exc}") from exc
-        remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-        if not socket.poll(remaining_ms, zmq.POLLIN):
-            raise PeerTimeout(f"req {req_id}: no reply to {type(message).__name__} in time")
-        return codec.decode(socket.recv())
-
     def _forget_peer(self, spec: DisaggSpec) -> None:
         self._forget_peer_key(
             (spec.receiver_host, spec.receiver_init_port, spec.receiver_alloc_port)
@@ -485,18 +399,4 @@ class Producer:
         if peer is not None:
             peer.alloc_socket.close(linger=0)
             with contextlib.suppress(PDError):
-                self._channel.remove_peer(peer.name)
-
-
-def _error_from_reply(req_id: str, reply: protocol.ErrorReply) -> PDError:
-    """The exception a consumer's ErrorReply stands for."""
-    detail = f"req {req_id}: consumer refused: {reply.detail}"
-    if reply.code is ErrorCode.BUFFER_FULL:
-        return BufferFull(detail, reply.retry_after_s)
-    if reply.code is ErrorCode.TOO_LARGE:
-        return AllocationError(detail)
-    if reply.code is ErrorCode.VERSION:
-        return VersionMismatch(detail)
-    if reply.code is ErrorCode.DROPPED:
-        return RequestDropped(detail, "dropped")
-    return PeerError(reply.code.value, detail)
+                peer.channel.remove_peer(peer.name)

@@ -13,6 +13,12 @@ Protocol history:
      deadline from it); KVAbandoned/AbandonAck on the alloc port (a producer or the proxy says a
      request's KV will not come or is not wanted); ErrorCode.DROPPED for an AllocRequest of a
      request the consumer already let go.
+  3: the handshake checks compatibility and proves the transport. MetadataRequest and
+     AgentMetadata carry each side's KV profile (``compat.KVProfile``: model, dtype, layout,
+     block size, chunk size, page bytes, TP size and rank) and network-stack identity; the
+     consumer refuses a mismatch with ErrorCode.INCOMPATIBLE naming the field and both values.
+     BufferDescriptors hands out a self-test slot; ProbeDone notification, ProbeCheck/ProbeResult
+     on the init port; AbandonReason.INCOMPATIBLE.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ from typing import Annotated, Generic, TypeVar
 
 import msgspec
 
+from lmcache_pd.compat import KVProfile
 from lmcache_pd.errors import ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # Limits, checked before anything is allocated for a message.
 MAX_FRAME_BYTES = 1 << 20
@@ -34,10 +41,21 @@ MAX_REQ_ID_CHARS = 256
 MAX_AGENT_METADATA_BYTES = 1 << 16
 MAX_ERROR_DETAIL_CHARS = 1024
 MAX_PAGE_BYTES = 1 << 31
+MAX_STACK_ID_CHARS = 256
+# The transport self-test: a write of PROBE_NONCE_BYTES into one of PROBE_SLOTS slots that the
+# consumer keeps past its pages (handed out in turn, so concurrent self-tests never share one).
+PROBE_NONCE_BYTES = 16
+PROBE_SLOTS = 64
+PROBE_AREA_BYTES = PROBE_SLOTS * PROBE_NONCE_BYTES
 
 # Default deadlines. The lease must outlive the producer's transfer deadline, so that a page is
 # never handed to a new request while a slow write into it may still be in flight.
 HANDSHAKE_TIMEOUT_S = 5.0
+# A self-test's write and notification take well under a millisecond when the transport works;
+# one that misses this deadline never arrives (measured: "PROC" for minutes).
+PROBE_TIMEOUT_S = 1.0
+# How long a consumer remembers a self-test slot it handed out.
+PROBE_TICKET_TTL_S = 30.0
 ALLOC_TIMEOUT_S = 5.0
 # Short: a cancel is sent after a failure, often to a peer that is gone.
 CANCEL_TIMEOUT_S = 0.5
@@ -93,6 +111,7 @@ class ErrorCode(enum.Enum):
     BAD_REQUEST = "bad_request"
     INTERNAL = "internal"
     DROPPED = "dropped"  # the request was let go on the consumer: its KV is not wanted any more
+    INCOMPATIBLE = "incompatible"  # the two sides' KV profiles differ (the detail names how)
 
 
 class AbandonReason(enum.Enum):
@@ -104,6 +123,7 @@ class AbandonReason(enum.Enum):
     REQUEST_ABORTED = "request_aborted"  # prefill ended before its prompt was computed
     PRODUCER_ERROR = "producer_error"  # a bug or an unexpected error on the producer
     CLIENT_GONE = "client_gone"  # the proxy's client left before decode was asked
+    INCOMPATIBLE = "incompatible"  # the handshake found the two sides' KV formats differ
 
 
 class DisaggSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -129,16 +149,27 @@ class Message(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True)
     version: int
 
 
-# Init port: the two-step NIXL handshake.
+StackId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STACK_ID_CHARS)]
+Nonce = Annotated[bytes, msgspec.Meta(min_length=PROBE_NONCE_BYTES, max_length=PROBE_NONCE_BYTES)]
+
+
+# Init port: the NIXL handshake (metadata, buffer, then the transport self-test).
 class MetadataRequest(Message, frozen=True):
-    """Step 1: ask for the consumer's NIXL agent metadata."""
+    """Step 1: the producer's KV profile and network-stack identity (``transport.py``); asks
+    for the consumer's NIXL agent metadata, refused (INCOMPATIBLE) if the profiles differ."""
+
+    profile: KVProfile
+    stack: StackId
 
 
 class AgentMetadata(Message, frozen=True):
-    """Step 1 reply: what ``add_remote_agent`` needs."""
+    """Step 1 reply: what ``add_remote_agent`` needs, and the consumer's profile and identity
+    (the producer checks the profiles too, and picks its transports from the identities)."""
 
     agent_name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)]
+    profile: KVProfile
+    stack: StackId
 
 
 class BufferRequest(Message, frozen=True):
@@ -156,6 +187,31 @@ class BufferDescriptors(Message, frozen=True):
     num_pages: Annotated[int, msgspec.Meta(ge=1, lt=1 << 32)]
     # How long an allocated page waits for its write before the consumer takes it back.
     alloc_lease_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)]
+    # The self-test: write ``probe_nonce`` at ``probe_addr`` with a ProbeDone notification.
+    probe_addr: Annotated[int, msgspec.Meta(ge=0)]
+    probe_nonce: Nonce
+
+
+class ProbeCheck(Message, frozen=True):
+    """Step 3, repeated until its deadline: has the self-test of ``nonce`` landed?"""
+
+    nonce: Nonce
+
+
+class ProbeState(enum.Enum):
+    """What the consumer saw of one self-test."""
+
+    PENDING = "pending"  # no notification yet
+    LANDED = "landed"  # notification arrived and the slot holds the nonce
+    CORRUPT = "corrupt"  # notification arrived but the slot does not hold the nonce
+    UNKNOWN = "unknown"  # no such self-test (expired, or from another consumer process)
+
+
+class ProbeResult(Message, frozen=True):
+    """Reply to ProbeCheck."""
+
+    nonce: Nonce
+    state: ProbeState
 
 
 # Alloc port.
@@ -253,6 +309,12 @@ class WriteDone(Message, frozen=True):
     checksums: Annotated[list[Checksum], msgspec.Meta(max_length=MAX_CHUNKS_PER_REQUEST)] | None
 
 
+class ProbeDone(Message, frozen=True):
+    """The self-test's notification: its nonce is in the slot it was given."""
+
+    nonce: Nonce
+
+
 class _Envelope(msgspec.Struct, frozen=True):
     """What every message has, read before its body so a version mismatch is reported as such."""
 
@@ -296,9 +358,11 @@ class Codec(Generic[M]):
             raise ProtocolError(f"invalid {envelope.type}: {exc}") from exc
 
 
-INIT_REQUESTS: Codec[MetadataRequest | BufferRequest] = Codec(MetadataRequest | BufferRequest)
-INIT_REPLIES: Codec[AgentMetadata | BufferDescriptors | ErrorReply] = Codec(
-    AgentMetadata | BufferDescriptors | ErrorReply
+INIT_REQUESTS: Codec[MetadataRequest | BufferRequest | ProbeCheck] = Codec(
+    MetadataRequest | BufferRequest | ProbeCheck
+)
+INIT_REPLIES: Codec[AgentMetadata | BufferDescriptors | ProbeResult | ErrorReply] = Codec(
+    AgentMetadata | BufferDescriptors | ProbeResult | ErrorReply
 )
 ALLOC_REQUESTS: Codec[AllocRequest | AllocCancel | KVAbandoned] = Codec(
     AllocRequest | AllocCancel | KVAbandoned
@@ -306,4 +370,4 @@ ALLOC_REQUESTS: Codec[AllocRequest | AllocCancel | KVAbandoned] = Codec(
 ALLOC_REPLIES: Codec[AllocResponse | CancelAck | AbandonAck | ErrorReply] = Codec(
     AllocResponse | CancelAck | AbandonAck | ErrorReply
 )
-NOTIFICATIONS: Codec[WriteDone] = Codec(WriteDone)
+NOTIFICATIONS: Codec[WriteDone | ProbeDone] = Codec(WriteDone | ProbeDone)

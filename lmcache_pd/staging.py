@@ -2,7 +2,9 @@
 
 One buffer per process, shared by every per-peer ``Producer`` (each registers it with its own
 NIXL agent). Pages are taken on vLLM's model-runner thread, while a step's KV is copied out, and
-given back on a sender thread once their push is over: the lock makes that safe.
+given back on a sender thread once their push is over: the lock makes that safe. Past the pages
+lie the small slots that handshake self-tests write from: a self-test must not fail for want of a
+page while pushes fill the buffer.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
+from lmcache_pd import protocol
 from lmcache_pd.allocator import PageAllocator
 from lmcache_pd.errors import AllocationError
 
@@ -23,9 +26,13 @@ class Staging:
 
     def __init__(self, *, num_pages: int, page_bytes: int) -> None:
         self.page_bytes = page_bytes
+        self._pages_bytes = num_pages * page_bytes
         # Zeroed now so that every page is faulted in here, not on the first transfers.
-        self.buffer = torch.zeros(num_pages * page_bytes, dtype=torch.uint8).zero_()
+        self.buffer = torch.zeros(
+            self._pages_bytes + protocol.PROBE_AREA_BYTES, dtype=torch.uint8
+        ).zero_()
         self._pages = PageAllocator(num_pages=num_pages, page_bytes=page_bytes, lease_s=None)
+        self._free_slots = list(range(protocol.PROBE_SLOTS))
         self._lock = threading.Lock()
 
     @property
@@ -54,7 +61,23 @@ class Staging:
                 for page in taken:
                     self._pages.decref(page)
 
+    @contextlib.contextmanager
+    def probe_slot(self) -> Iterator[torch.Tensor]:
+        """A self-test's source: PROBE_NONCE_BYTES of registered memory, this caller's until
+        exit. There are as many slots as the most peers a producer rank serves, each doing one
+        handshake at a time, so a lack of them is a bug (``AllocationError``)."""
+        with self._lock:
+            if not self._free_slots:
+                raise AllocationError("every self-test slot of the staging buffer is in use")
+            slot = self._free_slots.pop()
+        start = self._pages_bytes + slot * protocol.PROBE_NONCE_BYTES
+        try:
+            yield self.buffer[start : start + protocol.PROBE_NONCE_BYTES]
+        finally:
+            with self._lock:
+                self._free_slots.append(slot)
+
     def holds(self, data: torch.Tensor, nbytes: int) -> bool:
-        """Whether ``nbytes`` from ``data``'s start lie inside the buffer."""
+        """Whether ``nbytes`` from ``data``'s start lie inside the buffer's pages."""
         start = data.data_ptr() - self.buffer.data_ptr()
-        return start >= 0 and start + nbytes <= self.buffer.numel()
+        return start >= 0 and start + nbytes <= self._pages_bytes

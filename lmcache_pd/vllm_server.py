@@ -90,14 +90,19 @@ class VLLMServer:
         extra_args: Sequence[str] = (),
         log_stats: bool = False,
         wait: bool = True,
+        host: str = "127.0.0.1",
+        wrap: Sequence[str] = (),
     ) -> None:
         """Start the server; with ``wait`` (else call ``wait_until_healthy``, e.g. after starting
         a second one so that both start at once) block until it answers /health.
 
         ``cpu`` pins vLLM's CPU threads (``VLLM_CPU_OMP_THREADS_BIND``: a core, or a list like
         "2-3"); None leaves vLLM's own choice. ``engine_args`` come first, then ``extra_args``.
-        ``log_stats`` keeps vLLM's Prometheus metrics."""
+        ``log_stats`` keeps vLLM's Prometheus metrics. ``wrap`` runs it inside another command
+        (``ip netns exec NS``: then ``url`` is reachable only from that namespace, so call
+        ``wait_until_healthy`` and every request from there, e.g. with ``netns.Side.call``)."""
         command = [
+            *wrap,
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
@@ -106,7 +111,7 @@ class VLLMServer:
             "--port",
             str(port),
             "--host",
-            "127.0.0.1",
+            host,
             *engine_args,
         ]
         if not log_stats:
@@ -114,7 +119,7 @@ class VLLMServer:
         command += list(extra_args)
         if kv_transfer_config is not None:
             command += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         pinning = {} if cpu is None else {"VLLM_CPU_OMP_THREADS_BIND": str(cpu)}

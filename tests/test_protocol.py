@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_pd import protocol
+from lmcache_pd.compat import KVProfile
 from lmcache_pd.errors import ProtocolError, VersionMismatch
 from lmcache_pd.protocol import (
     ALLOC_REPLIES,
@@ -24,12 +25,32 @@ from lmcache_pd.protocol import (
 )
 
 V = PROTOCOL_VERSION
+PROFILE = KVProfile(chunk_size=256, page_bytes=1 << 20)
+FULL_PROFILE = KVProfile(
+    chunk_size=256,
+    page_bytes=1 << 20,
+    model="/models/llama",
+    kv_dtype="float32",
+    kv_layout="cpu:4x2x128x128",
+    block_size=128,
+    tp_size=1,
+    tp_rank=0,
+)
+NONCE = b"n" * protocol.PROBE_NONCE_BYTES
 CODECS = [INIT_REQUESTS, INIT_REPLIES, ALLOC_REQUESTS, ALLOC_REPLIES, NOTIFICATIONS]
 
 EXAMPLES = [
-    (INIT_REQUESTS, protocol.MetadataRequest(version=V)),
+    (INIT_REQUESTS, protocol.MetadataRequest(version=V, profile=PROFILE, stack="boot/net:1")),
     (INIT_REQUESTS, protocol.BufferRequest(version=V)),
-    (INIT_REPLIES, protocol.AgentMetadata(version=V, agent_name="a", metadata=b"\x00" * 460)),
+    (INIT_REQUESTS, protocol.ProbeCheck(version=V, nonce=NONCE)),
+    (
+        INIT_REPLIES,
+        protocol.AgentMetadata(
+            version=V, agent_name="a", metadata=b"\x00" * 460, profile=FULL_PROFILE, stack="s"
+        ),
+    ),
+    (INIT_REPLIES, protocol.ProbeResult(version=V, nonce=NONCE, state=protocol.ProbeState.LANDED)),
+    (INIT_REPLIES, ErrorReply(version=V, code=ErrorCode.INCOMPATIBLE, detail="chunk_size: 1, 2")),
     (
         INIT_REPLIES,
         protocol.BufferDescriptors(
@@ -41,6 +62,8 @@ EXAMPLES = [
             page_bytes=1 << 20,
             num_pages=64,
             alloc_lease_s=60.0,
+            probe_addr=2**47 + 64 * (1 << 20),
+            probe_nonce=NONCE,
         ),
     ),
     (ALLOC_REQUESTS, AllocRequest(version=V, req_id="r", chunks=[ChunkSpec(b"k" * 16, 10)])),
@@ -62,6 +85,7 @@ EXAMPLES = [
     (ALLOC_REPLIES, ErrorReply(version=V, code=ErrorCode.DROPPED, detail="let go", req_id="r")),
     (NOTIFICATIONS, protocol.WriteDone(version=V, req_id="r", alloc_id=7, checksums=[2**64 - 1])),
     (NOTIFICATIONS, protocol.WriteDone(version=V, req_id="r", alloc_id=7, checksums=None)),
+    (NOTIFICATIONS, protocol.ProbeDone(version=V, nonce=NONCE)),
 ]
 
 
@@ -111,7 +135,7 @@ def test_other_version_is_reported_as_such_before_the_body_is_read() -> None:
 
 def test_reply_codec_refuses_requests() -> None:
     with pytest.raises(ProtocolError):
-        INIT_REPLIES.decode(protocol.encode(protocol.MetadataRequest(version=V)))
+        INIT_REPLIES.decode(protocol.encode(protocol.BufferRequest(version=V)))
 
 
 @settings(max_examples=500, deadline=None)

@@ -14,6 +14,7 @@ import pytest
 import torch
 import zmq
 
+from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import load_config
 from lmcache_pd.consumer import Consumer
 from lmcache_pd.errors import (
@@ -41,6 +42,8 @@ from lmcache_pd.protocol import (
     write_budget_s,
 )
 from tests.helpers import (
+    CHUNK_SIZE,
+    PAGE_BYTES,
     consumer_fields,
     free_port,
     make_chunks,
@@ -68,6 +71,7 @@ def consumer(fabric: FakeFabric, keyer: ChunkKeyer) -> Iterator[Consumer]:
 
 def make_producer(fabric: FakeFabric, **knobs: object) -> tuple[Producer, FakeChannel]:
     settings = {k: knobs.pop(k) for k in list(knobs) if k.endswith("_s") or k.startswith("max_")}
+    settings.setdefault("transport_self_test", knobs.pop("transport_self_test", not knobs))
     channel = FakeChannel(fabric, "producer", **knobs)
     return Producer(producer_config(num_pages=8, **settings), channel=channel), channel
 
@@ -360,6 +364,8 @@ def test_handshake_cut_after_the_metadata_leaves_no_half_made_peer(
                 version=PROTOCOL_VERSION,
                 agent_name=silent_after_metadata.agent_name,
                 metadata=silent_after_metadata.local_metadata(),
+                profile=KVProfile(chunk_size=CHUNK_SIZE, page_bytes=PAGE_BYTES),
+                stack="another-host",
             )
             router.send_multipart([identity, encode(reply)])
 

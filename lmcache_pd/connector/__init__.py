@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import CONFIG_PATH_ENV, PDConfig, load_config
 from lmcache_pd.connector.metadata import PDConnectorMetadata, PushProgress
 from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler, SchedulerHalf
@@ -99,6 +100,26 @@ def chunk_keyer(vllm_config: VllmConfig, config: PDConfig, rank: int) -> ChunkKe
     )
 
 
+def kv_profile(
+    vllm_config: VllmConfig, config: PDConfig, rank: int, kv_caches: dict[str, torch.Tensor]
+) -> KVProfile:
+    """What a peer's KV must match to be loadable here, compared at handshake; ``page_bytes``
+    is the config's until the worker half derives it from the cache."""
+    layers = list(kv_caches.values())
+    shape = "x".join(str(n) for n in (len(layers), *layers[0].shape[1:]))
+    parallel = vllm_config.parallel_config
+    return KVProfile(
+        chunk_size=config.chunk_size,
+        page_bytes=config.page_bytes,
+        model=vllm_config.model_config.model,  # as the chunk keys have it
+        kv_dtype=kv_dtype_name(vllm_config),
+        kv_layout=f"{layers[0].device.type}:{shape}",
+        block_size=vllm_config.cache_config.block_size,
+        tp_size=parallel.tensor_parallel_size,
+        tp_rank=rank,
+    )
+
+
 class LMCachePDConnector(KVConnectorBase_V1):
     """Producer pushes prompt KV to the consumer its request names; consumer loads it."""
 
@@ -130,8 +151,9 @@ class LMCachePDConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Called once the paged cache exists: the worker half starts here."""
         keyer = chunk_keyer(self._vllm_config, self._config, self._rank)
+        profile = kv_profile(self._vllm_config, self._config, self._rank, kv_caches)
         half = ProducerWorker if self._config.kv_role == "kv_producer" else ConsumerWorker
-        self._worker = half(self._config, keyer, kv_caches, self._stats)
+        self._worker = half(self._config, keyer, kv_caches, self._stats, profile)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Consumer: queue this step's loads; they complete as their chunks land."""

@@ -27,9 +27,11 @@ import torch
 from lmcache_pd.affinity import unpin_this_thread
 from lmcache_pd.errors import (
     AllocationError,
+    Incompatible,
     PDError,
     PeerUnreachable,
     RequestDropped,
+    TransportUnusable,
     WriteTimeout,
 )
 from lmcache_pd.keys import ChunkKey
@@ -47,6 +49,11 @@ WARM_RETRY_S = (0.25, 2.0)  # first and longest pause between two connect attemp
 # told, within its short deadline) instead of each waiting a handshake deadline of its own: a
 # backlog of them must not delay the first push to a restarted consumer by tens of seconds.
 DOWN_BACKOFF_S = 2.0
+# A consumer whose handshake was refused (incompatible KV) or whose transports all failed the
+# self-test answers, but would fail every handshake the same way: its pushes fail at once for
+# this long (the consumer is told at once), instead of each redoing a handshake that costs up to
+# a self-test deadline per transport.
+REFUSED_BACKOFF_S = 10.0
 # A notice the consumer did not acknowledge (stopped, restarting, cut off) is sent again after
 # these pauses, so that a decode back within its load deadline still hears it; at most
 # MAX_UNTOLD notices wait at once (the oldest is given up).
@@ -121,6 +128,8 @@ Count = Callable[[str, int], None]
 
 
 def _reason(exc: Exception) -> AbandonReason:
+    if isinstance(exc, Incompatible):
+        return AbandonReason.INCOMPATIBLE
     if isinstance(exc, AllocationError):
         return AbandonReason.CONSUMER_REFUSED
     if isinstance(exc, PDError):
@@ -163,6 +172,9 @@ class PeerSender:
         self._cpus = cpus
         self._outstanding = outstanding
         self._down_until = 0.0  # monotonic; the sender thread's own
+        # Why the handshake failed last, while _refused_until lasts (the sender thread's own).
+        self._refused_until = 0.0
+        self._refusal: tuple[AbandonReason, str] = (AbandonReason.TRANSFER_FAILED, "")
         self._untold: list[_Untold] = []  # the sender thread's own
         self._make_producer = make_producer
         self._count = count
@@ -216,7 +228,7 @@ class PeerSender:
             if self._warm and not producer.connected(warm_spec) and time.monotonic() >= next_try:
                 if self._connect_ahead(producer, warm_spec):
                     pause_s = WARM_RETRY_S[0]
-                next_try = time.monotonic() + pause_s
+                next_try = max(time.monotonic() + pause_s, self._refused_until)
                 pause_s = min(WARM_RETRY_S[1], pause_s * 2)
             self._retell(producer)
             try:
@@ -236,11 +248,21 @@ class PeerSender:
     def _connect_ahead(self, producer: Producer, spec: DisaggSpec) -> bool:
         try:
             producer.connect(spec)
+        except (Incompatible, TransportUnusable) as exc:
+            # It answers, and would fail the same way again soon: pushes fail at once meanwhile.
+            self._refuse_for_a_while(exc)
+            logger.error("cannot connect to %s:%d: %s", *self.address[:2], exc)
+            return False
         except PDError as exc:
             logger.info("not yet connected to %s:%d ahead of requests: %s", *self.address[:2], exc)
             return False
         self._down_until = 0.0
+        self._refused_until = 0.0
         return True
+
+    def _refuse_for_a_while(self, exc: Incompatible | TransportUnusable) -> None:
+        self._refused_until = time.monotonic() + REFUSED_BACKOFF_S
+        self._refusal = (_reason(exc), str(exc))
 
     def _handle(self, producer: Producer, job: Job) -> None:
         request = job.request
@@ -276,6 +298,16 @@ class PeerSender:
             self._tell(producer, job.request, reason, "consumer down", False, now=False)
             self._trace.write(record | {"start": started, "end": time.time()})
             return
+        if time.monotonic() < self._refused_until:
+            reason, detail = self._refusal
+            self._count("push_failures", 1)
+            logger.warning(
+                "req %s: not pushed, its consumer's handshake failed: %s", spec.req_id, detail
+            )
+            record["error"] = detail
+            self._tell(producer, job.request, reason, detail, False)
+            self._trace.write(record | {"start": started, "end": time.time()})
+            return
         try:
             result = producer.push(spec, job.chunks)
         except RequestDropped as exc:
@@ -299,6 +331,8 @@ class PeerSender:
             record["error"] = str(exc)
             if isinstance(exc, PeerUnreachable):
                 self._down_until = time.monotonic() + DOWN_BACKOFF_S
+            if isinstance(exc, Incompatible | TransportUnusable):
+                self._refuse_for_a_while(exc)
             in_flight = isinstance(exc, WriteTimeout)  # only a timed-out write may still land
             self._tell(producer, job.request, _reason(exc), str(exc), in_flight)
         else:

@@ -68,6 +68,14 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "integrity_failures": "Chunks whose checksum did not match (also in loads_failed).",
         "thread_errors": "Unexpected exceptions caught in the connector's threads.",
         "preemption_recomputes": "Requests preempted after their load, recomputed by vLLM.",
+        # Handshakes, by the transports they settled on (transport.py).
+        "peers_local_transport": "Handshakes with a consumer on this network stack (ucx_tls).",
+        "peers_remote_transport": "Handshakes with a consumer on another host or namespace "
+        "(ucx_tls_remote, TCP by default).",
+        "peers_fallback_transport": "Handshakes whose first transports failed the self-test "
+        "and that went on over TCP.",
+        "transport_self_test_failures": "Transport self-tests failed at handshake.",
+        "handshakes_refused": "Handshakes refused: the two sides' KV formats differ.",
         # The consumer rank's own counters (its service thread), as deltas each step.
         "consumer_chunks_landed": "Chunks whose write the consumer saw confirmed.",
         "consumer_bytes_landed": "Bytes of chunks the consumer saw confirmed.",
@@ -84,6 +92,7 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "consumer_cache_evictions": "Cached chunks nobody held, evicted for room.",
         "consumer_cache_bytes_not_resent": "Bytes of chunks not written again (cache hits).",
         "consumer_cache_not_needed": "Chunks decode's own prefix cache had: not written.",
+        "consumer_handshakes_refused": "Producer handshakes refused for incompatible KV.",
     }
 )
 GAUGES: Mapping[str, str] = MappingProxyType(

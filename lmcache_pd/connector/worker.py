@@ -16,8 +16,10 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
+from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig, replace
 from lmcache_pd.connector.metadata import (
     LoadRequest,
@@ -61,6 +63,7 @@ CONSUMER_COUNTERS = (
     "cache_evictions",
     "cache_bytes_not_resent",
     "cache_not_needed",
+    "handshakes_refused",
 )
 
 
@@ -112,15 +115,19 @@ class ProducerWorker(WorkerHalf):
         keyer: ChunkKeyer,
         kv_caches: dict[str, torch.Tensor],
         stats: StatsRecorder,
+        profile: KVProfile | None = None,
     ) -> None:
+        """``profile``: this rank's KV format, checked against each consumer's at handshake."""
         self._keyer = keyer
         self._cache = paged_cache(kv_caches, config.chunk_size)
         config = replace(config, page_bytes=self._cache.chunk_nbytes(config.chunk_size))
+        if profile is not None:
+            profile = msgspec.structs.replace(profile, page_bytes=config.page_bytes)
         self._stats = stats
         self._staging = Staging(num_pages=config.num_pages, page_bytes=config.page_bytes)
         self._saving: dict[str, Saving] = {}
         self._senders = SenderPool(
-            lambda: Producer(config, staging=self._staging),
+            lambda: Producer(config, staging=self._staging, profile=profile, count=stats.add),
             stats.add,
             TraceFile(config.trace_path),
             [parse_peer(peer) for peer in config.warm_peers],
@@ -215,12 +222,16 @@ class ConsumerWorker(WorkerHalf):
         keyer: ChunkKeyer,
         kv_caches: dict[str, torch.Tensor],
         stats: StatsRecorder,
+        profile: KVProfile | None = None,
     ) -> None:
+        """``profile``: this rank's KV format, checked against each producer's at handshake."""
         self._config = config
         self._keyer = keyer
         self._cache = paged_cache(kv_caches, config.chunk_size)
         page_bytes = self._cache.chunk_nbytes(config.chunk_size)
-        self._consumer = Consumer(replace(config, page_bytes=page_bytes), keyer)
+        if profile is not None:
+            profile = msgspec.structs.replace(profile, page_bytes=page_bytes)
+        self._consumer = Consumer(replace(config, page_bytes=page_bytes), keyer, profile=profile)
         self._stats = stats
         self._trace = TraceFile(config.trace_path)
         self._pending: list[_PendingLoad] = []

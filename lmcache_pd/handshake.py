@@ -1,0 +1,347 @@
+"""The producer's side of the handshake on a consumer's init port, once per consumer.
+
+Step 1 swaps KV profiles (``compat.py``: a field both sides know and disagree on refuses the
+handshake) and network-stack identities, which pick the UCX transports (``transport.py``); step
+2 loads the consumer's NIXL agent and registered buffer into our agent of those transports; step
+3, the self-test, writes a nonce the consumer chose into its slot with a ProbeDone notification
+and asks until the consumer has seen both, within ``self_test_timeout_s``. A transport that fails
+it is followed by TCP; if none passes, ``TransportUnusable`` names the consumer and each try.
+Every step has a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zmq
+
+from lmcache_pd import protocol, transport
+from lmcache_pd.channel import Channel, RegisteredBuffer, wait_for_transfer
+from lmcache_pd.compat import KVProfile, incompatibilities
+from lmcache_pd.config import PDConfig
+from lmcache_pd.errors import (
+    AllocationError,
+    BufferFull,
+    Incompatible,
+    PDError,
+    PeerError,
+    PeerTimeout,
+    PeerUnreachable,
+    ProtocolError,
+    RequestDropped,
+    TransferError,
+    TransportUnusable,
+    VersionMismatch,
+)
+from lmcache_pd.protocol import DisaggSpec, ErrorCode
+from lmcache_pd.staging import Staging
+
+logger = logging.getLogger(__name__)
+
+# (counter name, increment), as the connector's StatsRecorder.add takes them.
+Count = Callable[[str, int], None]
+# A self-test's ProbeCheck is repeated with this back-off until its deadline.
+PROBE_POLL_S = (0.0005, 0.02)
+
+
+@dataclass(slots=True)
+class Peer:
+    """A consumer rank we have shaken hands with."""
+
+    name: str
+    # The agent that shook hands with it (one per transport setting), and that setting.
+    channel: Channel
+    ucx_tls: str | None
+    buffer: RegisteredBuffer
+    page_bytes: int
+    num_pages: int
+    alloc_socket: zmq.Socket
+    # How long after its AllocRequest a write may still go into the pages (the consumer's lease
+    # less a margin, capped by our own transfer_timeout_s).
+    write_budget_s: float
+
+
+class Handshake:
+    """Shakes hands with consumers for one producer; used by its owner thread only."""
+
+    def __init__(
+        self,
+        config: PDConfig,
+        *,
+        profile: KVProfile,
+        staging: Staging,
+        context: zmq.Context,
+        channel_for: Callable[[str | None], Channel],
+        count: Count,
+    ) -> None:
+        """``channel_for`` gives the agent of a UCX_TLS setting (made on first use)."""
+        self.config = config
+        self.profile = profile
+        self._stack = transport.stack_identity()
+        self._staging = staging
+        self._context = context
+        self._channel_for = channel_for
+        self._count = count
+
+    def run(self, spec: DisaggSpec) -> Peer:
+        """A handshake with ``spec``'s consumer, all three steps; raises ``Incompatible``,
+        ``TransportUnusable``, ``PeerUnreachable``, ``ProtocolError`` or ``TransferError``."""
+        where = f"consumer {spec.receiver_host}:{spec.receiver_init_port}"
+        socket = dealer(self._context, spec.receiver_host, spec.receiver_init_port)
+        try:
+            metadata = self._consumer_metadata(spec, socket)
+            choice = transport.choose(
+                self._stack,
+                metadata.stack,
+                local_tls=self.config.ucx_tls,
+                remote_tls=self.config.ucx_tls_remote,
+                fallback=self.config.transport_fallback,
+            )
+            tried: list[str] = []
+            for ucx_tls in choice.attempts:
+                peer = self._attempt(spec, socket, metadata, ucx_tls, tried)
+                if peer is not None:
+                    break
+            else:
+                raise TransportUnusable(
+                    f"req {spec.req_id}: {where} ({metadata.agent_name}, "
+                    f"{'same' if choice.same_stack else 'another'} network stack): no transport "
+                    f"passed the self-test; tried {'; '.join(tried)}"
+                )
+        finally:
+            socket.close(linger=0)
+        counter = (
+            "peers_fallback_transport"
+            if tried
+            else ("peers_local_transport" if choice.same_stack else "peers_remote_transport")
+        )
+        self._count(counter, 1)
+        logger.info(
+            "req %s: handshake with %s at %s:%d done over %s (%s network stack%s; %d pages of "
+            "%d bytes, writes end within %.1f s of their allocation)",
+            spec.req_id,
+            peer.name,
+            spec.receiver_host,
+            spec.receiver_init_port,
+            transport.describe(peer.ucx_tls),
+            "same" if choice.same_stack else "another",
+            f", after {'; '.join(tried)}" if tried else "",
+            peer.num_pages,
+            peer.page_bytes,
+            peer.write_budget_s,
+        )
+        return peer
+
+    def _consumer_metadata(self, spec: DisaggSpec, socket: zmq.Socket) -> protocol.AgentMetadata:
+        """Step 1: profiles and identities swapped, and checked on both sides."""
+        deadline = time.monotonic() + self.config.handshake_timeout_s
+        request = protocol.MetadataRequest(
+            version=protocol.PROTOCOL_VERSION, profile=self.profile, stack=self._stack
+        )
+        reply = _reachable(
+            spec,
+            lambda m: ask(socket, m, protocol.INIT_REPLIES, deadline, spec.req_id),
+            request,
+        )
+        where = f"consumer {spec.receiver_host}:{spec.receiver_init_port}"
+        if isinstance(reply, protocol.ErrorReply):
+            if reply.code is ErrorCode.INCOMPATIBLE:
+                self._count("handshakes_refused", 1)
+                raise Incompatible(f"req {spec.req_id}: {where} refused: {reply.detail}")
+            raise error_from_reply(spec.req_id, reply)
+        if not isinstance(reply, protocol.AgentMetadata):
+            raise ProtocolError(f"req {spec.req_id}: expected AgentMetadata, got {reply}")
+        problems = incompatibilities(self.profile, reply.profile)
+        if problems:
+            self._count("handshakes_refused", 1)
+            raise Incompatible(
+                f"req {spec.req_id}: {where} has incompatible KV: {'; '.join(problems)}"
+            )
+        return reply
+
+    def _attempt(
+        self,
+        spec: DisaggSpec,
+        socket: zmq.Socket,
+        metadata: protocol.AgentMetadata,
+        ucx_tls: str | None,
+        tried: list[str],
+    ) -> Peer | None:
+        """Steps 2 and 3 over ``ucx_tls``: the peer, or None (and why, in ``tried``) if the
+        self-test failed."""
+        deadline = time.monotonic() + self.config.handshake_timeout_s
+        channel = self._channel_for(ucx_tls)
+        name = self._add_peer(spec, channel, metadata.metadata, deadline)
+        try:
+            buffer = _reachable(
+                spec,
+                lambda m: ask(socket, m, protocol.INIT_REPLIES, deadline, spec.req_id),
+                protocol.BufferRequest(version=protocol.PROTOCOL_VERSION),
+            )
+            if not isinstance(buffer, protocol.BufferDescriptors) or buffer.agent_name != name:
+                raise ProtocolError(
+                    f"req {spec.req_id}: bad BufferDescriptors from {name}: {buffer}"
+                )
+            failure = self._self_test(spec, socket, channel, name, buffer)
+        except BaseException:
+            # Half a handshake: the next attempt starts from a clean NIXL peer table.
+            with contextlib.suppress(PDError):
+                channel.remove_peer(name)
+            raise
+        if failure is not None:
+            self._count("transport_self_test_failures", 1)
+            tried.append(f"{transport.describe(ucx_tls)}: {failure}")
+            logger.warning(
+                "req %s: transport self-test with %s over %s failed: %s",
+                spec.req_id,
+                name,
+                transport.describe(ucx_tls),
+                failure,
+            )
+            with contextlib.suppress(PDError):
+                channel.remove_peer(name)
+            return None
+        return Peer(
+            name=name,
+            channel=channel,
+            ucx_tls=ucx_tls,
+            buffer=RegisteredBuffer(
+                buffer.mem_type,
+                buffer.device_id,
+                buffer.base_addr,
+                buffer.page_bytes * buffer.num_pages,
+            ),
+            page_bytes=buffer.page_bytes,
+            num_pages=buffer.num_pages,
+            alloc_socket=dealer(self._context, spec.receiver_host, spec.receiver_alloc_port),
+            write_budget_s=min(
+                self.config.transfer_timeout_s, protocol.write_budget_s(buffer.alloc_lease_s)
+            ),
+        )
+
+    def _self_test(
+        self,
+        spec: DisaggSpec,
+        socket: zmq.Socket,
+        channel: Channel,
+        name: str,
+        buffer: protocol.BufferDescriptors,
+    ) -> str | None:
+        """Step 3: write the consumer's nonce into its slot with a ProbeDone notification and
+        ask until the consumer has seen both. None if it did, else what went wrong."""
+        if not self.config.transport_self_test:
+            return None
+        timeout_s = self.config.self_test_timeout_s
+        deadline = time.monotonic() + timeout_s
+        nonce = buffer.probe_nonce
+        size = protocol.PROBE_NONCE_BYTES
+        remote = RegisteredBuffer(buffer.mem_type, buffer.device_id, buffer.probe_addr, size)
+        notif = protocol.encode(protocol.ProbeDone(version=protocol.PROTOCOL_VERSION, nonce=nonce))
+        with self._staging.probe_slot() as source:
+            source.copy_(torch.frombuffer(bytearray(nonce), dtype=torch.uint8))
+            segments = np.array([[source.data_ptr(), buffer.probe_addr, size]], dtype=np.uint64)
+            handle = channel.post_write(name, segments, remote, notif)
+            try:
+                wait_for_transfer(channel, handle, deadline, f"self-test write to {name}")
+            except (TransferError, PeerTimeout) as exc:
+                return f"write not done: {exc}"
+            finally:
+                channel.release(handle)
+        check = protocol.ProbeCheck(version=protocol.PROTOCOL_VERSION, nonce=nonce)
+        pause_s = PROBE_POLL_S[0]
+        while True:
+            try:
+                reply = ask(socket, check, protocol.INIT_REPLIES, deadline, spec.req_id)
+            except PeerTimeout:
+                return f"no answer to the self-test check within {timeout_s:.1f} s"
+            if not isinstance(reply, protocol.ProbeResult) or reply.nonce != nonce:
+                raise ProtocolError(f"req {spec.req_id}: bad ProbeResult from {name}: {reply}")
+            if reply.state is protocol.ProbeState.LANDED:
+                return None
+            if reply.state is not protocol.ProbeState.PENDING:
+                return f"consumer reports the self-test {reply.state.value}"
+            if time.monotonic() + pause_s >= deadline:
+                return f"written, but its notification did not arrive within {timeout_s:.1f} s"
+            time.sleep(pause_s)
+            pause_s = min(PROBE_POLL_S[1], pause_s * 2)
+
+    def _add_peer(
+        self, spec: DisaggSpec, channel: Channel, metadata: bytes, deadline: float
+    ) -> str:
+        """Load the consumer's NIXL metadata. NIXL 1.5.1 makes the UCX endpoint here without
+        waiting for the consumer (1-30 ms measured), but the call has no deadline of its own and
+        cannot be interrupted: say when it overran ours."""
+        started = time.monotonic()
+        name = channel.add_peer(metadata)
+        finished = time.monotonic()
+        if finished > deadline:
+            logger.warning(
+                "req %s: NIXL took %.1f s to connect to %s at %s:%d, past the %.1f s handshake "
+                "deadline",
+                spec.req_id,
+                finished - started,
+                name,
+                spec.receiver_host,
+                spec.receiver_init_port,
+                self.config.handshake_timeout_s,
+            )
+        return name
+
+
+def _reachable(
+    spec: DisaggSpec, ask: Callable[[protocol.Message], object], message: protocol.Message
+) -> object:
+    """One handshake step; no answer means the consumer is unreachable."""
+    try:
+        return ask(message)
+    except PeerTimeout as exc:
+        raise PeerUnreachable(
+            f"consumer {spec.receiver_host}:{spec.receiver_init_port} unreachable: {exc}"
+        ) from exc
+
+
+def dealer(context: zmq.Context, host: str, port: int) -> zmq.Socket:
+    """A DEALER socket to ``host:port`` that never lingers or takes an oversized frame."""
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
+    socket.connect(f"tcp://{host}:{port}")
+    return socket
+
+
+def ask(
+    socket: zmq.Socket,
+    message: protocol.Message,
+    codec: protocol.Codec,
+    deadline: float,
+    req_id: str,
+) -> object:
+    """Send one request and wait for its reply until ``deadline``."""
+    try:
+        socket.send(protocol.encode(message), zmq.NOBLOCK)
+    except zmq.ZMQError as exc:
+        raise PeerTimeout(f"req {req_id}: cannot send {type(message).__name__}: {exc}") from exc
+    remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+    if not socket.poll(remaining_ms, zmq.POLLIN):
+        raise PeerTimeout(f"req {req_id}: no reply to {type(message).__name__} in time")
+    return codec.decode(socket.recv())
+
+
+def error_from_reply(req_id: str, reply: protocol.ErrorReply) -> PDError:
+    """The exception a consumer's ErrorReply stands for."""
+    detail = f"req {req_id}: consumer refused: {reply.detail}"
+    if reply.code is ErrorCode.BUFFER_FULL:
+        return BufferFull(detail, reply.retry_after_s)
+    if reply.code is ErrorCode.TOO_LARGE:
+        return AllocationError(detail)
+    if reply.code is ErrorCode.VERSION:
+        return VersionMismatch(detail)
+    if reply.code is ErrorCode.DROPPED:
+        return RequestDropped(detail, "dropped")
+    return PeerError(reply.code.value, detail)
