@@ -17,9 +17,9 @@ import pytest
 from lmcache_pd import netns
 from lmcache_pd.metrics_scrape import scrape
 from lmcache_pd.model_maker import ensure_model
+from lmcache_pd.proxy.app import proxy_thread
+from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig
 from lmcache_pd.vllm_server import START_TIMEOUT_S, VLLMServer
-from proxy.app import proxy_thread
-from proxy.config import DecodeInstance, PrefillInstance, ProxyConfig
 from tests.helpers import free_port
 from tests.test_e2e_vllm import answer, assert_close_answer, body, prompt
 
@@ -91,6 +91,7 @@ def test_prefill_and_decode_in_two_namespaces_answer_as_one_plain_vllm(tmp_path:
                 prefill=[PrefillInstance(prefill.url)],
                 decode=[DecodeInstance(decode.url, right.address, INIT_PORT, ALLOC_PORT)],
                 port=free_port(),
+                min_disagg_tokens=0,  # the transfer is under test: short prompts too
             )
             # Entered on a thread inside prefill's namespace: the proxy's own thread is born
             # there, and so are its sockets.
