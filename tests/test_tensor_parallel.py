@@ -5,6 +5,7 @@ to the wrong rank refused at handshake, and the proxy's drop notice reaching eve
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
 
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import load_config
@@ -235,6 +238,41 @@ def test_a_producer_rank_the_spec_has_no_consumer_rank_for_pushes_nothing(ranks)
     workers[1].producer.wait_for_save(PDConnectorMetadata(saves=[save]))
     assert workers[1].producer_stats.totals()["pushes_without_rank"] == 1
     assert workers[1].producer.progress().outstanding == 0
+
+
+def test_a_load_that_fails_on_one_rank_fails_the_request_in_vllms_aggregation(ranks) -> None:
+    """Rank 1 never gets its shard (its producer rank is not run) and fails at its load
+    deadline while rank 0 loads: vLLM's own aggregation of the two workers' reports, with
+    the connector's finished count, reports the request received only once both ranks did,
+    and failed, so it is recomputed."""
+    workers, spec = ranks
+    prompt, blocks = list(range(900, 1000)), [4, 5, 6, 7]
+    save = SaveRequest("p", spec, prompt, blocks, len(prompt))
+    workers[0].producer.wait_for_save(PDConnectorMetadata(saves=[save]))
+    for rank in workers:
+        load = LoadRequest("c", spec.req_id, prompt, blocks, 0)
+        rank.consumer.start_load_kv(PDConnectorMetadata(loads=[load]))
+    aggregator = KVOutputAggregator(expected_finished_count=RANKS)  # get_finished_count
+    deadline = time.monotonic() + 10
+    outcome = None
+    while outcome is None and time.monotonic() < deadline:
+        outputs = []
+        for rank in workers:
+            received, failed = rank.consumer.finished_loads()
+            output = copy.copy(EMPTY_MODEL_RUNNER_OUTPUT)
+            output.kv_connector_output = KVConnectorOutput(
+                finished_recving=received, failed_recving=failed
+            )
+            outputs.append(output)
+        merged = aggregator.aggregate(outputs).kv_connector_output
+        if merged.finished_recving:
+            outcome = (merged.finished_recving, merged.failed_recving)
+        elif workers[0].consumer_stats.totals().get("loads_completed"):
+            assert not merged.failed_recving  # rank 0 done alone: not received yet
+        time.sleep(0.01)
+    assert outcome == ({"c"}, {"c"})
+    assert workers[0].consumer_stats.totals()["loads_completed"] == 1
+    assert workers[1].consumer_stats.totals()["load_timeouts"] == 1
 
 
 # ---- the proxy and the launcher ----
