@@ -224,7 +224,7 @@ def transfer_demo(
     _setup_logging(log_level)
     console = Console()
     settings = load_config(producer_config)
-    receiver = load_config(consumer_config)
+    receiver = load_config(consumer_config).for_rank(0)  # the child consumer is one rank
     keyer = _keyer(settings.chunk_size, "demo", "float32")
     floats_per_token = settings.page_bytes // settings.chunk_size // 4
     table = Table(title="lmcache-pd demo: producer process -> consumer process over NIXL")

@@ -53,5 +53,6 @@ def incompatibilities(producer: KVProfile, consumer: KVProfile) -> list[str]:
         and consumer.tp_size is not None
         and producer.tp_size != consumer.tp_size
     ):
-        problems.append("different tensor-parallel sizes are not supported yet")
+        # Rank i pushes its shard to rank i: resharding between sizes is not done.
+        problems.append("prefill and decode need the same tensor-parallel size")
     return problems

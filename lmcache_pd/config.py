@@ -23,14 +23,19 @@ ENV_PREFIX = "LMCACHE_PD_"
 CONFIG_PATH_ENV = "LMCACHE_PD_CONFIG"
 
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=3600)]
-# A consumer rank's receive address: "host:init_port:alloc_port".
-PeerAddressText = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9.-]+:[0-9]{1,5}:[0-9]{1,5}$")]
+# A consumer's receive address: "host:init_port:alloc_port", or for a tensor-parallel consumer
+# "host:i0,i1:a0,a1" (one port per rank, indexed by rank).
+PeerAddressText = Annotated[
+    str, msgspec.Meta(pattern=r"^[A-Za-z0-9.-]+:[0-9]{1,5}(,[0-9]{1,5})*:[0-9]{1,5}(,[0-9]{1,5})*$")
+]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Settings of one producer or consumer rank. Ports are the consumer's own, or, on a producer,
-    unused: a producer learns where to send from each request's DisaggSpec."""
+    """Settings of one producer or consumer instance. Ports are the consumer's own (a list
+    indexed by rank for a tensor-parallel consumer: rank r binds ``init_port[r]`` and
+    ``alloc_port[r]``), or, on a producer, unused: a producer learns where to send from each
+    request's DisaggSpec. ``for_rank`` gives one rank's settings."""
 
     kv_role: Literal["kv_producer", "kv_consumer"]
     chunk_size: PositiveInt = 256
@@ -38,8 +43,8 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     buffer_size_bytes: PositiveInt = 1 << 30
     buffer_device: Literal["cpu"] = "cpu"
     receiver_host: protocol.HostName = "127.0.0.1"
-    init_port: protocol.Port = 55555
-    alloc_port: protocol.Port = 55556
+    init_port: protocol.Port | protocol.RankPorts = 55555
+    alloc_port: protocol.Port | protocol.RankPorts = 55556
     handshake_timeout_s: Seconds = protocol.HANDSHAKE_TIMEOUT_S
     alloc_timeout_s: Seconds = protocol.ALLOC_TIMEOUT_S
     # Producer: the longest a write may take; it is shortened to end before the consumer's
@@ -92,6 +97,11 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     thread_cpus: Annotated[str, msgspec.Meta(pattern=f"^{CPU_LIST.pattern}$")] | None = None
 
     def __post_init__(self) -> None:
+        if _count(self.init_port) != _count(self.alloc_port):
+            raise ValueError(
+                f"init_port lists {_count(self.init_port)} rank(s), alloc_port "
+                f"{_count(self.alloc_port)}"
+            )
         if self.claim_timeout_s > self.hold_timeout_s:
             raise ValueError(
                 f"claim_timeout_s ({self.claim_timeout_s}) must not exceed hold_timeout_s "
@@ -103,6 +113,23 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
                 f"(page_bytes={self.page_bytes})"
             )
 
+    def for_rank(self, rank: int) -> PDConfig:
+        """Rank ``rank``'s settings: its own receive ports (single ones: a one-rank instance
+        uses the first), and of each warm peer only the consumer rank it pushes to (peers
+        with no port for ``rank`` are left out). ``ConfigError`` if a consumer rank has no
+        ports of its own."""
+        init, alloc = _as_list(self.init_port), _as_list(self.alloc_port)
+        own = rank
+        if rank >= len(init):
+            if self.kv_role == "kv_consumer":
+                raise ConfigError(
+                    f"consumer rank {rank} has no receive ports: init_port and alloc_port list "
+                    f"{len(init)} rank(s); give one port per tensor-parallel rank"
+                )
+            own = 0  # a producer binds none: any listed value stays valid
+        peers = [peer for text in self.warm_peers if (peer := _peer_of_rank(text, rank))]
+        return replace(self, init_port=init[own], alloc_port=alloc[own], warm_peers=peers)
+
     @property
     def num_pages(self) -> int:
         """Pages of ``page_bytes`` that fit in the buffer."""
@@ -112,6 +139,23 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     def cache_pages(self) -> int:
         """The most pages that idle cached chunks keep."""
         return int(self.num_pages * self.cache_share)
+
+
+def _as_list(ports: int | list[int]) -> list[int]:
+    return [ports] if isinstance(ports, int) else ports
+
+
+def _count(ports: int | list[int]) -> int:
+    return len(_as_list(ports))
+
+
+def _peer_of_rank(text: str, rank: int) -> str | None:
+    """``host:i0,i1:a0,a1`` -> rank's ``host:ir:ar``; None if that peer has no such rank."""
+    host, init_ports, alloc_ports = text.rsplit(":", 2)
+    init, alloc = init_ports.split(","), alloc_ports.split(",")
+    if rank >= len(init) or rank >= len(alloc):
+        return None
+    return f"{host}:{init[rank]}:{alloc[rank]}"
 
 
 def replace(config: PDConfig, **changes: object) -> PDConfig:

@@ -114,9 +114,12 @@ class Consumer:
         profile: KVProfile | None = None,
     ) -> None:
         """``profile``: what the vLLM connector knows of its KV format (compared with every
-        producer's at handshake); by default only the config's chunk size and page bytes."""
+        producer's at handshake); by default only the config's chunk size and page bytes.
+        A Consumer is one rank: ports listed per rank are rank 0's unless the caller gives
+        ``config.for_rank(rank)`` (the connector does)."""
         if config.kv_role != "kv_consumer":
             raise ConfigError(f"a Consumer needs kv_role kv_consumer, got {config.kv_role}")
+        config = config.for_rank(0)
         self.config = config
         self.keyer = keyer
         self.stats = ConsumerStats()

@@ -233,8 +233,13 @@ class Producer:
         of a first push to take the handshake off its latency.
 
         See ``handshake.py``: raises ``Incompatible``, ``TransportUnusable``,
-        ``PeerUnreachable``, ``ProtocolError`` or ``TransferError``.
+        ``PeerUnreachable``, ``ProtocolError`` or ``TransferError``. ``spec`` names one consumer
+        rank (``DisaggSpec.for_rank``): each producer rank pushes its own shard.
         """
+        if not isinstance(spec.receiver_init_port, int):
+            raise ProtocolError(
+                f"req {spec.req_id}: a push goes to one consumer rank; pick it with for_rank"
+            )
         key = (spec.receiver_host, spec.receiver_init_port, spec.receiver_alloc_port)
         peer = self._peers.get(key)
         if peer is None:

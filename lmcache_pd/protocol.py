@@ -19,6 +19,9 @@ Protocol history:
      consumer refuses a mismatch with ErrorCode.INCOMPATIBLE naming the field and both values.
      BufferDescriptors hands out a self-test slot; ProbeDone notification, ProbeCheck/ProbeResult
      on the init port; AbandonReason.INCOMPATIBLE.
+  (no version change) DisaggSpec, which travels in HTTP bodies and on no socket of ours, may
+     give its ports as lists indexed by rank (tensor parallelism); single integers still mean
+     a consumer of one rank.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ MAX_AGENT_METADATA_BYTES = 1 << 16
 MAX_ERROR_DETAIL_CHARS = 1024
 MAX_PAGE_BYTES = 1 << 31
 MAX_STACK_ID_CHARS = 256
+MAX_TP_RANKS = 64  # ranks of one tensor-parallel instance a DisaggSpec or config may name
 # The transport self-test: a write of PROBE_NONCE_BYTES into one of PROBE_SLOTS slots that the
 # consumer keeps past its pages (handed out in turn, so concurrent self-tests never share one).
 PROBE_NONCE_BYTES = 16
@@ -85,6 +89,8 @@ MAX_ALLOC_RETRIES = 3
 ReqId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQ_ID_CHARS)]
 ChunkKeyBytes = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+# One port per rank of a tensor-parallel instance, indexed by rank.
+RankPorts = Annotated[list[Port], msgspec.Meta(min_length=1, max_length=MAX_TP_RANKS)]
 Checksum = Annotated[int, msgspec.Meta(ge=0)]  # uint64: msgpack holds no more
 PageIndex = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
 AllocId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
@@ -127,12 +133,24 @@ class AbandonReason(enum.Enum):
 
 
 class DisaggSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Which consumer receives a request's KV; carried in ``kv_transfer_params['disagg_spec']``."""
+    """Which consumer receives a request's KV; carried in ``kv_transfer_params['disagg_spec']``.
+
+    With tensor parallelism each consumer rank has its own ports: the port fields are lists
+    indexed by rank (as LMCache's are), and producer rank r pushes its shard to consumer rank r.
+    A single integer is a consumer of one rank. ``for_rank`` gives one rank's spec, with plain
+    integers: that is what the producer's transfer code is handed."""
 
     req_id: ReqId
     receiver_host: HostName
-    receiver_init_port: Port
-    receiver_alloc_port: Port
+    receiver_init_port: Port | RankPorts
+    receiver_alloc_port: Port | RankPorts
+
+    def __post_init__(self) -> None:
+        if len(_as_list(self.receiver_init_port)) != len(_as_list(self.receiver_alloc_port)):
+            raise ValueError(
+                f"receiver_init_port has {len(_as_list(self.receiver_init_port))} ranks, "
+                f"receiver_alloc_port {len(_as_list(self.receiver_alloc_port))}"
+            )
 
     @classmethod
     def from_dict(cls, raw: object) -> DisaggSpec:
@@ -141,6 +159,34 @@ class DisaggSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return msgspec.convert(raw, cls)
         except msgspec.ValidationError as exc:
             raise ProtocolError(f"invalid disagg_spec: {exc}") from exc
+
+    @property
+    def ranks(self) -> int:
+        """How many consumer ranks the spec names (1 for single ports)."""
+        return len(_as_list(self.receiver_init_port))
+
+    def for_rank(self, rank: int) -> DisaggSpec:
+        """The spec of consumer rank ``rank`` alone (single ports); ``ProtocolError`` if the
+        spec names fewer ranks, e.g. a TP-2 producer's rank 1 sent to a TP-1 consumer."""
+        if not 0 <= rank < self.ranks:
+            raise ProtocolError(
+                f"req {self.req_id}: disagg_spec names {self.ranks} consumer rank(s), no port "
+                f"for rank {rank} (tensor-parallel sizes differ?)"
+            )
+        return DisaggSpec(
+            self.req_id,
+            self.receiver_host,
+            _as_list(self.receiver_init_port)[rank],
+            _as_list(self.receiver_alloc_port)[rank],
+        )
+
+    def every_rank(self) -> list[DisaggSpec]:
+        """One single-port spec per consumer rank, in rank order."""
+        return [self.for_rank(rank) for rank in range(self.ranks)]
+
+
+def _as_list(ports: int | list[int]) -> list[int]:
+    return [ports] if isinstance(ports, int) else ports
 
 
 class Message(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):

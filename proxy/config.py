@@ -13,7 +13,7 @@ import msgspec
 import yaml
 
 from lmcache_pd.errors import ConfigError
-from lmcache_pd.protocol import Port
+from lmcache_pd.protocol import Port, RankPorts
 
 # Measured 2026-11-24 (benchmarks/selective.py, results/selective.json; 3 runs recommended 256,
 # 64, 256): below this, decode computing the prompt costs its running streams less than one
@@ -31,12 +31,17 @@ class PrefillInstance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class DecodeInstance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A consumer vLLM: its HTTP address, and where its connector receives KV (the DisaggSpec
-    that prefill is told to push to)."""
+    that prefill is told to push to). A tensor-parallel instance lists a port per rank."""
 
     url: Url
     receiver_host: Annotated[str, msgspec.Meta(min_length=1)]
-    init_port: Port
-    alloc_port: Port
+    init_port: Port | RankPorts
+    alloc_port: Port | RankPorts
+
+    def __post_init__(self) -> None:
+        ranks = [len(p) if isinstance(p, list) else 1 for p in (self.init_port, self.alloc_port)]
+        if ranks[0] != ranks[1]:
+            raise ValueError(f"init_port lists {ranks[0]} rank(s), alloc_port {ranks[1]}")
 
 
 class Timeouts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

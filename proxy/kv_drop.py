@@ -39,7 +39,13 @@ class KVDropper:
         task.add_done_callback(self._tasks.discard)
 
     async def _send(self, spec: protocol.DisaggSpec, detail: str) -> bool:
-        """True if decode acknowledged; failures are logged, never raised."""
+        """Tell every rank of decode (each holds its own shard); True if all acknowledged."""
+        told = await asyncio.gather(*(self._send_rank(rank, detail) for rank in spec.every_rank()))
+        return all(told)
+
+    async def _send_rank(self, spec: protocol.DisaggSpec, detail: str) -> bool:
+        """One rank's notice (``spec`` of that rank alone); True if it acknowledged; failures
+        are logged, never raised."""
         # Decode may have a write of it in flight (prefill pushes on its own): no shortcut.
         message = protocol.KVAbandoned.of(spec.req_id, protocol.AbandonReason.CLIENT_GONE, detail)
         socket = self._context.socket(zmq.DEALER)

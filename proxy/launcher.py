@@ -25,6 +25,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lmcache_pd.errors import ConfigError, PDError
 from lmcache_pd.metrics_scrape import scrape
+from lmcache_pd.protocol import MAX_TP_RANKS
 from lmcache_pd.proxy.config import (
     MIN_DISAGG_TOKENS,
     DecodeInstance,
@@ -42,12 +43,24 @@ class InstanceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     # lmcache-pd transfer config (producer or consumer YAML); ports in it are replaced.
     config: str
-    # Cores for vLLM's CPU threads (VLLM_CPU_OMP_THREADS_BIND), e.g. "0" or "2-3".
+    # Cores for vLLM's CPU threads (VLLM_CPU_OMP_THREADS_BIND), e.g. "0" or "2-3"; with
+    # tensor parallelism one set per rank, separated by "|" (e.g. "0|1").
     cpus: str | None = None
+    # Ranks of this instance (``--tensor-parallel-size``). A decode instance gets a pair of KV
+    # receive ports per rank; each prefill rank pushes its shard to the decode rank of its index.
+    tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_RANKS)] = 1
     port: int | None = None
     env: dict[str, str] = msgspec.field(default_factory=dict)
     # Arguments for this instance only, after the pool-wide ``vllm_args``.
     vllm_args: list[str] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.cpus is not None and self.cpus.count("|") + 1 != self.tensor_parallel_size:
+            raise ValueError(
+                f"cpus {self.cpus!r} gives {self.cpus.count('|') + 1} rank(s) cores, "
+                f"tensor_parallel_size is {self.tensor_parallel_size} (one set per rank, "
+                f'separated by "|", e.g. "0|1")'
+            )
 
 
 class ProxySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -130,6 +143,29 @@ class _Ports:
         return wanted if wanted is not None else unused_port(self._taken)
 
 
+def _receive_ports(ports: _Ports, ranks: int) -> dict[str, int | list[int]]:
+    """A decode instance's KV receive ports: one pair, or a list of each for several ranks."""
+    if ranks == 1:
+        return {"init_port": ports.take(), "alloc_port": ports.take()}
+    pairs = [(ports.take(), ports.take()) for _ in range(ranks)]
+    return {"init_port": [p[0] for p in pairs], "alloc_port": [p[1] for p in pairs]}
+
+
+def _peer_text(decode: DecodeInstance) -> str:
+    """``host:init:alloc`` for a producer's ``warm_peers``, ports comma-separated per rank."""
+
+    def joined(ports: int | list[int]) -> str:
+        return ",".join(str(p) for p in ports) if isinstance(ports, list) else str(ports)
+
+    return f"{decode.receiver_host}:{joined(decode.init_port)}:{joined(decode.alloc_port)}"
+
+
+def _parallel_args(spec: InstanceSpec) -> list[str]:
+    if spec.tensor_parallel_size == 1:
+        return []
+    return ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+
+
 @dataclass(frozen=True, slots=True)
 class _Launch:
     """What an instance was started with, so that ``restart`` can start it again alike."""
@@ -162,9 +198,9 @@ class PoolLauncher:
             # ahead of its first request (warm_peers), off any request's path.
             for spec in self.pools.decode:
                 port = ports.take(spec.port)
-                receive = {"init_port": ports.take(), "alloc_port": ports.take()}
+                receive = _receive_ports(ports, spec.tensor_parallel_size)
                 decode.append(DecodeInstance(f"http://127.0.0.1:{port}", "127.0.0.1", **receive))
-            peers = [f"{d.receiver_host}:{d.init_port}:{d.alloc_port}" for d in decode]
+            peers = [_peer_text(d) for d in decode]
             for index, spec in enumerate(self.pools.prefill):
                 port = ports.take(spec.port)
                 self._launch(f"prefill-{index}", spec, "kv_producer", port, {"warm_peers": peers})
@@ -228,7 +264,7 @@ class PoolLauncher:
             cpu=spec.cpus,
             env={"VLLM_CPU_KVCACHE_SPACE": str(self.pools.kv_cache_gib), **spec.env},
             engine_args=self.pools.engine_args,
-            extra_args=[*self.pools.vllm_args, *spec.vllm_args],
+            extra_args=[*self.pools.vllm_args, *_parallel_args(spec), *spec.vllm_args],
             log_stats=True,
             wait=False,
         )

@@ -29,8 +29,9 @@ class Upstream:
 
     url: str
     role: Role
-    # Only decode instances: where their connector receives KV.
-    receiver: tuple[str, int, int] | None = None
+    # Only decode instances: where their connector receives KV (host, init and alloc ports;
+    # the ports are lists indexed by rank for a tensor-parallel instance).
+    receiver: tuple[str, int | list[int], int | list[int]] | None = None
     outstanding: int = 0
     healthy: bool = True
 

@@ -142,6 +142,8 @@ class LMCachePDConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_world_group
 
             self._rank = get_world_group().rank
+            # Tensor parallelism: this rank's own receive ports, and the warm peers it pushes to.
+            self._config = self._config.for_rank(self._rank)
             # Named by rank: gauges of several ranks are summed, not replaced.
             self._stats = StatsRecorder(f"rank{self._rank}")
         logger.info("LMCachePDConnector %s as %s", role.name, self._config.kv_role)
@@ -153,7 +155,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
         keyer = chunk_keyer(self._vllm_config, self._config, self._rank)
         profile = kv_profile(self._vllm_config, self._config, self._rank, kv_caches)
         half = ProducerWorker if self._config.kv_role == "kv_producer" else ConsumerWorker
-        self._worker = half(self._config, keyer, kv_caches, self._stats, profile)
+        self._worker = half(self._config, keyer, kv_caches, self._stats, profile, self._rank)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Consumer: queue this step's loads; they complete as their chunks land."""
@@ -193,6 +195,12 @@ class LMCachePDConnector(KVConnectorBase_V1):
         return meta
 
     # ---- scheduler side ----
+
+    def get_finished_count(self) -> int:
+        """Every worker reports each load (received, and failed where it failed): vLLM counts a
+        request received only once all ``world_size`` ranks have its KV, and failed if any one
+        rank's load failed (``KVOutputAggregator``), so the request is then recomputed."""
+        return self._vllm_config.parallel_config.world_size
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

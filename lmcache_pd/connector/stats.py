@@ -58,6 +58,8 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "pushes_abandoned": "Requests whose consumer was told their KV will not come.",
         "jobs_dropped": "Queued pushes dropped because their request was abandoned.",
         "staging_full": "Times a finished chunk found no free staging page.",
+        "pushes_without_rank": "Requests whose DisaggSpec named no consumer rank for this "
+        "producer rank (tensor-parallel sizes differ): not pushed by it.",
         "loads_completed": "Requests whose KV the consumer loaded into vLLM's blocks.",
         "tokens_loaded": "Prompt tokens loaded from a producer instead of computed.",
         "loads_failed": "Loads reported failed to vLLM, which recomputes the prompt.",

@@ -36,7 +36,7 @@ from lmcache_pd.connector.sender import (
 )
 from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.consumer import Consumer
-from lmcache_pd.errors import AllocationError, IntegrityError
+from lmcache_pd.errors import AllocationError, IntegrityError, ProtocolError
 from lmcache_pd.kernels.cpu_blocks import CpuKVCache, validate_chunk_size
 from lmcache_pd.keys import ChunkKey, ChunkKeyer
 from lmcache_pd.producer import Producer
@@ -116,9 +116,15 @@ class ProducerWorker(WorkerHalf):
         kv_caches: dict[str, torch.Tensor],
         stats: StatsRecorder,
         profile: KVProfile | None = None,
+        rank: int = 0,
     ) -> None:
-        """``profile``: this rank's KV format, checked against each consumer's at handshake."""
+        """``profile``: this rank's KV format, checked against each consumer's at handshake.
+        ``rank``: this worker's tensor-parallel rank; it pushes to the consumer rank of the
+        same index in each request's DisaggSpec."""
         self._keyer = keyer
+        self._rank = rank
+        # Requests whose spec names no consumer rank for this one: never pushed by this rank.
+        self._unserved: set[str] = set()
         self._cache = paged_cache(kv_caches, config.chunk_size)
         config = replace(config, page_bytes=self._cache.chunk_nbytes(config.chunk_size))
         if profile is not None:
@@ -152,6 +158,7 @@ class ProducerWorker(WorkerHalf):
                 self._abandon(request, AbandonReason.REQUEST_ABORTED, "prefill ended early")
         for req_id in meta.finished:
             self._saving.pop(req_id, None)
+            self._unserved.discard(req_id)
 
     def progress(self) -> PushProgress:
         return PushProgress(self._senders.outstanding)
@@ -163,10 +170,21 @@ class ProducerWorker(WorkerHalf):
     def _save(self, save: SaveRequest) -> None:
         request = self._saving.get(save.req_id)
         if request is None:
+            if save.req_id in self._unserved:
+                return
             if save.prompt is None:  # its first save was never seen: nothing to go on
                 logger.error("req %s: a save without its prompt; not pushed", save.spec.req_id)
                 return
-            request = Saving(save.spec, self._keyer.chunk_keys(save.prompt), len(save.prompt))
+            try:
+                spec = save.spec.for_rank(self._rank)
+            except ProtocolError as exc:
+                # No address to tell either: the consumer ranks that exist are refused by
+                # their own producer rank's handshake (TP sizes differ) and recompute.
+                self._unserved.add(save.req_id)
+                self._stats.add("pushes_without_rank")
+                logger.error("req %s: not pushed by rank %d: %s", save.spec.req_id, self._rank, exc)
+                return
+            request = Saving(spec, self._keyer.chunk_keys(save.prompt), len(save.prompt))
             self._saving[save.req_id] = request
         if save.replace_blocks:
             request.block_ids = list(save.block_ids)
@@ -223,9 +241,12 @@ class ConsumerWorker(WorkerHalf):
         kv_caches: dict[str, torch.Tensor],
         stats: StatsRecorder,
         profile: KVProfile | None = None,
+        rank: int = 0,
     ) -> None:
-        """``profile``: this rank's KV format, checked against each producer's at handshake."""
+        """``profile``: this rank's KV format, checked against each producer's at handshake.
+        ``config``: this rank's own (``PDConfig.for_rank``), whose ports it binds."""
         self._config = config
+        self._rank = rank
         self._keyer = keyer
         self._cache = paged_cache(kv_caches, config.chunk_size)
         page_bytes = self._cache.chunk_nbytes(config.chunk_size)
@@ -330,6 +351,7 @@ class ConsumerWorker(WorkerHalf):
                 "done_at": time.time(),
                 "outcome": outcome,
                 "tokens": tokens,
+                "rank": self._rank,
             }
         )
 
@@ -367,7 +389,7 @@ class ConsumerWorker(WorkerHalf):
         self._traced(pending, "loaded", tokens)
         self._stats.add("loads_completed")
         self._stats.add("tokens_loaded", tokens)
-        logger.info("req %s: loaded %d prompt tokens", load.req_id, tokens)
+        logger.info("req %s: rank %d loaded %d prompt tokens", load.req_id, self._rank, tokens)
         return True
 
     def _failed(self, pending: _PendingLoad, outcome: str, counter: str | None, why: str) -> bool:
