@@ -28,7 +28,7 @@ from lmcache_pd.proxy.app import proxy_thread
 from lmcache_pd.proxy.launcher import InstanceSpec, PoolLauncher, PoolsConfig, ProxySpec
 from lmcache_pd.vllm_server import VLLMServer
 from tests.helpers import free_port
-from tests.test_e2e_vllm import assert_close_answer, prompt
+from tests.test_e2e_vllm import assert_close_answer, body, prompt
 
 logger = logging.getLogger(__name__)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -49,18 +49,10 @@ PROMPTS |= {f"together-{i}": prompt(400 + 150 * i, 30_000 + i) for i in range(CO
 PROMPTS["refused"] = prompt(1000, 40_000)
 
 
-def body(model: Path, tokens: list[int]) -> dict:
-    return {
-        "model": str(model),
-        "prompt": tokens,
-        "max_tokens": OUTPUT_TOKENS,
-        "temperature": 0,
-        "logprobs": 1,
-    }
-
-
 def complete(url: str, model: Path, tokens: list[int]) -> tuple[list, list]:
-    response = httpx.post(f"{url}/v1/completions", json=body(model, tokens), timeout=120)
+    response = httpx.post(
+        f"{url}/v1/completions", json=body(model, tokens, OUTPUT_TOKENS), timeout=120
+    )
     response.raise_for_status()
     logprobs = response.json()["choices"][0]["logprobs"]
     return logprobs["tokens"], logprobs["token_logprobs"]

@@ -314,19 +314,23 @@ def test_prefill_500_is_retried_then_reported(stacks) -> None:
     assert stack.metric("lmcache_pd_proxy_prefill_retries_total") == 1
 
 
+def stack_with_failing_decode(stacks, decode: Fault | None, **settings: Any) -> Stack:
+    """A stack whose decode misbehaves as ``decode`` says (None: it was up when last checked,
+    and is dead when the request comes), with a 1 s read deadline."""
+    settings |= {"timeouts": {"decode_read_s": 1.0}, "health_interval_s": 60}
+    if decode is None:
+        port = free_port()
+        with AppThread(Standin().app(), "127.0.0.1", port):
+            return stacks(decode=[port], **settings)
+    return stacks(decode=[Standin(StandinState(fault=decode))], **settings)
+
+
 @pytest.mark.parametrize(
     "decode", [None, Fault.HANG, Fault.DIE_MID_STREAM, Fault.STATUS_500], ids=str
 )
 @pytest.mark.parametrize("stream", [False, True])
 def test_failed_decode_is_a_clear_error_within_the_read_deadline(stacks, decode, stream) -> None:
-    """``None``: decode was up when last checked, and is dead when the request comes."""
-    settings = {"timeouts": {"decode_read_s": 1.0}, "health_interval_s": 60}
-    if decode is None:
-        port = free_port()
-        with AppThread(Standin().app(), "127.0.0.1", port):
-            stack = stacks(decode=[port], **settings)
-    else:
-        stack = stacks(decode=[Standin(StandinState(fault=decode))], **settings)
+    stack = stack_with_failing_decode(stacks, decode)
     started = time.monotonic()
     request = {"model": MODEL, "prompt": [4, 2], "max_tokens": 6}
     with pytest.raises(openai.APIError) as failure:
@@ -391,14 +395,7 @@ def test_a_prompt_under_min_disagg_tokens_is_served_by_decode_alone(
     ids=str,
 )
 def test_decode_failing_a_request_it_serves_alone_is_a_clear_error(stacks, decode, stream) -> None:
-    settings = {"timeouts": {"decode_read_s": 1.0}, "health_interval_s": 60}
-    settings["min_disagg_tokens"] = 100
-    if decode is None:
-        port = free_port()
-        with AppThread(Standin().app(), "127.0.0.1", port):
-            stack = stacks(decode=[port], **settings)
-    else:
-        stack = stacks(decode=[Standin(StandinState(fault=decode))], **settings)
+    stack = stack_with_failing_decode(stacks, decode, min_disagg_tokens=100)
     started = time.monotonic()
     with pytest.raises(openai.APIError) as failure:
         answer = stack.client.completions.create(
