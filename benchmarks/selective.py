@@ -56,8 +56,13 @@ PROBE_OUTPUT_TOKENS = 8
 BACKGROUND_PROMPT_TOKENS = 64
 BACKGROUND_OUTPUT_TOKENS = 200
 ROUTES = ("pd", "alone")
-SETTLE_S = 2.0  # background streams reach their decode phase
+DECODING_TIMEOUT_S = 60.0  # for every background stream to have its first token
 QUIET_S = 3.0  # background streams alone: their inter-token gaps without probes
+
+
+def tokens_in(event: Any) -> int:
+    """Tokens in one streamed completion event (vLLM joins several when its reader lags)."""
+    return sum(len(c.logprobs.tokens or []) for c in event.choices if c.logprobs)
 
 
 def probe(client: openai.OpenAI, model: str, tokens: list[int]) -> dict[str, Any]:
@@ -73,9 +78,7 @@ def probe(client: openai.OpenAI, model: str, tokens: list[int]) -> dict[str, Any
         stream=True,
     ) as events:
         for event in events:
-            for choice in event.choices:  # events can carry several tokens: count tokens
-                count = len(choice.logprobs.tokens or []) if choice.logprobs else 0
-                arrivals += [time.monotonic() - started] * count
+            arrivals += [time.monotonic() - started] * tokens_in(event)
     return {
         "started": started,
         "ended": time.monotonic(),
@@ -114,12 +117,18 @@ class Background:
                         logprobs=0,
                         stream=True,
                     ) as events:
-                        for event in events:  # an event can carry several tokens
-                            for choice in event.choices:
-                                count = len(choice.logprobs.tokens or []) if choice.logprobs else 0
-                                arrivals += [time.monotonic()] * count
+                        for event in events:
+                            arrivals += [time.monotonic()] * tokens_in(event)
                 except openai.OpenAIError:
                     self.failed += 1
+
+    def wait_decoding(self, timeout_s: float) -> None:
+        """Until every stream has a request past its first token (its decode phase)."""
+        deadline = time.monotonic() + timeout_s
+        while sum(bool(times) for times in self.arrivals) < len(self._threads):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"background streams not decoding after {timeout_s} s")
+            time.sleep(0.05)
 
     def gaps(self) -> list[tuple[float, float]]:
         """(from, to) of every pair of consecutive tokens of one request."""
@@ -157,7 +166,7 @@ def measure(
     }
     samples: dict[tuple[int, str], list[dict[str, Any]]] = {}
     with Background(urls["pd"], model, background) as load:
-        time.sleep(SETTLE_S if background else 0.0)  # the streams reach their decode phase
+        load.wait_decoding(DECODING_TIMEOUT_S)
         quiet_start = time.monotonic()
         time.sleep(QUIET_S if background else 0.0)  # their gaps with no probe: the ceiling
         quiet_end = time.monotonic()
