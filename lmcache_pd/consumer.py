@@ -24,7 +24,7 @@ from lmcache_pd import protocol
 from lmcache_pd.affinity import unpin_this_thread
 from lmcache_pd.allocator import PageAllocator
 from lmcache_pd.channel import Channel, NixlChannel
-from lmcache_pd.chunk_store import ChunkStore
+from lmcache_pd.chunk_store import ChunkStore, LandedChunk
 from lmcache_pd.compat import KVProfile, incompatibilities
 from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import (
@@ -37,7 +37,7 @@ from lmcache_pd.errors import (
     VersionMismatch,
 )
 from lmcache_pd.integrity import checksum
-from lmcache_pd.keys import ChunkKey, ChunkKeyer
+from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.protocol import ErrorCode, ErrorReply, ProbeState
 from lmcache_pd.transport import stack_identity
 from lmcache_pd.watchdog import Watchdog
@@ -102,6 +102,22 @@ class _Probes:
     next_slot: int = 0
 
 
+def receive_buffer_bytes(config: PDConfig) -> int:
+    """Size of a consumer's registered buffer: its pages, then the self-test slots."""
+    return config.num_pages * config.page_bytes + protocol.PROBE_AREA_BYTES
+
+
+def landed_bytes(buffer: torch.Tensor, page_bytes: int, landed: LandedChunk) -> torch.Tensor:
+    """The view of ``buffer`` a landed chunk occupies, once its bytes match the producer's
+    checksum; raises ``IntegrityError`` (logged) if they do not."""
+    start = landed.page * page_bytes
+    view = buffer[start : start + landed.nbytes]
+    if landed.checksum is not None and checksum(view) != landed.checksum:
+        logger.error("chunk in page %d fails its checksum", landed.page)
+        raise IntegrityError(f"chunk in page {landed.page} fails its checksum")
+    return view
+
+
 class Consumer:
     """Receives chunks into its registered buffer; use as a context manager or call ``close``."""
 
@@ -112,11 +128,14 @@ class Consumer:
         *,
         channel: Channel | None = None,
         profile: KVProfile | None = None,
+        buffer: torch.Tensor | None = None,
     ) -> None:
         """``profile``: what the vLLM connector knows of its KV format (compared with every
         producer's at handshake); by default only the config's chunk size and page bytes.
         A Consumer is one rank: ports listed per rank are rank 0's unless the caller gives
-        ``config.for_rank(rank)`` (the connector does)."""
+        ``config.for_rank(rank)`` (the connector does). ``buffer``: where chunks land, of
+        ``receive_buffer_bytes(config)`` bytes (memory shared with another process); by default
+        a buffer of its own."""
         if config.kv_role != "kv_consumer":
             raise ConfigError(f"a Consumer needs kv_role kv_consumer, got {config.kv_role}")
         config = config.for_rank(0)
@@ -141,9 +160,10 @@ class Consumer:
         # Zeroed now so that every page is faulted in here, not on the first transfers. The
         # self-test slots follow the pages.
         self._pages_bytes = config.num_pages * config.page_bytes
-        self._buffer = torch.zeros(
-            self._pages_bytes + protocol.PROBE_AREA_BYTES, dtype=torch.uint8
-        ).zero_()
+        size = receive_buffer_bytes(config)
+        if buffer is not None and (buffer.dtype != torch.uint8 or buffer.numel() != size):
+            raise ConfigError(f"a receive buffer must be {size} bytes of uint8")
+        self._buffer = (torch.empty(size, dtype=torch.uint8) if buffer is None else buffer).zero_()
         self._channel = channel or NixlChannel.from_config(config, role="consumer")
         self._context = zmq.Context()
         self._stop = threading.Event()
@@ -204,20 +224,28 @@ class Consumer:
     def lookup(self, tokens: Sequence[int] | np.ndarray) -> int:
         """How many leading tokens of ``tokens`` have landed here, whole chunks at a time."""
         keys = self.keyer.chunk_keys(tokens)
-        landed = self.landed_prefix(keys)
+        landed = 0
+        with self._lock:
+            while landed < len(keys) and self._store.landed(keys[landed].key) is not None:
+                landed += 1
         return keys[landed - 1].end if landed else 0
 
-    def landed_prefix(
-        self, keys: Sequence[ChunkKey], start: int = 0, holder: str | None = None
-    ) -> int:
-        """How many of ``keys``, counting from the first and checking from ``start`` (a count
-        the caller already saw landed), have landed here, in pages ``holder`` holds if given.
-        Keys are computed once by the caller: hashing a prompt is the costly part."""
+    def load_progress(
+        self, holder: str, keys: Sequence[bytes]
+    ) -> tuple[str | None, list[LandedChunk]]:
+        """Why ``holder`` was let go (its KV will not come), else None and where the leading
+        ``keys`` that have landed in pages it holds are, in order, up to the first that has not.
+        Those pages keep their bytes until ``holder`` is released."""
+        landed: list[LandedChunk] = []
         with self._lock:
-            for index in range(start, len(keys)):
-                if self._store.landed(keys[index].key, holder) is None:
-                    return index
-        return len(keys)
+            reason = self._store.dropped_reason(holder)
+            if reason is None:
+                for key in keys:
+                    chunk = self._store.landed(key, holder)
+                    if chunk is None:
+                        break
+                    landed.append(chunk)
+        return reason, landed
 
     def claim(self, req_id: str, not_needed: frozenset[bytes] = frozenset()) -> str | None:
         """A decode is about to wait for ``req_id``'s KV: keep its pages until released, except
@@ -232,25 +260,27 @@ class Consumer:
         with self._lock:
             return self._store.dropped_reason(req_id)
 
-    def get_chunk(self, key: bytes, holder: str | None = None) -> torch.Tensor:
-        """The landed chunk's bytes, a view valid until every request holding it is released;
-        with ``holder``, from a page that request holds (so valid until it is released).
+    def get_chunk(self, key: bytes) -> torch.Tensor:
+        """The landed chunk's bytes, a view valid until every request holding it is released.
 
         Raises ``KeyError`` if it has not landed and ``IntegrityError`` if its bytes do not match
         the producer's checksum.
         """
         with self._lock:
-            landed = self._store.landed(key, holder)
+            landed = self._store.landed(key)
         if landed is None:
             raise KeyError(f"chunk {key.hex()} has not landed")
-        start = landed.page * self.config.page_bytes
-        view = self._buffer[start : start + landed.nbytes]
-        if landed.checksum is not None and checksum(view) != landed.checksum:
+        try:
+            return landed_bytes(self._buffer, self.config.page_bytes, landed)
+        except IntegrityError:
             with self._lock:
                 self.stats.integrity_failures += 1
-            logger.error("chunk %s in page %d fails its checksum", key.hex(), landed.page)
-            raise IntegrityError(f"chunk {key.hex()} in page {landed.page} fails its checksum")
-        return view
+            raise
+
+    def count_internal_error(self) -> None:
+        """A caller's bug while serving this consumer (counted as the service loop's are)."""
+        with self._lock:
+            self.stats.internal_errors += 1
 
     def release(self, req_id: str) -> None:
         """The request is done with its chunks; pages nobody else holds return to the free list,

@@ -46,6 +46,14 @@ class ChunkKeyer:
         if not 0 <= worker_id < world_size:
             raise ValueError(f"worker_id {worker_id} outside world_size {world_size}")
         self.chunk_size = chunk_size
+        # What makes this keyer: another process builds the same one with ChunkKeyer(**params).
+        self.params = {
+            "model_name": model_name,
+            "world_size": world_size,
+            "worker_id": worker_id,
+            "kv_dtype": kv_dtype,
+            "chunk_size": chunk_size,
+        }
         identity = f"lmcache-pd/v1|{model_name}|{world_size}|{worker_id}|{kv_dtype}|{chunk_size}"
         self._seed = hashlib.blake2b(identity.encode(), digest_size=KEY_BYTES).digest()
 

@@ -3,6 +3,8 @@ two workers moving a paged cache from one to the other over real NIXL."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -13,10 +15,11 @@ import torch
 import zmq
 
 from lmcache_pd.config import load_config
+from lmcache_pd.connector.consumer_worker import ConsumerWorker
 from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata, SaveRequest
 from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler
 from lmcache_pd.connector.stats import StatsRecorder
-from lmcache_pd.connector.worker import ConsumerWorker, ProducerWorker
+from lmcache_pd.connector.worker import ProducerWorker
 from lmcache_pd.errors import AllocationError, BufferFull, PeerTimeout, TransferError
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.producer import Producer
@@ -175,10 +178,20 @@ class Workers:
     keyer: ChunkKeyer
     common: dict
 
-    def consumer_used_pages(self) -> float:
-        """The consumer rank's used pages, as its next step exports them."""
+    def consumer_total(self, name: str) -> float:
+        """A counter or gauge of the consumer rank, as the next step exports it (its process
+        answers a step's question by the following step: wait for a value, do not read one)."""
         self.consumer.finished_loads()
-        return self.consumer_stats.totals()["consumer_used_pages"]
+        return self.consumer_stats.totals().get(name, 0)
+
+    def consumer_used_pages(self) -> float:
+        return self.consumer_total("consumer_used_pages")
+
+    def consumer_service_count(self, name: str) -> int:
+        """One of the consumer process's own counters (they come with its answers; not all
+        are exported to /metrics)."""
+        self.consumer.finished_loads()
+        return self.consumer._service.stats.get(name, 0)
 
     def producer_with(self, **overrides: object) -> ProducerWorker:
         """Another producer worker over the same source cache, with other settings."""
@@ -254,9 +267,10 @@ def test_kv_moves_from_producer_blocks_to_consumer_blocks_over_nixl(workers: Wor
         assert torch.equal(workers.source[name][src_blocks], workers.target[name][dst_blocks])
     untouched = [b for b in range(40) if b not in dst_blocks]
     assert not any(workers.target[name][untouched].any() for name in workers.target)
-    totals = workers.consumer_stats.totals()
-    assert (totals["tokens_loaded"], totals["consumer_used_pages"]) == (150, 0)
-    assert totals["consumer_chunks_landed"] == 3  # the consumer rank's own count, exported
+    assert workers.consumer_stats.totals()["tokens_loaded"] == 150
+    wait_for(lambda: workers.consumer_used_pages() == 0, what="pages back")
+    # the consumer rank's own count, exported
+    wait_for(lambda: workers.consumer_total("consumer_chunks_landed") == 3, what="count")
     # the scheduler is told when the pushes are over (vLLM stops stepping for them then)
     wait_for(lambda: workers.producer.progress().outstanding == 0, what="pushes reported done")
     workers.producer.wait_for_save(PDConnectorMetadata(finished={"p"}))
@@ -278,8 +292,8 @@ def test_a_load_past_decodes_own_hit_writes_only_the_blocks_it_lacks(workers: Wo
             workers.source[name][src_blocks[1:]], workers.target[name][dst_blocks[1:]]
         )
         assert not workers.target[name][dst_blocks[0]].any()  # decode's own block: untouched
-    totals = workers.consumer_stats.totals()
-    assert (totals["tokens_loaded"], totals["consumer_used_pages"]) == (150 - BLOCK, 0)
+    assert workers.consumer_stats.totals()["tokens_loaded"] == 150 - BLOCK
+    wait_for(lambda: workers.consumer_used_pages() == 0, what="pages back")
 
 
 def test_a_chunk_decode_has_itself_is_not_written_when_its_claim_comes_first(
@@ -309,9 +323,8 @@ def test_chunks_decode_needs_no_more_are_released_at_once(workers: Workers) -> N
     workers.producer.wait_for_save(save("p", workers.spec, prompt, [7, 3, 12, 20, 5], 150))
     wait_for(lambda: workers.consumer_used_pages() == 3, what="chunks landed")
     workers.consumer.start_load_kv(PDConnectorMetadata(unneeded={"d-1"}))
-    workers.consumer.finished_loads()
-    totals = workers.consumer_stats.totals()
-    assert (totals["consumer_held_requests"], totals["loads_unneeded"]) == (0, 1)
+    wait_for(lambda: workers.consumer_total("consumer_held_requests") == 0, what="let go")
+    assert workers.consumer_stats.totals()["loads_unneeded"] == 1
     # its pages are free (or cached) once their writes are confirmed, not at the claim timeout
     wait_for(lambda: workers.consumer_used_pages() == 0, timeout_s=2.0, what="pages back")
 
@@ -336,11 +349,8 @@ def test_a_request_that_ends_while_its_kv_is_awaited_is_released_at_once(
     assert workers.consumer.finished_loads() == ({"c"}, set())
     assert workers.consumer.finished_loads() == (set(), set())
     totals = workers.consumer_stats.totals()
-    assert (totals["loads_aborted"], totals["load_timeouts"], totals["consumer_used_pages"]) == (
-        1,
-        0,
-        0,
-    )
+    assert (totals["loads_aborted"], totals["load_timeouts"]) == (1, 0)
+    wait_for(lambda: workers.consumer_used_pages() == 0, what="pages back")
     assert not any(layer.any() for layer in workers.target.values())
 
 
@@ -374,7 +384,7 @@ def test_a_prefill_aborted_midway_fails_the_load_at_once(workers: Workers) -> No
     assert finish(workers.consumer) == ({"c"}, {"c"})
     assert time.monotonic() - started < 1.0
     wait_for(lambda: workers.consumer.finished_loads() == (set(), set()))
-    assert workers.consumer_stats.totals()["consumer_used_pages"] == 0
+    wait_for(lambda: workers.consumer_used_pages() == 0, what="pages back")
 
 
 def test_a_consumer_that_never_answers_delays_no_push_to_another(workers: Workers) -> None:
@@ -448,7 +458,7 @@ def test_known_consumers_are_connected_before_the_first_request(workers: Workers
     peer = f"127.0.0.1:{workers.common['init_port']}:{workers.common['alloc_port']}"
     warm = workers.producer_with(warm_peers=[peer])
     try:
-        wait_for(lambda: workers.consumer._consumer.stats.init_requests >= 2, what="handshake")
+        wait_for(lambda: workers.consumer_service_count("init_requests") >= 2, what="handshake")
     finally:
         warm.close()
     assert workers.producer_stats.totals()["pushes"] == 0
@@ -465,7 +475,11 @@ def test_known_consumers_are_connected_before_the_first_request(workers: Workers
     ids=["nixl_error", "timeout", "refused", "buffer_full"],
 )
 def test_each_kind_of_push_failure_has_the_decode_recompute_at_once(
-    workers: Workers, monkeypatch: pytest.MonkeyPatch, error: Exception, reason: str
+    workers: Workers,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    error: Exception,
+    reason: str,
 ) -> None:
     def push_fails(self: Producer, spec: DisaggSpec, chunks) -> None:
         raise error
@@ -477,7 +491,7 @@ def test_each_kind_of_push_failure_has_the_decode_recompute_at_once(
     workers.producer.wait_for_save(save("p", workers.spec, prompt, [7, 3], 64))
     assert finish(workers.consumer) == ({"c"}, {"c"})
     assert time.monotonic() - started < 1.0  # not the 2 s load deadline
-    assert workers.consumer._consumer.dropped_reason("d-1") == reason
+    assert f"KV abandoned: {reason}" in caplog.text  # the consumer's reason, logged by decode
     assert workers.producer_stats.totals()["push_failures"] == 1
 
 
@@ -521,3 +535,17 @@ def test_a_request_back_after_its_load_computes_its_prompt(preempted: bool) -> N
     assert counted == (["preemption_recomputes"] if preempted else [])
     scheduler.request_finished(req)  # a new request of the same id is served afresh
     assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)
+
+
+def test_a_consumer_process_that_dies_fails_the_pending_loads_at_once(workers: Workers) -> None:
+    """Its KV can no longer land: the loads waiting for it are recomputed at the next step,
+    not at their deadline, and later loads fail the same way."""
+    workers.consumer.start_load_kv(load("c", "d-1", list(range(70)), [1, 2, 3]))
+    assert workers.consumer.finished_loads() == (set(), set())  # control: still awaited
+    os.kill(workers.consumer._service.pid, signal.SIGKILL)
+    started = time.monotonic()
+    assert finish(workers.consumer) == ({"c"}, {"c"})
+    workers.consumer.start_load_kv(load("c2", "d-2", list(range(70)), [4, 5, 6]))
+    assert finish(workers.consumer) == ({"c2"}, {"c2"})
+    assert time.monotonic() - started < 1.0  # the load deadline is 2 s
+    assert workers.consumer_stats.totals()["loads_abandoned"] == 2

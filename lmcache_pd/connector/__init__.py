@@ -28,10 +28,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import CONFIG_PATH_ENV, PDConfig, load_config
+from lmcache_pd.connector.consumer_worker import ConsumerWorker
 from lmcache_pd.connector.metadata import PDConnectorMetadata, PushProgress
 from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler, SchedulerHalf
 from lmcache_pd.connector.stats import PDConnectorStats, PDPromMetrics, StatsRecorder
-from lmcache_pd.connector.worker import ConsumerWorker, ProducerWorker, WorkerHalf
+from lmcache_pd.connector.worker import ProducerWorker, WorkerHalf
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.keys import ChunkKeyer
 

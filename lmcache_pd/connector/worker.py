@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -22,7 +21,6 @@ import torch
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig, replace
 from lmcache_pd.connector.metadata import (
-    LoadRequest,
     PDConnectorMetadata,
     PushProgress,
     SaveRequest,
@@ -35,8 +33,7 @@ from lmcache_pd.connector.sender import (
     parse_peer,
 )
 from lmcache_pd.connector.stats import StatsRecorder
-from lmcache_pd.consumer import Consumer
-from lmcache_pd.errors import AllocationError, IntegrityError, ProtocolError
+from lmcache_pd.errors import AllocationError, ProtocolError
 from lmcache_pd.kernels.cpu_blocks import CpuKVCache, validate_chunk_size
 from lmcache_pd.keys import ChunkKey, ChunkKeyer
 from lmcache_pd.producer import Producer
@@ -45,26 +42,6 @@ from lmcache_pd.staging import Staging
 from lmcache_pd.trace import TraceFile
 
 logger = logging.getLogger(__name__)
-
-# Counters of ``ConsumerStats`` that reach /metrics as ``lmcache_pd_consumer_<name>_total``.
-CONSUMER_COUNTERS = (
-    "chunks_landed",
-    "bytes_landed",
-    "requests_abandoned",
-    "refused_dropped",
-    "refused_buffer_full",
-    "holds_expired",
-    "leases_expired",
-    "malformed_messages",
-    "internal_errors",
-    "service_stalls",
-    "cache_hits",
-    "cache_misses",
-    "cache_evictions",
-    "cache_bytes_not_resent",
-    "cache_not_needed",
-    "handshakes_refused",
-)
 
 
 def paged_cache(kv_caches: dict[str, torch.Tensor], chunk_size: int) -> CpuKVCache:
@@ -75,7 +52,7 @@ def paged_cache(kv_caches: dict[str, torch.Tensor], chunk_size: int) -> CpuKVCac
     return cache
 
 
-def _chunk_blocks(
+def chunk_blocks(
     block_ids: list[int], chunk: ChunkKey, block_size: int, start: int = 0
 ) -> torch.Tensor:
     """The request's blocks that hold ``chunk``'s tokens from ``start`` on (a block boundary)."""
@@ -207,7 +184,7 @@ class ProducerWorker(WorkerHalf):
         request.pushed_upto = ready
         staged = []
         for chunk, page in zip(chunks, pages, strict=True):
-            blocks = _chunk_blocks(request.block_ids, chunk, self._cache.block_size)
+            blocks = chunk_blocks(request.block_ids, chunk, self._cache.block_size)
             data = page[: self._cache.chunk_nbytes(chunk.end - chunk.start)]
             self._cache.gather(blocks, data)
             staged.append((chunk.key, data))
@@ -220,187 +197,3 @@ class ProducerWorker(WorkerHalf):
         request.abandoned.set()
         logger.warning("req %s: not pushed (%s): %s", request.spec.req_id, reason.value, detail)
         self._senders.submit(AbandonJob(request, reason, detail))
-
-
-@dataclass(slots=True)
-class _PendingLoad:
-    load: LoadRequest
-    keys: list[ChunkKey]  # the prompt's, hashed once
-    landed: int  # how many of them were seen landed
-    deadline: float
-    queued_at: float  # wall clock, for the trace
-
-
-class ConsumerWorker(WorkerHalf):
-    """Serves the consumer rank and completes loads as their chunks land."""
-
-    def __init__(
-        self,
-        config: PDConfig,
-        keyer: ChunkKeyer,
-        kv_caches: dict[str, torch.Tensor],
-        stats: StatsRecorder,
-        profile: KVProfile | None = None,
-        rank: int = 0,
-    ) -> None:
-        """``profile``: this rank's KV format, checked against each producer's at handshake.
-        ``config``: this rank's own (``PDConfig.for_rank``), whose ports it binds."""
-        self._config = config
-        self._rank = rank
-        self._keyer = keyer
-        self._cache = paged_cache(kv_caches, config.chunk_size)
-        page_bytes = self._cache.chunk_nbytes(config.chunk_size)
-        if profile is not None:
-            profile = msgspec.structs.replace(profile, page_bytes=page_bytes)
-        self._consumer = Consumer(replace(config, page_bytes=page_bytes), keyer, profile=profile)
-        self._stats = stats
-        self._trace = TraceFile(config.trace_path)
-        self._pending: list[_PendingLoad] = []
-        self._aborted: set[str] = set()
-        self._consumer_counts: dict[str, int] = {}
-
-    def start_load_kv(self, meta: PDConnectorMetadata) -> None:
-        deadline = time.monotonic() + self._config.load_timeout_s
-        now = time.time()
-        for load in meta.loads:
-            # Chunks wholly inside decode's own prefix-cache hit are neither awaited, read, nor
-            # (if still to come) written.
-            every = self._keyer.chunk_keys(load.prompt)
-            keys = [k for k in every if k.end > load.start]
-            not_needed = frozenset(k.key for k in every if k.end <= load.start)
-            # Claimed at once: its pages stay past the claim timeout while it waits.
-            self._consumer.claim(load.disagg_req_id, not_needed)
-            self._pending.append(_PendingLoad(load, keys, 0, deadline, now))
-        for disagg_req_id in meta.unneeded:
-            self._consumer.release(disagg_req_id)
-            self._stats.add("loads_unneeded")
-            logger.info(
-                "req %s: decode's own prefix cache had its prompt; pushed chunks released",
-                disagg_req_id,
-            )
-        if meta.finished:
-            self._drop_aborted(meta.finished)
-
-    def _drop_aborted(self, finished: set[str]) -> None:
-        """Requests that ended (client gone) while their KV was awaited: their pages go back now,
-        and they are reported received, since vLLM holds their blocks until then."""
-        for pending in [p for p in self._pending if p.load.req_id in finished]:
-            self._pending.remove(pending)
-            self._consumer.release(pending.load.disagg_req_id)
-            self._aborted.add(pending.load.req_id)
-            self._traced(pending, "aborted")
-            self._stats.add("loads_aborted")
-            logger.info(
-                "req %s (%s): ended while its KV was awaited; pages released",
-                pending.load.req_id,
-                pending.load.disagg_req_id,
-            )
-
-    def finished_loads(self) -> tuple[set[str], set[str]]:
-        """(received, failed) request ids; a failed one is in both, as vLLM asks. Never raises:
-        it runs on vLLM's model-runner thread, and a load that cannot be done is recomputed."""
-        received: set[str] = self._aborted
-        self._aborted = set()
-        failed: set[str] = set()
-        still: list[_PendingLoad] = []
-        for pending in self._pending:
-            try:
-                outcome = self._try_load(pending)
-            except Exception:
-                self._stats.add("thread_errors")
-                self._stats.add("loads_failed")
-                logger.exception(
-                    "req %s (%s): loading failed unexpectedly; recomputing the prompt",
-                    pending.load.req_id,
-                    pending.load.disagg_req_id,
-                )
-                self._consumer.release(pending.load.disagg_req_id)
-                outcome = False
-            if outcome is None:
-                still.append(pending)
-                continue
-            received.add(pending.load.req_id)
-            if not outcome:
-                failed.add(pending.load.req_id)
-        self._pending = still
-        self._report_consumer()
-        return received, failed
-
-    def _report_consumer(self) -> None:
-        """The consumer rank's counters (kept by its service thread) as this step's deltas,
-        and its buffer's use as gauges."""
-        snapshot = self._consumer.stats_snapshot()
-        for name in CONSUMER_COUNTERS:
-            delta = snapshot[name] - self._consumer_counts.get(name, 0)
-            if delta:
-                self._stats.add(f"consumer_{name}", delta)
-                self._consumer_counts[name] = snapshot[name]
-        self._stats.set_gauge("consumer_used_pages", snapshot["used_pages"])
-        self._stats.set_gauge("consumer_cached_pages", snapshot["cached_pages"])
-        self._stats.set_gauge("consumer_held_requests", snapshot["held_requests"])
-
-    def close(self) -> None:
-        self._consumer.close()
-
-    def _traced(self, pending: _PendingLoad, outcome: str, tokens: int = 0) -> None:
-        self._trace.write(
-            {
-                "event": "load",
-                "req_id": pending.load.disagg_req_id,
-                "queued_at": pending.queued_at,
-                "done_at": time.time(),
-                "outcome": outcome,
-                "tokens": tokens,
-                "rank": self._rank,
-            }
-        )
-
-    def _try_load(self, pending: _PendingLoad) -> bool | None:
-        """True once loaded, False if it failed, None while its chunks are still on the way."""
-        load = pending.load
-        abandoned = self._consumer.dropped_reason(load.disagg_req_id)
-        if abandoned is not None:
-            return self._failed(
-                pending, "abandoned", "loads_abandoned", f"KV abandoned: {abandoned}"
-            )
-        # Only pages this request holds: they cannot be rewritten while they are scattered.
-        pending.landed = self._consumer.landed_prefix(
-            pending.keys, pending.landed, load.disagg_req_id
-        )
-        if pending.landed < len(pending.keys):
-            if time.monotonic() < pending.deadline:
-                return None
-            return self._failed(
-                pending,
-                "timeout",
-                "load_timeouts",
-                f"KV not landed within {self._config.load_timeout_s:.1f} s",
-            )
-        try:
-            for chunk in pending.keys:
-                data = self._consumer.get_chunk(chunk.key, load.disagg_req_id)
-                blocks = _chunk_blocks(load.block_ids, chunk, self._cache.block_size, load.start)
-                self._cache.scatter(self._cache.tail_blocks(data, len(blocks)), blocks)
-        except (IntegrityError, KeyError) as exc:
-            counter = "integrity_failures" if isinstance(exc, IntegrityError) else None
-            return self._failed(pending, "unusable", counter, f"received KV unusable: {exc}")
-        self._consumer.release(load.disagg_req_id)
-        tokens = len(load.prompt) - load.start
-        self._traced(pending, "loaded", tokens)
-        self._stats.add("loads_completed")
-        self._stats.add("tokens_loaded", tokens)
-        logger.info("req %s: rank %d loaded %d prompt tokens", load.req_id, self._rank, tokens)
-        return True
-
-    def _failed(self, pending: _PendingLoad, outcome: str, counter: str | None, why: str) -> bool:
-        """Give the load's pages back and have vLLM recompute its prompt."""
-        load = pending.load
-        self._consumer.release(load.disagg_req_id)
-        self._traced(pending, outcome)
-        if counter is not None:
-            self._stats.add(counter)
-        self._stats.add("loads_failed")
-        logger.warning(
-            "req %s (%s): %s; recomputing the prompt", load.req_id, load.disagg_req_id, why
-        )
-        return False

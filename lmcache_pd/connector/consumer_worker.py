@@ -1,0 +1,271 @@
+"""The consumer's worker-side half: completes loads as their chunks land.
+
+The consumer rank itself runs in a process of its own (``consumer_service.py``), so that vLLM's
+model thread, which runs this half, can never starve it. Each step this half asks that process how
+far every pending load got (one round trip, answered by the next step at the latest); a load whose
+chunks have all landed in the buffer both processes map is scattered into its blocks and reported
+as received; one whose KV was abandoned, not complete by its deadline, or with a chunk that fails
+its checksum, is reported as failed and vLLM recomputes the prompt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from lmcache_pd.chunk_store import LandedChunk
+from lmcache_pd.compat import KVProfile
+from lmcache_pd.config import PDConfig, replace
+from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata
+from lmcache_pd.connector.stats import StatsRecorder
+from lmcache_pd.connector.worker import WorkerHalf, chunk_blocks, paged_cache
+from lmcache_pd.consumer_service import (
+    ConsumerService,
+    ConsumerServiceDown,
+    LoadQuery,
+    LoadState,
+)
+from lmcache_pd.errors import IntegrityError
+from lmcache_pd.keys import ChunkKey, ChunkKeyer
+from lmcache_pd.trace import TraceFile
+
+logger = logging.getLogger(__name__)
+
+# Counters of ``ConsumerStats`` that reach /metrics as ``lmcache_pd_consumer_<name>_total``.
+CONSUMER_COUNTERS = (
+    "chunks_landed",
+    "bytes_landed",
+    "requests_abandoned",
+    "refused_dropped",
+    "refused_buffer_full",
+    "holds_expired",
+    "leases_expired",
+    "malformed_messages",
+    "internal_errors",
+    "service_stalls",
+    "cache_hits",
+    "cache_misses",
+    "cache_evictions",
+    "cache_bytes_not_resent",
+    "cache_not_needed",
+    "handshakes_refused",
+)
+
+
+@dataclass(slots=True)
+class _PendingLoad:
+    load: LoadRequest
+    keys: list[ChunkKey]  # the prompt's, hashed once
+    deadline: float
+    queued_at: float  # wall clock, for the trace
+    landed: list[LandedChunk] = field(default_factory=list)  # where its first keys landed
+
+    def query(self) -> LoadQuery:
+        """The progress question for the keys not yet seen landed."""
+        located = len(self.landed)
+        return LoadQuery(self.load.disagg_req_id, located, [k.key for k in self.keys[located:]])
+
+
+class ConsumerWorker(WorkerHalf):
+    """Serves the consumer rank and completes loads as their chunks land."""
+
+    def __init__(
+        self,
+        config: PDConfig,
+        keyer: ChunkKeyer,
+        kv_caches: dict[str, torch.Tensor],
+        stats: StatsRecorder,
+        profile: KVProfile | None = None,
+        rank: int = 0,
+    ) -> None:
+        """``profile``: this rank's KV format, checked against each producer's at handshake.
+        ``config``: this rank's own (``PDConfig.for_rank``), whose ports it binds."""
+        self._config = config
+        self._rank = rank
+        self._keyer = keyer
+        self._cache = paged_cache(kv_caches, config.chunk_size)
+        page_bytes = self._cache.chunk_nbytes(config.chunk_size)
+        if profile is not None:
+            profile = msgspec.structs.replace(profile, page_bytes=page_bytes)
+        self._service = ConsumerService(
+            replace(config, page_bytes=page_bytes), keyer, profile=profile
+        )
+        self._stats = stats
+        self._trace = TraceFile(config.trace_path)
+        self._pending: list[_PendingLoad] = []
+        self._aborted: set[str] = set()
+        self._consumer_counts: dict[str, int] = {}
+
+    def start_load_kv(self, meta: PDConnectorMetadata) -> None:
+        deadline = time.monotonic() + self._config.load_timeout_s
+        now = time.time()
+        for load in meta.loads:
+            # Chunks wholly inside decode's own prefix-cache hit are neither awaited, read, nor
+            # (if still to come) written.
+            every = self._keyer.chunk_keys(load.prompt)
+            keys = [k for k in every if k.end > load.start]
+            not_needed = frozenset(k.key for k in every if k.end <= load.start)
+            # Claimed at once: its pages stay past the claim timeout while it waits.
+            self._send(self._service.claim, load.disagg_req_id, not_needed)
+            self._pending.append(_PendingLoad(load, keys, deadline, now))
+        for disagg_req_id in meta.unneeded:
+            self._release(disagg_req_id)
+            self._stats.add("loads_unneeded")
+            logger.info(
+                "req %s: decode's own prefix cache had its prompt; pushed chunks released",
+                disagg_req_id,
+            )
+        if meta.finished:
+            self._drop_aborted(meta.finished)
+
+    def _drop_aborted(self, finished: set[str]) -> None:
+        """Requests that ended (client gone) while their KV was awaited: their pages go back now,
+        and they are reported received, since vLLM holds their blocks until then."""
+        for pending in [p for p in self._pending if p.load.req_id in finished]:
+            self._pending.remove(pending)
+            self._release(pending.load.disagg_req_id)
+            self._aborted.add(pending.load.req_id)
+            self._traced(pending, "aborted")
+            self._stats.add("loads_aborted")
+            logger.info(
+                "req %s (%s): ended while its KV was awaited; pages released",
+                pending.load.req_id,
+                pending.load.disagg_req_id,
+            )
+
+    def finished_loads(self) -> tuple[set[str], set[str]]:
+        """(received, failed) request ids; a failed one is in both, as vLLM asks. Never raises:
+        it runs on vLLM's model-runner thread, and a load that cannot be done is recomputed."""
+        received: set[str] = self._aborted
+        self._aborted = set()
+        failed: set[str] = set()
+        states = self._progress()
+        still: list[_PendingLoad] = []
+        for pending in self._pending:
+            try:
+                outcome = self._try_load(pending, states.get(pending.load.disagg_req_id))
+            except Exception:
+                self._stats.add("thread_errors")
+                self._stats.add("loads_failed")
+                logger.exception(
+                    "req %s (%s): loading failed unexpectedly; recomputing the prompt",
+                    pending.load.req_id,
+                    pending.load.disagg_req_id,
+                )
+                self._release(pending.load.disagg_req_id)
+                outcome = False
+            if outcome is None:
+                still.append(pending)
+                continue
+            received.add(pending.load.req_id)
+            if not outcome:
+                failed.add(pending.load.req_id)
+        self._pending = still
+        self._report_consumer()
+        return received, failed
+
+    def _progress(self) -> dict[str, LoadState]:
+        """What the consumer's process said of the pending loads since the last step; a
+        process that is down fails them all (they are recomputed)."""
+        try:
+            reply = self._service.progress([pending.query() for pending in self._pending])
+        except ConsumerServiceDown as exc:
+            down = LoadState("", 0, str(exc), [])
+            return {pending.load.disagg_req_id: down for pending in self._pending}
+        return {} if reply is None else {state.req_id: state for state in reply.loads}
+
+    def _send(self, action: Callable[..., None], *args: object) -> None:
+        """A one-way message to the consumer's process. If it is down, the loads concerned
+        fail at the next step (``_progress``): nothing more to do here."""
+        with contextlib.suppress(ConsumerServiceDown):
+            action(*args)
+
+    def _release(self, disagg_req_id: str) -> None:
+        self._send(self._service.release, disagg_req_id)
+
+    def _report_consumer(self) -> None:
+        """The consumer rank's counters (kept by its service thread) as this step's deltas,
+        and its buffer's use as gauges."""
+        snapshot = self._service.stats
+        if not snapshot:
+            return  # no answer from the consumer's process yet
+        for name in CONSUMER_COUNTERS:
+            delta = snapshot[name] - self._consumer_counts.get(name, 0)
+            if delta:
+                self._stats.add(f"consumer_{name}", delta)
+                self._consumer_counts[name] = snapshot[name]
+        self._stats.set_gauge("consumer_used_pages", snapshot["used_pages"])
+        self._stats.set_gauge("consumer_cached_pages", snapshot["cached_pages"])
+        self._stats.set_gauge("consumer_held_requests", snapshot["held_requests"])
+
+    def close(self) -> None:
+        self._service.close()
+
+    def _traced(self, pending: _PendingLoad, outcome: str, tokens: int = 0) -> None:
+        self._trace.write(
+            {
+                "event": "load",
+                "req_id": pending.load.disagg_req_id,
+                "queued_at": pending.queued_at,
+                "done_at": time.time(),
+                "outcome": outcome,
+                "tokens": tokens,
+                "rank": self._rank,
+            }
+        )
+
+    def _try_load(self, pending: _PendingLoad, state: LoadState | None) -> bool | None:
+        """True once loaded, False if it failed, None while its chunks are still on the way.
+        ``state``: what the consumer's process said of it this step, if anything."""
+        load = pending.load
+        if state is not None and state.dropped is not None:
+            return self._failed(
+                pending, "abandoned", "loads_abandoned", f"KV abandoned: {state.dropped}"
+            )
+        if state is not None and state.start == len(pending.landed):
+            pending.landed.extend(state.landed)
+        if len(pending.landed) < len(pending.keys):
+            if time.monotonic() < pending.deadline:
+                return None
+            return self._failed(
+                pending,
+                "timeout",
+                "load_timeouts",
+                f"KV not landed within {self._config.load_timeout_s:.1f} s",
+            )
+        # Only pages this request holds: they keep their bytes until it is released.
+        try:
+            for chunk, landed in zip(pending.keys, pending.landed, strict=True):
+                data = self._service.chunk(landed)
+                blocks = chunk_blocks(load.block_ids, chunk, self._cache.block_size, load.start)
+                self._cache.scatter(self._cache.tail_blocks(data, len(blocks)), blocks)
+        except IntegrityError as exc:
+            return self._failed(
+                pending, "unusable", "integrity_failures", f"received KV unusable: {exc}"
+            )
+        self._release(load.disagg_req_id)
+        tokens = len(load.prompt) - load.start
+        self._traced(pending, "loaded", tokens)
+        self._stats.add("loads_completed")
+        self._stats.add("tokens_loaded", tokens)
+        logger.info("req %s: rank %d loaded %d prompt tokens", load.req_id, self._rank, tokens)
+        return True
+
+    def _failed(self, pending: _PendingLoad, outcome: str, counter: str | None, why: str) -> bool:
+        """Give the load's pages back and have vLLM recompute its prompt."""
+        load = pending.load
+        self._release(load.disagg_req_id)
+        self._traced(pending, outcome)
+        if counter is not None:
+            self._stats.add(counter)
+        self._stats.add("loads_failed")
+        logger.warning(
+            "req %s (%s): %s; recomputing the prompt", load.req_id, load.disagg_req_id, why
+        )
+        return False

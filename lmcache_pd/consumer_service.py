@@ -1,0 +1,282 @@
+"""The consumer rank in a process of its own, beside the vLLM worker that loads from it.
+
+Why a process: the consumer must answer producers (alloc round trips, NIXL notifications) within
+milliseconds, and inside vLLM's worker it cannot always. A forward pass or a busy-wait in native
+code holds the worker's GIL, and no thread of ours runs meanwhile, unpinned or not (measured: 5
+to 78 s of silence in 2P1D on 2 cores, 35 to 55 s on both decode ranks of TP 2, the watchdog
+thread silent too). A process of its own is scheduled by the kernel like any other.
+
+The receive buffer is a memfd both processes map: the service registers it with NIXL and lands
+chunks in it; the worker scatters from it, and reads only pages its request holds (they keep
+their bytes until it releases them). Control is msgpack over a socketpair: ``claim`` and
+``release`` are one-way, and the worker's one question per engine step, ``Progress``, asks how
+far every pending load got and gets the consumer's counters with the answer. The worker waits
+for that answer only briefly (``REPLY_WAIT_S``) and otherwise reads it at its next step, so a
+service that is slow to be scheduled delays loads by a step, never vLLM's model thread.
+
+The service exits when its worker does: on end of file from the socketpair, or when its parent
+process changes (checked every ``PARENT_CHECK_S``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import TypeVar
+
+import msgspec
+import torch
+
+from lmcache_pd.affinity import unpin_this_thread
+from lmcache_pd.chunk_store import LandedChunk
+from lmcache_pd.compat import KVProfile
+from lmcache_pd.config import PDConfig
+from lmcache_pd.consumer import Consumer, landed_bytes, receive_buffer_bytes
+from lmcache_pd.errors import PDError, PeerTimeout
+from lmcache_pd.keys import ChunkKeyer
+
+logger = logging.getLogger(__name__)
+
+Reply = TypeVar("Reply")
+
+# The service imports torch and NIXL and faults its whole buffer in before it answers.
+READY_TIMEOUT_S = 120.0
+# How long a step waits for the answer to its progress question before leaving it to the next.
+REPLY_WAIT_S = 0.001
+STOP_TIMEOUT_S = 10.0
+PARENT_CHECK_S = 1.0
+
+
+class Setup(msgspec.Struct, frozen=True):
+    """What the service needs to build its consumer: the worker's first message."""
+
+    config: PDConfig
+    keyer: dict[str, str | int]
+    profile: KVProfile | None
+
+
+class Ready(msgspec.Struct, frozen=True):
+    pid: int
+
+
+class Claim(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    req_id: str
+    not_needed: list[bytes]
+
+
+class Release(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    req_id: str
+
+
+class LoadQuery(msgspec.Struct, frozen=True, array_like=True):
+    """A pending load: its request, how many of its chunks the worker has located already, and
+    the keys of the rest."""
+
+    req_id: str
+    start: int
+    keys: list[bytes]
+
+
+class Progress(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    loads: list[LoadQuery]
+
+
+class Stop(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    pass
+
+
+Command = Claim | Release | Progress | Stop
+
+
+class LoadState(msgspec.Struct, frozen=True, array_like=True):
+    """How far one queried load got: why it was let go, or where its next chunks landed."""
+
+    req_id: str
+    start: int
+    dropped: str | None
+    landed: list[LandedChunk]
+
+
+class ProgressReply(msgspec.Struct, frozen=True, array_like=True):
+    loads: list[LoadState]
+    stats: dict[str, int]
+
+
+class ConsumerServiceDown(PDError):
+    """The consumer's process is gone: no KV will land for this decode instance."""
+
+
+class ConsumerService:
+    """Starts the consumer rank's process and talks to it; the worker's only way to it."""
+
+    def __init__(
+        self, config: PDConfig, keyer: ChunkKeyer, profile: KVProfile | None = None
+    ) -> None:
+        """``config``: the rank's own (``PDConfig.for_rank``), with its page size."""
+        self.page_bytes = config.page_bytes
+        self.stats: dict[str, int] = {}
+        self._awaiting = False
+        self._down: str | None = None
+        size = receive_buffer_bytes(config)
+        memory = os.memfd_create("lmcache-pd-receive-buffer", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(memory, size)
+            ours, theirs = socket.socketpair()
+            with theirs:
+                self._process = subprocess.Popen(
+                    [sys.executable, "-m", __name__, str(memory), str(theirs.fileno())],
+                    pass_fds=(memory, theirs.fileno()),
+                    stdin=subprocess.DEVNULL,
+                )
+            self._connection = Connection(ours.detach())
+            try:
+                self._send(Setup(config, keyer.params, profile))
+                ready = self._receive(READY_TIMEOUT_S, Ready, "start")
+            except BaseException:
+                self._kill()
+                raise
+            self.buffer = _map(memory, size)
+        finally:
+            os.close(memory)
+        logger.info("consumer service process %d started for this rank", ready.pid)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def claim(self, req_id: str, not_needed: frozenset[bytes]) -> None:
+        """A decode will wait for ``req_id``'s KV (see ``Consumer.claim``)."""
+        self._send(Claim(req_id, sorted(not_needed)))
+
+    def release(self, req_id: str) -> None:
+        """The request is done with its chunks (see ``Consumer.release``)."""
+        self._send(Release(req_id))
+
+    def progress(self, loads: Sequence[LoadQuery]) -> ProgressReply | None:
+        """The answer to the last progress question, asking ``loads`` if none is out; None if
+        it has not come yet (ask again next step). Raises ``ConsumerServiceDown``."""
+        if not self._awaiting:
+            self._send(Progress(list(loads)))
+            self._awaiting = True
+        if self._down is None and not self._connection.poll(REPLY_WAIT_S if loads else 0):
+            return None
+        reply = self._receive(0, ProgressReply, "progress")
+        self._awaiting = False
+        self.stats = reply.stats
+        return reply
+
+    def chunk(self, landed: LandedChunk) -> torch.Tensor:
+        """A landed chunk's bytes (see ``landed_bytes``); raises ``IntegrityError``."""
+        return landed_bytes(self.buffer, self.page_bytes, landed)
+
+    def close(self) -> None:
+        """Ask the process to stop, kill it if it does not; idempotent."""
+        if self._process.poll() is None:
+            with contextlib.suppress(ConsumerServiceDown):
+                self._send(Stop())
+            try:
+                self._process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("consumer service %d did not stop, killing it", self.pid)
+        self._kill()
+        self._connection.close()
+
+    def _kill(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.wait(STOP_TIMEOUT_S)
+
+    def _send(self, message: msgspec.Struct) -> None:
+        if self._down is None:
+            try:
+                self._connection.send_bytes(msgspec.msgpack.encode(message))
+                return
+            except OSError as exc:
+                self._went_down(f"cannot reach it: {exc}")
+        raise ConsumerServiceDown(f"consumer service {self.pid} is down: {self._down}")
+
+    def _receive(self, timeout_s: float, kind: type[Reply], what: str) -> Reply:
+        if self._down is None:
+            try:
+                if not self._connection.poll(timeout_s):
+                    raise PeerTimeout(f"consumer service {self.pid}: no answer to {what}")
+                return msgspec.msgpack.decode(self._connection.recv_bytes(), type=kind)
+            except (EOFError, OSError) as exc:
+                self._went_down(f"its connection ended ({exc or 'end of file'})")
+        raise ConsumerServiceDown(f"consumer service {self.pid} is down: {self._down}")
+
+    def _went_down(self, why: str) -> None:
+        code = self._process.poll()
+        self._down = why if code is None else f"{why}; it exited with status {code}"
+        logger.error("consumer service %d is down: %s", self.pid, self._down)
+
+
+def _map(memory: int, size: int) -> torch.Tensor:
+    """The memfd's bytes, shared (writes by either process are seen by the other)."""
+    return torch.from_file(f"/proc/self/fd/{memory}", shared=True, size=size, dtype=torch.uint8)
+
+
+def _serve(memory: int, connection: Connection) -> None:
+    """The service process: one consumer, answering its worker until told to stop or orphaned."""
+    parent = os.getppid()
+    setup = msgspec.msgpack.decode(connection.recv_bytes(), type=Setup)
+    logging.basicConfig(
+        level=setup.config.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s consumer-service[%(process)d] %(levelname)s %(name)s: %(message)s",
+    )
+    # It starts on the one core vLLM pinned its worker to.
+    unpin_this_thread(setup.config.thread_cpus, "consumer service process")
+    buffer = _map(memory, receive_buffer_bytes(setup.config))
+    os.close(memory)
+    commands = msgspec.msgpack.Decoder(Command)
+    with Consumer(
+        setup.config, ChunkKeyer(**setup.keyer), profile=setup.profile, buffer=buffer
+    ) as consumer:
+        connection.send_bytes(msgspec.msgpack.encode(Ready(os.getpid())))
+        while True:
+            if not connection.poll(PARENT_CHECK_S):
+                if os.getppid() != parent:
+                    logger.warning("the worker that started this consumer is gone; stopping")
+                    return
+                continue
+            try:
+                command = commands.decode(connection.recv_bytes())
+            except (EOFError, OSError):
+                logger.info("the worker closed its connection; stopping")
+                return
+            if isinstance(command, Stop):
+                return
+            _answer(consumer, connection, command)
+
+
+def _answer(consumer: Consumer, connection: Connection, command: Command) -> None:
+    """Carry out one command; a progress question is answered even if carrying it out failed
+    (with no loads), since the worker asks no other until it is."""
+    loads: list[LoadState] = []
+    try:
+        if isinstance(command, Claim):
+            consumer.claim(command.req_id, frozenset(command.not_needed))
+        elif isinstance(command, Release):
+            consumer.release(command.req_id)
+        else:
+            for query in command.loads:
+                dropped, landed = consumer.load_progress(query.req_id, query.keys)
+                loads.append(LoadState(query.req_id, query.start, dropped, landed))
+    except Exception:  # the service must outlive any one bad command
+        consumer.count_internal_error()
+        logger.exception("consumer service: %s failed, serving on", type(command).__name__)
+        loads = []
+    if isinstance(command, Progress):
+        reply = ProgressReply(loads, consumer.stats_snapshot())
+        connection.send_bytes(msgspec.msgpack.encode(reply))
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]), Connection(int(sys.argv[2])))

@@ -1,0 +1,171 @@
+"""The consumer rank in its own process: it serves producers while the process that loads from
+it cannot run Python, and it ends with that process.
+
+Real NIXL between real processes: the producer is a ``ProducerProcess``; the consumer's worker
+side is this test process, whose GIL a pure-Python loop holds (``sys.setswitchinterval`` keeps
+any other thread from taking it), as a forward pass or a native busy-wait in vLLM's worker does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lmcache_pd.chunk_store import LandedChunk
+from lmcache_pd.config import load_config
+from lmcache_pd.consumer import Consumer
+from lmcache_pd.consumer_service import ConsumerService, LoadQuery
+from lmcache_pd.integrity import checksum
+from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.producer_process import ProducerProcess
+from tests.helpers import CHUNK_SIZE, consumer_fields, wait_for, write_config
+
+HOLD_GIL_S = 3.0
+# The producer gives up on an unanswered handshake or allocation after this: well inside
+# HOLD_GIL_S.
+ANSWER_TIMEOUT_S = 1.0
+TOKENS = 3 * CHUNK_SIZE
+
+
+def keyer() -> ChunkKeyer:
+    # As the producer process keys its chunks.
+    return ChunkKeyer(
+        model_name="demo", world_size=1, worker_id=0, kv_dtype="float32", chunk_size=CHUNK_SIZE
+    )
+
+
+@pytest.fixture(scope="module")
+def producer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProducerProcess]:
+    directory = tmp_path_factory.mktemp("producer")
+    fields = consumer_fields(
+        kv_role="kv_producer",
+        alloc_timeout_s=ANSWER_TIMEOUT_S,
+        handshake_timeout_s=ANSWER_TIMEOUT_S,
+    )
+    with ProducerProcess(
+        write_config(directory, "producer", **fields), log_path=directory / "producer.log"
+    ) as process:
+        yield process
+
+
+def hold_the_gil(seconds: float) -> None:
+    """Run Python on this thread only, for ``seconds``: no other thread of this process runs."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(seconds + 5)
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            pass
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def push_while_holding_the_gil(producer: ProducerProcess, fields: dict, req_id: str) -> dict:
+    """Start a push to the consumer at ``fields``' ports, hold this process's GIL while it
+    runs, and return how it went."""
+    producer.send(
+        "push",
+        req_id=req_id,
+        host="127.0.0.1",
+        init_port=fields["init_port"],
+        alloc_port=fields["alloc_port"],
+        tokens=TOKENS,
+        seed=7,
+    )
+    hold_the_gil(HOLD_GIL_S)
+    return producer.result()
+
+
+def test_the_consumer_process_serves_pushes_while_its_worker_holds_the_gil(
+    producer: ProducerProcess,
+) -> None:
+    fields = consumer_fields()
+    service = ConsumerService(load_config(None, environ={}, **fields), keyer())
+    try:
+        outcome = push_while_holding_the_gil(producer, fields, "held")
+        assert outcome["ok"], outcome
+        assert outcome["seconds"] < HOLD_GIL_S / 2  # done while this process could not run
+        keys = [bytes.fromhex(key) for key in outcome["keys"]]
+        landed: list[LandedChunk] = []
+
+        def all_located() -> bool:
+            reply = service.progress([LoadQuery("held", 0, keys)])
+            if reply is not None:
+                landed[:] = reply.loads[0].landed
+            return len(landed) == len(keys)
+
+        wait_for(all_located, what="the landed chunks located")
+        # read from the memory both processes map, checked against the producer's checksums
+        assert [landed_checksum(service, chunk) for chunk in landed] == outcome["checksums"]
+    finally:
+        service.close()
+
+
+def landed_checksum(service: ConsumerService, chunk: LandedChunk) -> int:
+    return checksum(service.chunk(chunk))
+
+
+def test_control_a_consumer_inside_the_worker_stalls_with_it(producer: ProducerProcess) -> None:
+    """Negative control: the same push to a consumer whose thread shares the held GIL fails."""
+    fields = consumer_fields()
+    with Consumer(load_config(None, environ={}, **fields), keyer()):
+        outcome = push_while_holding_the_gil(producer, fields, "stalled")
+    assert not outcome["ok"], outcome["seconds"]
+    # no answer to its handshake (or, had that been done, to its allocation) in time
+    assert outcome["error"] in {"PeerUnreachable", "PeerTimeout"}, outcome["detail"]
+
+
+SERVICE_OWNER = """
+import sys, time
+from lmcache_pd.config import load_config
+from lmcache_pd.consumer_service import ConsumerService
+from lmcache_pd.integrity import checksum
+from lmcache_pd.keys import ChunkKeyer
+keyer = ChunkKeyer(model_name="m", world_size=1, worker_id=0, kv_dtype="float32", chunk_size=256)
+service = ConsumerService(load_config(sys.argv[1]), keyer)
+with open(sys.argv[2], "w") as out:
+    out.write(str(service.pid))
+time.sleep(600)
+"""
+
+
+def test_the_consumer_process_ends_with_its_worker_and_frees_its_ports(tmp_path: Path) -> None:
+    fields = consumer_fields()
+    config = write_config(tmp_path, "consumer", **fields)
+    pid_file = tmp_path / "service.pid"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", SERVICE_OWNER, str(config), str(pid_file)],
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for(pid_file.exists, timeout_s=60.0, what="the service to start")
+        wait_for(lambda: pid_file.read_text() != "", what="its pid")
+        service_pid = int(pid_file.read_text())
+        os.kill(service_pid, 0)  # it runs
+        owner.send_signal(signal.SIGKILL)  # as the launcher or a crash ends a decode instance
+        owner.wait(10)
+        wait_for(lambda: not alive(service_pid), timeout_s=5.0, what="the service to end")
+    finally:
+        if owner.poll() is None:
+            os.killpg(owner.pid, signal.SIGKILL)
+            owner.wait(10)
+    # its ports can be bound again by the instance that replaces it
+    with Consumer(load_config(None, environ={}, **fields), keyer()) as again:
+        assert again.used_pages == 0
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie left to its new parent counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
