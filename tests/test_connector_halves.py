@@ -548,4 +548,5 @@ def test_a_consumer_process_that_dies_fails_the_pending_loads_at_once(workers: W
     workers.consumer.start_load_kv(load("c2", "d-2", list(range(70)), [4, 5, 6]))
     assert finish(workers.consumer) == ({"c2"}, {"c2"})
     assert time.monotonic() - started < 1.0  # the load deadline is 2 s
-    assert workers.consumer_stats.totals()["loads_abandoned"] == 2
+    totals = workers.consumer_stats.totals()
+    assert (totals["loads_abandoned"], totals["consumer_process_down"]) == (2, 1)

@@ -101,6 +101,7 @@ class ConsumerWorker(WorkerHalf):
         self._pending: list[_PendingLoad] = []
         self._aborted: set[str] = set()
         self._consumer_counts: dict[str, int] = {}
+        self._service_down = False
 
     def start_load_kv(self, meta: PDConnectorMetadata) -> None:
         deadline = time.monotonic() + self._config.load_timeout_s
@@ -176,6 +177,9 @@ class ConsumerWorker(WorkerHalf):
         try:
             reply = self._service.progress([pending.query() for pending in self._pending])
         except ConsumerServiceDown as exc:
+            if not self._service_down:
+                self._service_down = True
+                self._stats.add("consumer_process_down")
             down = LoadState("", 0, str(exc), [])
             return {pending.load.disagg_req_id: down for pending in self._pending}
         return {} if reply is None else {state.req_id: state for state in reply.loads}
@@ -190,7 +194,7 @@ class ConsumerWorker(WorkerHalf):
         self._send(self._service.release, disagg_req_id)
 
     def _report_consumer(self) -> None:
-        """The consumer rank's counters (kept by its service thread) as this step's deltas,
+        """The consumer rank's counters (kept by its process) as this step's deltas,
         and its buffer's use as gauges."""
         snapshot = self._service.stats
         if not snapshot:

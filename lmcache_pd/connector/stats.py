@@ -78,7 +78,9 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "and that went on over TCP.",
         "transport_self_test_failures": "Transport self-tests failed at handshake.",
         "handshakes_refused": "Handshakes refused: the two sides' KV formats differ.",
-        # The consumer rank's own counters (its service thread), as deltas each step.
+        "consumer_process_down": "Times the consumer rank's own process was found gone; "
+        "every load of that rank is recomputed from then on.",
+        # The consumer rank's own counters (its process), as deltas each step.
         "consumer_chunks_landed": "Chunks whose write the consumer saw confirmed.",
         "consumer_bytes_landed": "Bytes of chunks the consumer saw confirmed.",
         "consumer_requests_abandoned": "KVAbandoned notices the consumer received.",
@@ -87,7 +89,7 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "consumer_holds_expired": "Requests whose pages lapsed unclaimed or unreleased.",
         "consumer_leases_expired": "Allocations whose write never came, taken back.",
         "consumer_malformed_messages": "Malformed or out-of-bounds messages refused.",
-        "consumer_internal_errors": "Unexpected errors caught in the consumer's service thread.",
+        "consumer_internal_errors": "Unexpected errors caught in the consumer's process.",
         "consumer_service_stalls": "Times the consumer's service loop stopped turning for 2 s.",
         "consumer_cache_hits": "Chunks asked for that had landed already: not written again.",
         "consumer_cache_misses": "Chunks given a fresh page of the receive buffer.",
