@@ -15,6 +15,10 @@ Reproduce::
     .venv/bin/lmcache-pd bench                      # all defaults, ~15 min here
     .venv/bin/python benchmarks/serving.py --systems lmcache-pd,colocated \\
         --workloads 1024/32 --num-prompts 8 --runs 2 --output /tmp/serving.json
+    # the consumer's cache on vs off, taking turns so that drift falls on both alike
+    .venv/bin/python benchmarks/serving.py --systems lmcache-pd,lmcache-pd-nocache \\
+        --workloads 1500/32@1400,400/32x3 --num-prompts 48 --concurrency 8 --runs 4 \\
+        --interleave --output benchmarks/results/serving-cache.json
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ def measure(
     concurrency: int | None,
     rate: float | None,
     runs: int,
+    interleave: bool,
     seed: int,
     model_dir: Path,
     vllm_args: list[str],
@@ -113,9 +118,20 @@ def measure(
     console: Console,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Serve every workload ``runs`` times on each system; returns one aggregated record per
-    (system, workload) and the last run's per-request data for the plots."""
+    (system, workload) and the last run's per-request data for the plots. With ``interleave``
+    the systems take turns run by run, each started afresh, so that the machine's drift falls
+    on all of them alike (a start costs ~1 min here); otherwise each serves all its runs in
+    one start."""
     model = ensure_model(model_dir)
-    records, raw = [], {}
+    raw: dict[tuple[str, str], Any] = {}
+    per_run: dict[tuple[str, str], list[dict[str, Any]]] = {
+        (name, w.name): [] for name in system_names for w in workloads
+    }
+    sessions = (
+        [(name, [run]) for run in range(runs) for name in system_names]
+        if interleave
+        else [(name, list(range(runs))) for name in system_names]
+    )
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -123,16 +139,20 @@ def measure(
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console) as progress:
-        for name in system_names:
-            task = progress.add_task(f"{name}: starting", total=runs * len(workloads) * num_prompts)
-            with make_system(name, model, workdir / name, vllm_args) as system:
+        tasks = {
+            name: progress.add_task(f"{name}: waiting", total=runs * len(workloads) * num_prompts)
+            for name in system_names
+        }
+        for session, (name, session_runs) in enumerate(sessions):
+            task = tasks[name]
+            progress.update(task, description=f"{name}: starting")
+            with make_system(name, model, workdir / f"{name}-{session}", vllm_args) as system:
                 progress.update(task, description=f"{name}: warming up")
                 warm = [(prompt, 4) for prompt, _ in Workload.parse("64/4").prompts(1, seed - 1)]
                 asyncio.run(
                     run_load(system.url, str(model), warm, concurrency=1, rate=None, seed=0)
                 )
-                per_run: dict[str, list[dict[str, Any]]] = {w.name: [] for w in workloads}
-                for run in range(runs):
+                for run in session_runs:
                     for workload in workloads:
                         progress.update(
                             task, description=f"{name}: {workload.name}, run {run + 1}/{runs}"
@@ -165,21 +185,15 @@ def measure(
                                 summary["failures"],
                                 first_errors(results),
                             )
-                        per_run[workload.name].append(summary)
+                        per_run[(name, workload.name)].append(summary)
                         raw[(name, workload.name)] = {
                             "requests": as_records(results),
                             "phases": ours,
                         }
-            for workload in workloads:
-                runs_of = per_run[workload.name]
-                records.append(
-                    {
-                        "system": name,
-                        "workload": workload.name,
-                        **_median_over_runs(runs_of),
-                        "runs": runs_of,
-                    }
-                )
+    records = [
+        {"system": name, "workload": workload, **_median_over_runs(runs_of), "runs": runs_of}
+        for (name, workload), runs_of in per_run.items()
+    ]
     return records, raw
 
 
@@ -283,6 +297,9 @@ def main(
         float | None, typer.Option(help="Poisson arrivals per second (instead of concurrency)")
     ] = None,
     runs: Annotated[int, typer.Option(min=1)] = 3,
+    interleave: Annotated[
+        bool, typer.Option(help="systems take turns run by run, each started afresh")
+    ] = False,
     seed: int = 0,
     model_dir: Path = DEFAULT_MODEL,
     vllm_args: Annotated[str, typer.Option(help="for every instance")] = (
@@ -308,6 +325,7 @@ def main(
         concurrency=concurrency,
         rate=rate,
         runs=runs,
+        interleave=interleave,
         seed=seed,
         model_dir=model_dir,
         vllm_args=vllm_args.split(),
@@ -324,6 +342,7 @@ def main(
             "concurrency": concurrency,
             "rate": rate,
             "runs": runs,
+            "interleave": interleave,
             "seed": seed,
             "vllm_args": vllm_args,
             "model": str(model_dir),

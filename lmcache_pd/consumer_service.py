@@ -127,6 +127,7 @@ class ConsumerService:
         memory = os.memfd_create("lmcache-pd-receive-buffer", os.MFD_CLOEXEC)
         try:
             os.ftruncate(memory, size)
+            self.buffer = _map(memory, size)
             ours, theirs = socket.socketpair()
             with theirs:
                 self._process = subprocess.Popen(
@@ -141,7 +142,6 @@ class ConsumerService:
             except BaseException:
                 self._kill()
                 raise
-            self.buffer = _map(memory, size)
         finally:
             os.close(memory)
         logger.info("consumer service process %d started for this rank", ready.pid)

@@ -228,6 +228,9 @@ class Proxy:
                     http, client, req_id, decoder, spec, started, trace
                 )
                 return response, outcome
+        except asyncio.CancelledError:  # the client went away: say so in the drop notice
+            outcome = Outcome.CLIENT_DISCONNECTED
+            raise
         finally:
             # Pushed KV that decode will not load: freed now rather than at its claim timeout
             # (also when the client's cancellation brings us here).

@@ -538,7 +538,21 @@ def test_a_client_that_leaves_mid_stream_has_its_kv_dropped(stacks, alloc_channe
     with httpx.stream("POST", f"{stack.proxy.url}/v1/completions", json=body) as response:
         events = (line for line in response.iter_lines() if line)
         assert all(next(events).startswith("data: ") for _ in range(2))
-    assert len(alloc_channel.receive(timeout_s=2)) == 1
+    [notice] = alloc_channel.receive(timeout_s=2)
+    assert "client_disconnected" in notice.detail
+
+
+def test_a_client_that_leaves_during_prefill_has_its_kv_dropped(stacks, alloc_channel) -> None:
+    """The client gives up before its first token: the notice says so (not an internal
+    error, which is what the operator would otherwise read in decode's log)."""
+    stack = stacks(
+        prefill=[Standin(StandinState(first_delay_s=2.0))], alloc_port=alloc_channel.port
+    )
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 8}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{stack.proxy.url}/v1/completions", json=body, timeout=0.5)
+    [notice] = alloc_channel.receive(timeout_s=3)
+    assert "client_disconnected" in notice.detail, notice.detail
 
 
 def test_a_request_decode_answered_sends_no_drop(stacks, alloc_channel: AllocChannel) -> None:
