@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,13 @@ TINY_MODEL_ARGS = (
 )
 PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 20.0
+# Batch sizes of the requests ``warm_up`` sends. vLLM compiles its logprobs kernel
+# (``batched_count_greater_than``, torch.compile'd even with --enforce-eager) on first use, once
+# for one sequence and again, shape-generic, for a batch; each time on the model thread, with C++
+# compiler runs. Measured in the 2P1D chaos run: the first batch of two logprob requests on a
+# prefill held it 14-18 s. After these two sizes every batch size is compiled.
+WARM_UP_BATCHES = (1, 2)
+WARM_UP_TIMEOUT_S = 180.0
 
 
 def _die_with_parent() -> None:
@@ -120,6 +128,7 @@ class VLLMServer:
         if kv_transfer_config is not None:
             command += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         self.url = f"http://{host}:{port}"
+        self.model = str(model)
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         pinning = {} if cpu is None else {"VLLM_CPU_OMP_THREADS_BIND": str(cpu)}
@@ -155,6 +164,31 @@ class VLLMServer:
             wait_until_healthy(self.url, self._process, START_TIMEOUT_S)
         except (RuntimeError, TimeoutError) as exc:
             raise type(exc)(f"vLLM {exc}:\n{self.tail()}") from None
+
+    def warm_up(self) -> float:
+        """Have the healthy server compile what it would otherwise compile on its first
+        requests (see ``WARM_UP_BATCHES``); returns the seconds it took. Raises
+        ``httpx.HTTPError`` if the server fails the requests."""
+        body = {
+            "model": self.model,
+            "prompt": [1, 2, 3, 4],
+            "max_tokens": 8,
+            "ignore_eos": True,  # the batch's requests decode side by side to the end
+            "temperature": 0,
+            "logprobs": 1,
+        }
+        started = time.monotonic()
+        with (
+            httpx.Client(timeout=WARM_UP_TIMEOUT_S) as client,
+            ThreadPoolExecutor(max(WARM_UP_BATCHES)) as pool,
+        ):
+            for size in WARM_UP_BATCHES:
+                answers = pool.map(
+                    lambda _: client.post(f"{self.url}/v1/completions", json=body), range(size)
+                )
+                for answer in answers:
+                    answer.raise_for_status()
+        return time.monotonic() - started
 
     @property
     def running(self) -> bool:

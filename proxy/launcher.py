@@ -2,8 +2,10 @@
 
 Every instance gets its own HTTP port and, for decode, its own KV receive ports, picked free at
 start; its transfer config is a copy of the named YAML with those ports and a stats file. All
-instances start at once; the launcher waits for each to be healthy (with a progress display) and
-fails with the instance's name and the end of its log if one does not come up. Stopping (Ctrl-C,
+instances start at once; the launcher waits for each to be healthy (with a progress display),
+then warms each up (``VLLMServer.warm_up``: what vLLM compiles on first use is compiled before the
+proxy sends traffic), and fails with the instance's name and the end of its log if one does not
+come up. Stopping (Ctrl-C,
 SIGTERM, or leaving the ``with`` block) stops every process it started, process group and all.
 """
 
@@ -13,6 +15,7 @@ import logging
 import random
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -271,6 +274,7 @@ class PoolLauncher:
         logger.info("%s starting on port %d (log %s)", name, port, log_path)
 
     def _wait_all_healthy(self) -> None:
+        """Each instance healthy, then warmed up (``VLLMServer.warm_up``), all at once."""
         columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
         with Progress(*columns, console=self.console, transient=True) as progress:
             tasks = {name: progress.add_task(f"{name}: starting", total=1) for name in self.servers}
@@ -280,11 +284,24 @@ class PoolLauncher:
                     server.wait_until_healthy()
                 except (RuntimeError, TimeoutError) as exc:
                     raise LaunchError(f"{name} did not start: {exc}") from None
-                progress.update(
-                    tasks[name],
-                    completed=1,
-                    description=f"{name}: healthy after {time.monotonic() - started:.0f} s",
-                )
+                progress.update(tasks[name], description=f"{name}: warming up")
+            names = list(self.servers)
+            with ThreadPoolExecutor(len(names)) as pool:
+                for name, seconds in zip(names, pool.map(self._warm_up, names), strict=True):
+                    progress.update(
+                        tasks[name],
+                        completed=1,
+                        description=f"{name}: ready after {time.monotonic() - started:.0f} s "
+                        f"(warm-up {seconds:.1f} s)",
+                    )
+
+    def _warm_up(self, name: str) -> float:
+        try:
+            seconds = self.servers[name].warm_up()
+        except httpx.HTTPError as exc:
+            raise LaunchError(f"{name} failed its warm-up requests: {exc!r}") from None
+        logger.info("%s warmed up in %.1f s", name, seconds)
+        return seconds
 
     def counters(self) -> dict[str, dict[str, float]]:
         """Each instance's connector counters and gauges, from its ``/metrics`` (vLLM publishes
@@ -307,8 +324,8 @@ class PoolLauncher:
     def restart(self, name: str, spec: InstanceSpec | None = None) -> float:
         """Stop instance ``name`` (its whole process group, whether alive, stopped or dead) and
         start it again on the same HTTP and KV receive ports with the same transfer config, or
-        with ``spec`` in place of its own; block until it is healthy and return the seconds that
-        took. Its counters start again from zero; its earlier log is kept
+        with ``spec`` in place of its own; block until it is healthy and warmed up, and return the
+        seconds that took. Its counters start again from zero; its earlier log is kept
         (``NAME.log``, then ``NAME.1.log``, ...)."""
         launch = self._launches[name]
         self.servers[name].stop()
@@ -326,6 +343,7 @@ class PoolLauncher:
             self.servers[name].wait_until_healthy()
         except (RuntimeError, TimeoutError) as exc:
             raise LaunchError(f"{name} did not restart: {exc}") from None
+        self._warm_up(name)
         return time.monotonic() - started
 
     def stop(self) -> None:
