@@ -209,6 +209,8 @@ class ConsumerService:
                 return msgspec.msgpack.decode(self._connection.recv_bytes(), type=kind)
             except (EOFError, OSError) as exc:
                 self._went_down(f"its connection ended ({exc or 'end of file'})")
+            except msgspec.DecodeError as exc:  # a bug of ours: the channel cannot be trusted
+                self._went_down(f"it answered what is not a {kind.__name__}: {exc}")
         raise ConsumerServiceDown(f"consumer service {self.pid} is down: {self._down}")
 
     def _went_down(self, why: str) -> None:

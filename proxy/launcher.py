@@ -5,8 +5,8 @@ start; its transfer config is a copy of the named YAML with those ports and a st
 instances start at once; the launcher waits for each to be healthy (with a progress display),
 then warms each up (``VLLMServer.warm_up``: what vLLM compiles on first use is compiled before the
 proxy sends traffic), and fails with the instance's name and the end of its log if one does not
-come up. Stopping (Ctrl-C,
-SIGTERM, or leaving the ``with`` block) stops every process it started, process group and all.
+come up. Stopping (Ctrl-C, SIGTERM, or leaving the ``with`` block) stops every process it started,
+process group and all.
 """
 
 from __future__ import annotations
