@@ -92,7 +92,8 @@ from lmcache_pd.config import PDConfig, load_config
 from lmcache_pd.model_maker import ensure_model
 from lmcache_pd.proxy.app import proxy_thread
 from lmcache_pd.proxy.config import ProxyConfig
-from lmcache_pd.proxy.launcher import PoolLauncher, PoolsConfig, load_pools, unused_port
+from lmcache_pd.proxy.launcher import PoolLauncher, unused_port
+from lmcache_pd.proxy.pools import PoolsConfig, load_pools
 from lmcache_pd.vllm_server import VLLMServer
 
 logger = logging.getLogger(__name__)

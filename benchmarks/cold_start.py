@@ -30,7 +30,8 @@ from rich.table import Table
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
 from lmcache_pd.model_maker import ensure_model
 from lmcache_pd.proxy.app import proxy_thread
-from lmcache_pd.proxy.launcher import PoolLauncher, load_pools
+from lmcache_pd.proxy.launcher import PoolLauncher
+from lmcache_pd.proxy.pools import load_pools
 
 logger = logging.getLogger(__name__)
 

@@ -20,13 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lmcache_pd.proxy.launcher import (
-    InstanceSpec,
-    PoolLauncher,
-    PoolsConfig,
-    ProxySpec,
-    unused_port,
-)
+from lmcache_pd.proxy.launcher import PoolLauncher, unused_port
+from lmcache_pd.proxy.pools import InstanceSpec, PoolsConfig, ProxySpec
 from lmcache_pd.trace import read_trace
 from lmcache_pd.vllm_server import VLLMServer, wait_until_healthy
 

@@ -22,7 +22,8 @@ from rich.table import Table
 
 from lmcache_pd.config import load_config
 from lmcache_pd.keys import ChunkKeyer
-from lmcache_pd.proxy.launcher import PoolLauncher, PoolsConfig, load_pools
+from lmcache_pd.proxy.launcher import PoolLauncher
+from lmcache_pd.proxy.pools import PoolsConfig, load_pools
 
 if TYPE_CHECKING:
     from torch import Tensor

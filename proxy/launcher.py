@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import httpx
 import msgspec
@@ -28,77 +28,11 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lmcache_pd.errors import ConfigError, PDError
 from lmcache_pd.metrics_scrape import scrape
-from lmcache_pd.protocol import MAX_TP_RANKS
-from lmcache_pd.proxy.config import (
-    MIN_DISAGG_TOKENS,
-    DecodeInstance,
-    PrefillInstance,
-    ProxyConfig,
-    Timeouts,
-)
-from lmcache_pd.vllm_server import TINY_MODEL_ARGS, VLLMServer
+from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig, Timeouts
+from lmcache_pd.proxy.pools import InstanceSpec, PoolsConfig
+from lmcache_pd.vllm_server import VLLMServer
 
 logger = logging.getLogger(__name__)
-
-
-class InstanceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One vLLM instance of a pool."""
-
-    # lmcache-pd transfer config (producer or consumer YAML); ports in it are replaced.
-    config: str
-    # Cores for vLLM's CPU threads (VLLM_CPU_OMP_THREADS_BIND), e.g. "0" or "2-3"; with
-    # tensor parallelism one set per rank, separated by "|" (e.g. "0|1").
-    cpus: str | None = None
-    # Ranks of this instance (``--tensor-parallel-size``). A decode instance gets a pair of KV
-    # receive ports per rank; each prefill rank pushes its shard to the decode rank of its index.
-    tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_RANKS)] = 1
-    port: int | None = None
-    env: dict[str, str] = msgspec.field(default_factory=dict)
-    # Arguments for this instance only, after the pool-wide ``vllm_args``.
-    vllm_args: list[str] = msgspec.field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.cpus is not None and self.cpus.count("|") + 1 != self.tensor_parallel_size:
-            raise ValueError(
-                f"cpus {self.cpus!r} gives {self.cpus.count('|') + 1} rank(s) cores, "
-                f"tensor_parallel_size is {self.tensor_parallel_size} (one set per rank, "
-                f'separated by "|", e.g. "0|1")'
-            )
-
-
-class ProxySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    host: str = "127.0.0.1"
-    port: int = 8000
-    decode_read_timeout_s: float = 120.0
-    # Prompts shorter than this go to decode alone (0: every prompt is disaggregated).
-    min_disagg_tokens: Annotated[int, msgspec.Meta(ge=0)] = MIN_DISAGG_TOKENS
-
-
-class PoolsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What ``lmcache-pd serve`` starts."""
-
-    model: str
-    prefill: Annotated[list[InstanceSpec], msgspec.Meta(min_length=1)]
-    decode: Annotated[list[InstanceSpec], msgspec.Meta(min_length=1)]
-    proxy: ProxySpec = msgspec.field(default_factory=ProxySpec)
-    # The model's engine arguments; the defaults suit the project's tiny model (fp32, eager).
-    engine_args: list[str] = msgspec.field(default_factory=lambda: list(TINY_MODEL_ARGS))
-    # Arguments every instance gets after the engine's (and after the model and its port).
-    vllm_args: list[str] = msgspec.field(default_factory=list)
-    kv_cache_gib: Annotated[int, msgspec.Meta(ge=1)] = 1
-    # Per-request trace lines from the proxy and every connector, in the work folder.
-    trace: bool = False
-
-
-def load_pools(path: str | Path) -> PoolsConfig:
-    """Read and validate a pools YAML; relative paths in it are relative to the current folder."""
-    try:
-        raw = yaml.safe_load(Path(path).read_text())
-        return msgspec.convert(raw, PoolsConfig)
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read pools config {path}: {exc}") from exc
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"invalid pools config {path}: {exc}") from exc
 
 
 class LaunchError(PDError):

@@ -25,7 +25,8 @@ import yaml
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source
 from lmcache_pd.model_maker import ensure_model
 from lmcache_pd.proxy.app import proxy_thread
-from lmcache_pd.proxy.launcher import InstanceSpec, PoolLauncher, PoolsConfig, ProxySpec
+from lmcache_pd.proxy.launcher import PoolLauncher
+from lmcache_pd.proxy.pools import InstanceSpec, PoolsConfig, ProxySpec
 from lmcache_pd.vllm_server import VLLMServer
 from tests.helpers import free_port
 from tests.test_e2e_vllm import assert_close_answer, body, prompt

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from lmcache_pd.errors import ConfigError
-from lmcache_pd.proxy.launcher import LaunchError, PoolLauncher, load_pools
+from lmcache_pd.proxy.launcher import LaunchError, PoolLauncher
+from lmcache_pd.proxy.pools import load_pools
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 

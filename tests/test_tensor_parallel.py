@@ -29,7 +29,8 @@ from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.protocol import AbandonReason, DisaggSpec
 from lmcache_pd.proxy.config import DecodeInstance
 from lmcache_pd.proxy.kv_drop import KVDropper
-from lmcache_pd.proxy.launcher import InstanceSpec, _peer_text, load_pools
+from lmcache_pd.proxy.launcher import _peer_text
+from lmcache_pd.proxy.pools import InstanceSpec, load_pools
 from tests.helpers import free_port
 from tests.test_proxy import AllocChannel
 

@@ -1,0 +1,119 @@
+"""The pools file: which prefill and decode instances ``lmcache-pd serve`` runs, on which engine,
+and what the proxy in front of them is told.
+
+One schema for every engine: the embedded launcher (``engine: local``, one host, child
+processes), Ray (``engine: ray``, instances as actors placed on the cluster's nodes) and the
+Kubernetes manifests ``lmcache-pd k8s`` writes from the same file. Validated by msgspec: unknown
+keys, wrong types and bad ranges are refused with the key's name before anything starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+import yaml
+
+from lmcache_pd.errors import ConfigError
+from lmcache_pd.protocol import MAX_TP_RANKS
+from lmcache_pd.proxy.config import MIN_DISAGG_TOKENS
+from lmcache_pd.vllm_server import TINY_MODEL_ARGS
+
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=3600)]
+
+
+class InstanceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One vLLM instance of a pool."""
+
+    # lmcache-pd transfer config (producer or consumer YAML); ports in it are replaced.
+    config: str
+    # Cores for vLLM's CPU threads (VLLM_CPU_OMP_THREADS_BIND), e.g. "0" or "2-3"; with
+    # tensor parallelism one set per rank, separated by "|" (e.g. "0|1").
+    cpus: str | None = None
+    # Ranks of this instance (``--tensor-parallel-size``). A decode instance gets a pair of KV
+    # receive ports per rank; each prefill rank pushes its shard to the decode rank of its index.
+    tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_RANKS)] = 1
+    port: int | None = None
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    # Arguments for this instance only, after the pool-wide ``vllm_args``.
+    vllm_args: list[str] = msgspec.field(default_factory=list)
+    # What the instance reserves on a cluster engine (Ray's actor resources, Kubernetes'
+    # requests): cores (None: one per rank) and memory (None: none reserved).
+    num_cpus: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    memory_gib: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    # Ray only: custom resources a node must offer (``ray start --resources``) and node labels
+    # it must carry (``ray start --labels``); together they say on which nodes it may run.
+    ray_resources: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = msgspec.field(
+        default_factory=dict
+    )
+    ray_labels: dict[str, str] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.cpus is not None and self.cpus.count("|") + 1 != self.tensor_parallel_size:
+            raise ValueError(
+                f"cpus {self.cpus!r} gives {self.cpus.count('|') + 1} rank(s) cores, "
+                f"tensor_parallel_size is {self.tensor_parallel_size} (one set per rank, "
+                f'separated by "|", e.g. "0|1")'
+            )
+
+    @property
+    def cores(self) -> float:
+        """Cores it reserves on a cluster engine."""
+        return self.num_cpus if self.num_cpus is not None else float(self.tensor_parallel_size)
+
+
+class ProxySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    decode_read_timeout_s: float = 120.0
+    # Prompts shorter than this go to decode alone (0: every prompt is disaggregated).
+    min_disagg_tokens: Annotated[int, msgspec.Meta(ge=0)] = MIN_DISAGG_TOKENS
+
+
+class RaySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How ``engine: ray`` reaches its cluster and looks after the instances on it."""
+
+    # The cluster's GCS address ("HOST:PORT"), or "auto": the cluster this machine is part of
+    # (``ray start`` ran here; RAY_ADDRESS also counts).
+    address: str = "auto"
+    # Ray namespace of this deployment's named actors: two deployments on one cluster need two.
+    namespace: str = "lmcache-pd"
+    # Times Ray starts an instance again after it dies (-1: always).
+    max_restarts: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    # A decode instance leaving (``lmcache-pd scale``) takes no new requests and is stopped
+    # when its running ones are done, or after this long.
+    drain_timeout_s: Seconds = 120.0
+    # How often the proxy asks who the members are (new, restarted, leaving).
+    discovery_interval_s: Seconds = 1.0
+
+
+class PoolsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What ``lmcache-pd serve`` starts."""
+
+    model: str
+    prefill: Annotated[list[InstanceSpec], msgspec.Meta(min_length=1)]
+    decode: Annotated[list[InstanceSpec], msgspec.Meta(min_length=1)]
+    proxy: ProxySpec = msgspec.field(default_factory=ProxySpec)
+    # The model's engine arguments; the defaults suit the project's tiny model (fp32, eager).
+    engine_args: list[str] = msgspec.field(default_factory=lambda: list(TINY_MODEL_ARGS))
+    # Arguments every instance gets after the engine's (and after the model and its port).
+    vllm_args: list[str] = msgspec.field(default_factory=list)
+    kv_cache_gib: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # Per-request trace lines from the proxy and every connector, in the work folder.
+    trace: bool = False
+    # Who starts and looks after the instances: ``local``, child processes of ``serve`` on this
+    # host; ``ray``, actors on a Ray cluster's nodes (restarted when they die, scalable).
+    engine: Literal["local", "ray"] = "local"
+    ray: RaySpec = msgspec.field(default_factory=RaySpec)
+
+
+def load_pools(path: str | Path) -> PoolsConfig:
+    """Read and validate a pools YAML; relative paths in it are relative to the current folder."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+        return msgspec.convert(raw, PoolsConfig)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read pools config {path}: {exc}") from exc
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid pools config {path}: {exc}") from exc
