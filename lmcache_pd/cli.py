@@ -28,6 +28,8 @@ from lmcache_pd.proxy.pools import PoolsConfig, load_pools
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from lmcache_pd.proxy.ray_pools import RayPools
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 logger = logging.getLogger(__name__)
 
@@ -94,16 +96,69 @@ def serve(
     _setup_logging(log_level)
     console = Console(stderr=True)
     settings, workdir = _pools_and_model(pools, workdir)
-    with _terminate_on_sigterm(), PoolLauncher(settings, workdir, console) as launcher:
-        proxy = launcher.start()
+    engine: RayPools | PoolLauncher
+    if settings.engine == "ray":
+        from lmcache_pd.proxy.ray_pools import RayPools
+
+        engine = RayPools(settings, workdir)
+        where = f"Ray namespace {settings.ray.namespace}; `lmcache-pd scale` resizes a pool"
+    else:
+        engine = PoolLauncher(settings, workdir, console)
+        where = f"logs in {workdir}"
+    with _terminate_on_sigterm(), engine:
+        proxy = engine.start()
         run_proxy(
             proxy,
             ready=lambda url: console.print(
                 f"[bold green]serving {settings.model} at {url}/v1[/bold green] "
-                f"({len(proxy.prefill)} prefill, {len(proxy.decode)} decode; logs in {workdir}); "
+                f"({len(proxy.prefill)} prefill, {len(proxy.decode)} decode; {where}); "
                 "Ctrl-C stops everything"
             ),
+            members=engine if settings.engine == "ray" else None,
         )
+
+
+@app.command()
+def scale(
+    pool: Annotated[str, typer.Argument(help="prefill or decode")],
+    count: Annotated[int, typer.Argument(help="instances the pool should have", min=1)],
+    address: Annotated[str, typer.Option(help="the Ray cluster's address")] = "auto",
+    namespace: Annotated[str, typer.Option(help="the deployment's Ray namespace")] = "lmcache-pd",
+    timeout_s: Annotated[float, typer.Option(help="longest wait")] = 900.0,
+    log_level: str = "info",
+) -> None:
+    """Grow or shrink a pool of a running `serve` on Ray (engine: ray) while it serves; a
+    decode instance leaving is drained first. Prints every instance afterwards."""
+    import ray
+
+    from lmcache_pd.proxy.ray_pools import connect, controller
+
+    if pool not in ("prefill", "decode"):
+        raise typer.BadParameter(f"pool is prefill or decode, not {pool!r}")
+    _setup_logging(log_level)
+    connect(address, namespace)
+    try:
+        handle = controller(namespace)
+        changed = ray.get(handle.scale.remote(pool, count), timeout=timeout_s)
+        instances = ray.get(handle.describe.remote(), timeout=60)
+    finally:
+        ray.shutdown()
+    console = Console()
+    console.print(
+        f"{pool}: added {changed['added'] or 'none'}, removed {changed['removed'] or 'none'} "
+        f"in {changed['seconds']:.1f} s"
+    )
+    table = Table("instance", "condition", "node", "url", "server pid")
+    for name, about in sorted(instances.items()):
+        member = about.get("member", {})
+        table.add_row(
+            name,
+            about["condition"],
+            str(about.get("node", "")),
+            member.get("url", ""),
+            str(about.get("pid", "")),
+        )
+    console.print(table)
 
 
 @app.command()

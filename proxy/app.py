@@ -36,6 +36,7 @@ from lmcache_pd.proxy.flow import (
     UpstreamRejected,
 )
 from lmcache_pd.proxy.kv_drop import KVDropper
+from lmcache_pd.proxy.membership import Membership, MemberSource
 from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
 from lmcache_pd.proxy.openai_format import Piece, ResponseWriter, Usage, error_body
 from lmcache_pd.proxy.prompt_size import PromptSizer
@@ -57,7 +58,9 @@ logger = logging.getLogger(__name__)
 class Proxy:
     """Owns the pools, the upstream HTTP session, health checks and metrics of one proxy."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, members: MemberSource | None = None) -> None:
+        """Serve the pools of ``config``; with ``members``, whatever it says the pools are now
+        (a cluster engine that adds, restarts and drains instances)."""
         self.config = config
         self.prefill = Pool(Role.PREFILL, [Upstream(p.url, Role.PREFILL) for p in config.prefill])
         self.decode = Pool(
@@ -67,7 +70,16 @@ class Proxy:
                 for d in config.decode
             ],
         )
-        self.metrics = ProxyMetrics([*self.prefill.members, *self.decode.members])
+        self.metrics = ProxyMetrics(self._upstreams)
+        self._membership = (
+            None
+            if members is None
+            else Membership(
+                members,
+                {Role.PREFILL: self.prefill, Role.DECODE: self.decode},
+                self.metrics.membership_errors.inc,
+            )
+        )
         self._session: aiohttp.ClientSession | None = None
         self._health: HealthChecker | None = None
         self._flow: Disaggregator | None = None
@@ -98,13 +110,15 @@ class Proxy:
         self._flow = Disaggregator(self._session, self.prefill, self.config.timeouts, self.metrics)
         self._dropper = KVDropper()
         self._health = HealthChecker(
-            [*self.prefill.members, *self.decode.members],
+            self._upstreams,
             lambda: self._session,
             interval_s=self.config.health_interval_s,
             timeout_s=self.config.timeouts.health_s,
         )
         await self._health.check_all()  # start with what is up now, not with assumptions
         self._health.start()
+        if self._membership is not None:
+            self._membership.start()
         logger.info(
             "proxy for %s: prefill %s, decode %s",
             self.config.model,
@@ -112,7 +126,12 @@ class Proxy:
             [m.url for m in self.decode.members],
         )
 
+    def _upstreams(self) -> list[Upstream]:
+        return [*self.prefill.members, *self.decode.members]
+
     async def _stop(self, _: web.Application) -> None:
+        if self._membership is not None:
+            await self._membership.stop()
         if self._health is not None:
             await self._health.stop()
         if self._dropper is not None:
@@ -419,13 +438,14 @@ async def serve(
     config: ProxyConfig,
     ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
+    members: MemberSource | None = None,
 ) -> None:
     """Serve until ``stop`` is set (by default: until SIGINT or SIGTERM), calling ``ready`` with
     the base URL once listening.
 
     A client that disconnects cancels its handler (``handler_cancellation``), which closes both
-    upstream connections; vLLM then aborts the request."""
-    runner = web.AppRunner(Proxy(config).app(), access_log=None, handler_cancellation=True)
+    upstream connections; vLLM then aborts the request. ``members``: see ``Proxy``."""
+    runner = web.AppRunner(Proxy(config, members).app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.port).start()
@@ -442,17 +462,21 @@ async def serve(
         await runner.cleanup()
 
 
-def run_proxy(config: ProxyConfig, ready: Callable[[str], None] | None = None) -> None:
+def run_proxy(
+    config: ProxyConfig,
+    ready: Callable[[str], None] | None = None,
+    members: MemberSource | None = None,
+) -> None:
     """``serve`` on a fresh event loop until SIGINT or SIGTERM (uvloop when installed: it comes
     with vLLM)."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(config, ready))
+        asyncio.run(serve(config, ready, members=members))
     else:
-        uvloop.run(serve(config, ready))
+        uvloop.run(serve(config, ready, members=members))
 
 
-def proxy_thread(config: ProxyConfig) -> AppThread:
+def proxy_thread(config: ProxyConfig, members: MemberSource | None = None) -> AppThread:
     """The proxy of ``config`` in a thread of this process (the demo, benchmarks, tests)."""
-    return AppThread(Proxy(config).app(), config.host, config.port)
+    return AppThread(Proxy(config, members).app(), config.host, config.port)

@@ -66,7 +66,7 @@ def unused_port(taken: set[int]) -> int:
     raise LaunchError(f"no free port between {PORT_FLOOR} and {low}")
 
 
-class _Ports:
+class Ports:
     """Ports of one launch: those the config names, each at most once, and free ones that
     collide with none of them."""
 
@@ -80,7 +80,7 @@ class _Ports:
         return wanted if wanted is not None else unused_port(self._taken)
 
 
-def _receive_ports(ports: _Ports, ranks: int) -> dict[str, int | list[int]]:
+def receive_ports(ports: Ports, ranks: int) -> dict[str, int | list[int]]:
     """A decode instance's KV receive ports: one pair, or a list of each for several ranks."""
     if ranks == 1:
         return {"init_port": ports.take(), "alloc_port": ports.take()}
@@ -88,7 +88,7 @@ def _receive_ports(ports: _Ports, ranks: int) -> dict[str, int | list[int]]:
     return {"init_port": [p[0] for p in pairs], "alloc_port": [p[1] for p in pairs]}
 
 
-def _peer_text(decode: DecodeInstance) -> str:
+def peer_text(decode: DecodeInstance) -> str:
     """``host:init:alloc`` for a producer's ``warm_peers``, ports comma-separated per rank."""
 
     def joined(ports: int | list[int]) -> str:
@@ -101,6 +101,78 @@ def _parallel_args(spec: InstanceSpec) -> list[str]:
     if spec.tensor_parallel_size == 1:
         return []
     return ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+
+
+def start_instance(
+    pools: PoolsConfig,
+    workdir: Path,
+    name: str,
+    spec: InstanceSpec,
+    role: str,
+    port: int,
+    settings_of_role: dict[str, Any],
+    *,
+    log_name: str | None = None,
+    host: str = "127.0.0.1",
+) -> VLLMServer:
+    """Start instance ``name`` of ``pools`` without waiting for it: its transfer config is a copy
+    of ``spec.config`` with ``kv_role`` and ``settings_of_role`` (a decode rank's receive ports,
+    a prefill's warm peers), written to ``workdir/NAME.yaml``; its log is ``workdir/NAME.log``
+    (or ``LOG_NAME.log``). Every engine starts its instances with this."""
+    try:
+        settings: dict[str, Any] = yaml.safe_load(Path(spec.config).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{name}: cannot read its config {spec.config}: {exc}") from exc
+    settings |= {"kv_role": role, **settings_of_role}
+    if pools.trace:
+        settings["trace_path"] = str(workdir / f"{name}.trace.jsonl")
+    config_path = workdir / f"{name}.yaml"
+    config_path.write_text(yaml.safe_dump(settings))
+    log_path = workdir / f"{log_name or name}.log"
+    server = VLLMServer(
+        Path(pools.model),
+        port,
+        log_path,
+        kv_transfer_config={
+            "kv_connector": "LMCachePDConnector",
+            "kv_connector_module_path": "lmcache_pd.connector",
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"config_path": str(config_path)},
+        },
+        cpu=spec.cpus,
+        env={"VLLM_CPU_KVCACHE_SPACE": str(pools.kv_cache_gib), **spec.env},
+        engine_args=pools.engine_args,
+        extra_args=[*pools.vllm_args, *_parallel_args(spec), *spec.vllm_args],
+        log_stats=True,
+        wait=False,
+        host=host,
+    )
+    logger.info("%s starting on %s (log %s)", name, server.url, log_path)
+    return server
+
+
+def proxy_config_for(
+    pools: PoolsConfig,
+    prefill: list[PrefillInstance],
+    decode: list[DecodeInstance],
+    workdir: Path,
+) -> ProxyConfig:
+    """The proxy's config for ``pools`` whose instances are ``prefill`` and ``decode``, also
+    written to ``workdir/proxy.yaml`` (what ``lmcache-pd proxy`` needs to front them)."""
+    proxy = ProxyConfig(
+        model=pools.model,
+        prefill=prefill,
+        decode=decode,
+        host=pools.proxy.host,
+        port=pools.proxy.port,
+        timeouts=Timeouts(decode_read_s=pools.proxy.decode_read_timeout_s),
+        trace_path=str(workdir / "proxy.trace.jsonl") if pools.trace else None,
+        tokenizer=pools.model,
+        min_disagg_tokens=pools.proxy.min_disagg_tokens,
+    )
+    (workdir / "proxy.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(proxy)))
+    return proxy
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,16 +200,16 @@ class PoolLauncher:
         """Start every instance, wait until all are healthy, and return the proxy's config."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         instances = (*self.pools.prefill, *self.pools.decode)
-        ports = _Ports([self.pools.proxy.port, *(spec.port for spec in instances if spec.port)])
+        ports = Ports([self.pools.proxy.port, *(spec.port for spec in instances if spec.port)])
         prefill, decode = [], []
         try:
             # Decode's ports first: every prefill instance shakes hands with every decode rank
             # ahead of its first request (warm_peers), off any request's path.
             for spec in self.pools.decode:
                 port = ports.take(spec.port)
-                receive = _receive_ports(ports, spec.tensor_parallel_size)
+                receive = receive_ports(ports, spec.tensor_parallel_size)
                 decode.append(DecodeInstance(f"http://127.0.0.1:{port}", "127.0.0.1", **receive))
-            peers = [_peer_text(d) for d in decode]
+            peers = [peer_text(d) for d in decode]
             for index, spec in enumerate(self.pools.prefill):
                 port = ports.take(spec.port)
                 self._launch(f"prefill-{index}", spec, "kv_producer", port, {"warm_peers": peers})
@@ -150,20 +222,7 @@ class PoolLauncher:
         except BaseException:
             self.stop()
             raise
-        proxy = ProxyConfig(
-            model=self.pools.model,
-            prefill=prefill,
-            decode=decode,
-            host=self.pools.proxy.host,
-            port=self.pools.proxy.port,
-            timeouts=Timeouts(decode_read_s=self.pools.proxy.decode_read_timeout_s),
-            trace_path=str(self.workdir / "proxy.trace.jsonl") if self.pools.trace else None,
-            tokenizer=self.pools.model,
-            min_disagg_tokens=self.pools.proxy.min_disagg_tokens,
-        )
-        # What `lmcache-pd proxy` would need to front these same instances.
-        (self.workdir / "proxy.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(proxy)))
-        return proxy
+        return proxy_config_for(self.pools, prefill, decode, self.workdir)
 
     def _launch(
         self,
@@ -174,38 +233,11 @@ class PoolLauncher:
         settings_of_role: dict[str, Any],
         log_name: str | None = None,
     ) -> None:
-        """Start one instance; ``settings_of_role`` go into its transfer config (a decode
-        rank's receive ports, a prefill's warm peers)."""
-        try:
-            settings: dict[str, Any] = yaml.safe_load(Path(spec.config).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"{name}: cannot read its config {spec.config}: {exc}") from exc
-        settings |= {"kv_role": role, **settings_of_role}
-        if self.pools.trace:
-            settings["trace_path"] = str(self.workdir / f"{name}.trace.jsonl")
-        config_path = self.workdir / f"{name}.yaml"
-        config_path.write_text(yaml.safe_dump(settings))
+        """Start one instance and remember how, for ``restart``."""
         self._launches[name] = _Launch(spec, role, port, settings_of_role)
-        log_path = self.workdir / f"{log_name or name}.log"
-        self.servers[name] = VLLMServer(
-            Path(self.pools.model),
-            port,
-            log_path,
-            kv_transfer_config={
-                "kv_connector": "LMCachePDConnector",
-                "kv_connector_module_path": "lmcache_pd.connector",
-                "kv_role": role,
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"config_path": str(config_path)},
-            },
-            cpu=spec.cpus,
-            env={"VLLM_CPU_KVCACHE_SPACE": str(self.pools.kv_cache_gib), **spec.env},
-            engine_args=self.pools.engine_args,
-            extra_args=[*self.pools.vllm_args, *_parallel_args(spec), *spec.vllm_args],
-            log_stats=True,
-            wait=False,
+        self.servers[name] = start_instance(
+            self.pools, self.workdir, name, spec, role, port, settings_of_role, log_name=log_name
         )
-        logger.info("%s starting on port %d (log %s)", name, port, log_path)
 
     def _wait_all_healthy(self) -> None:
         """Each instance healthy, then warmed up (``VLLMServer.warm_up``), all at once."""

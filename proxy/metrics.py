@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from lmcache_pd.proxy.routing import Upstream
 
@@ -30,7 +33,8 @@ class Outcome(enum.Enum):
 class ProxyMetrics:
     """Counters and histograms of one proxy; ``/metrics`` serves ``exposition()``."""
 
-    def __init__(self, upstreams: list[Upstream]) -> None:
+    def __init__(self, upstreams: Callable[[], Iterable[Upstream]]) -> None:
+        """``upstreams`` gives the instances there are now (a cluster engine changes them)."""
         self.registry = CollectorRegistry()
         prefix = "lmcache_pd_proxy"
         self.requests = Counter(
@@ -73,25 +77,39 @@ class ProxyMetrics:
             "Requests retried on another prefill instance before their first token",
             registry=self.registry,
         )
-        outstanding = Gauge(
-            f"{prefix}_outstanding",
-            "Requests in flight per instance",
-            ["role", "instance"],
+        self.membership_errors = Counter(
+            f"{prefix}_membership_errors",
+            "Failed questions to the cluster engine about the pools' members",
             registry=self.registry,
         )
-        up = Gauge(
-            f"{prefix}_instance_up",
-            "1 while an instance is considered healthy",
-            ["role", "instance"],
-            registry=self.registry,
-        )
-        for member in upstreams:  # read at scrape time, never stale
-            labels = {"role": member.role.value, "instance": member.url}
-            outstanding.labels(**labels).set_function(lambda m=member: m.outstanding)
-            up.labels(**labels).set_function(lambda m=member: float(m.healthy))
+        self.registry.register(_InstanceGauges(upstreams))
 
     def upstream_error(self, member: Upstream, kind: str) -> None:
         self.upstream_errors.labels(member.role.value, member.url, kind).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _InstanceGauges(Collector):
+    """Per-instance gauges read at scrape time from the instances there are then: never stale,
+    and an instance that left the pools is not reported."""
+
+    def __init__(self, upstreams: Callable[[], Iterable[Upstream]]) -> None:
+        self._upstreams = upstreams
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["role", "instance"]
+        outstanding = GaugeMetricFamily(
+            "lmcache_pd_proxy_outstanding", "Requests in flight per instance", labels=labels
+        )
+        up = GaugeMetricFamily(
+            "lmcache_pd_proxy_instance_up",
+            "1 while an instance is considered healthy",
+            labels=labels,
+        )
+        for member in self._upstreams():
+            outstanding.add_metric([member.role.value, member.url], member.outstanding)
+            up.add_metric([member.role.value, member.url], float(member.healthy))
+        yield outstanding
+        yield up

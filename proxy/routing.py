@@ -66,6 +66,11 @@ class Pool:
     members: list[Upstream]
     _cursor: int = field(default=0, repr=False)
 
+    def replace(self, members: list[Upstream]) -> None:
+        """Serve from ``members`` from now on (a cluster engine changed the pool)."""
+        self.members = members
+        self._cursor = 0
+
     def pick(self, exclude: Upstream | None = None) -> Upstream:
         """The healthy instance with the fewest outstanding requests; ties go round-robin."""
         count = len(self.members)
@@ -79,11 +84,12 @@ class Pool:
 
 
 class HealthChecker:
-    """Asks every instance's ``/health`` every ``interval_s``, marking each up or down."""
+    """Asks every instance's ``/health`` every ``interval_s``, marking each up or down;
+    ``upstreams`` says which instances there are now."""
 
     def __init__(
         self,
-        upstreams: list[Upstream],
+        upstreams: Callable[[], list[Upstream]],
         session_factory: Callable[[], aiohttp.ClientSession],
         *,
         interval_s: float,
@@ -108,7 +114,7 @@ class HealthChecker:
     async def check_all(self) -> None:
         """One round: every instance, concurrently."""
         session = self._session_factory()
-        await asyncio.gather(*(self._check(session, member) for member in self._upstreams))
+        await asyncio.gather(*(self._check(session, member) for member in self._upstreams()))
 
     async def _check(self, session: aiohttp.ClientSession, member: Upstream) -> None:
         try:

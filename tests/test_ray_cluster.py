@@ -1,0 +1,355 @@
+"""``engine: ray`` on a real two-node Ray cluster whose nodes are two network stacks: the head in
+one network namespace (prefill's node, and the driver: ``lmcache-pd serve`` and its proxy), a
+worker node in another (decode's), joined by a veth pair, so the KV crosses it as between hosts.
+
+Shown, through the proxy with the official ``openai`` client: answers equal to one plain vLLM's
+(tokens, logprobs within the end-to-end tolerance) with decode's counters showing the prompt
+loaded, not computed; decode's vLLM SIGKILLed, Ray restarting it on new ports, and requests
+succeeding again through the same proxy; a second decode instance added by ``lmcache-pd scale``
+taking requests, and removed again after draining the stream it was serving. Everything started
+is stopped by process group. Needs root (network namespaces) and Ray; skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from lmcache_pd import netns
+from lmcache_pd.metrics_scrape import decode_sources, scrape
+from lmcache_pd.model_maker import ensure_model
+from lmcache_pd.vllm_server import VLLMServer
+from tests.helpers import free_port
+from tests.test_e2e_vllm import SERVER_ARGS, assert_close_answer, body, prompt
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+openai = pytest.importorskip("openai")
+
+logger = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(1500),
+    pytest.mark.skipif(netns.unavailable() is not None, reason=f"{netns.unavailable()}"),
+]
+GCS_PORT = 6379  # free in the head's fresh namespace
+PROXY_PORT = 8000
+NAMESPACE = "lmpd-test"
+OUTPUT_TOKENS = 6
+PROMPTS = {f"len-{n}": prompt(n, 900 + n) for n in (300, 1000, 2600)}
+SERVE_TIMEOUT_S = 600.0
+RECOVERY_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+
+
+@contextlib.contextmanager
+def started(command: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[int]:
+    """``command`` in a session of its own (pid = process group id), stopped by group on exit:
+    SIGTERM, then SIGKILL for what is left after ``STOP_TIMEOUT_S``."""
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})},
+        )
+    try:
+        yield process.pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(STOP_TIMEOUT_S)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(STOP_TIMEOUT_S)
+
+
+def ray_start(side: netns.Side, *args: str) -> list[str]:
+    return [
+        *side.wrap,
+        str(BIN / "ray"),
+        "start",
+        "--block",
+        f"--node-ip-address={side.address}",
+        "--num-cpus=2",
+        "--object-store-memory=80000000",
+        "--disable-usage-stats",
+        *args,
+    ]
+
+
+def processes_in(side: netns.Side) -> list[tuple[int, str]]:
+    """(pid, command line) of every process in ``side``'s network namespace."""
+    target = os.stat(f"{netns.NETNS_DIR}/{side.netns}").st_ino
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.stat(entry / "ns" / "net").st_ino != target:
+                continue
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # gone meanwhile
+            continue
+        found.append((int(entry.name), command))
+    return found
+
+
+def vllm_servers(side: netns.Side) -> dict[int, int]:
+    """HTTP port -> pid of every vLLM API server in ``side``'s namespace."""
+    servers = {}
+    for pid, command in processes_in(side):
+        if "vllm.entrypoints.openai.api_server" in command:
+            servers[int(re.search(r"--port (\d+)", command).group(1))] = pid
+    return servers
+
+
+class Cluster:
+    """The two nodes, the driver's proxy, and calls made from the head's namespace."""
+
+    def __init__(self, pair: netns.VethPair, model: Path, workdir: Path) -> None:
+        self.pair, self.model, self.workdir = pair, model, workdir
+        self.head, self.worker = pair.left, pair.right
+        self.proxy = f"http://{self.head.address}:{PROXY_PORT}"
+        self.address = f"{self.head.address}:{GCS_PORT}"
+
+    def at_head(self, function: Callable[[], Any], timeout_s: float = 180.0) -> Any:
+        return self.head.call(function, timeout_s)
+
+    def decode_urls(self) -> list[str]:
+        """Decode instances the proxy routes to now (its per-instance gauge)."""
+        text = self.at_head(lambda: httpx.get(f"{self.proxy}/metrics", timeout=5).text, 10)
+        return sorted(
+            re.findall(r'lmcache_pd_proxy_instance_up\{instance="([^"]+)",role="decode"\}', text)
+        )
+
+    def complete(self, tokens: list[int], **extra: Any) -> tuple[list[str], list[float]]:
+        def call() -> tuple[list[str], list[float]]:
+            client = openai.OpenAI(
+                base_url=f"{self.proxy}/v1", api_key="none", max_retries=0, timeout=120
+            )
+            request = body(self.model, tokens, OUTPUT_TOKENS) | extra
+            choice = client.completions.create(**request).choices[0]
+            return choice.logprobs.tokens, choice.logprobs.token_logprobs
+
+        return self.at_head(call)
+
+    def stream(self, tokens: list[int], max_tokens: int) -> tuple[int, str | None, float]:
+        """A streamed answer's token count (its usage), finish reason, and when it ended."""
+
+        def call() -> tuple[int, str | None, float]:
+            client = openai.OpenAI(
+                base_url=f"{self.proxy}/v1", api_key="none", max_retries=0, timeout=300
+            )
+            count, finish = 0, None
+            for chunk in client.completions.create(
+                model=str(self.model),
+                prompt=tokens,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            ):
+                if chunk.usage is not None:
+                    count = chunk.usage.completion_tokens
+                if chunk.choices:
+                    finish = chunk.choices[0].finish_reason or finish
+            return count, finish, time.monotonic()
+
+        return self.at_head(call, 300)
+
+    def decode_counters(self, url: str) -> dict[str, float]:
+        return self.worker.call(lambda: scrape(url) | decode_sources(url), 15)
+
+    def scale(self, count: int) -> float:
+        """``lmcache-pd scale decode COUNT`` from the head's namespace; its wall time."""
+        began = time.monotonic()
+        subprocess.run(
+            [*self.head.wrap, str(BIN / "lmcache-pd"), "scale", "decode", str(count),
+             "--address", self.address, "--namespace", NAMESPACE],
+            check=True, timeout=900, capture_output=True,
+        )  # fmt: skip
+        return time.monotonic() - began
+
+
+def pools_file(cluster: Cluster) -> Path:
+    pools = {
+        "model": str(cluster.model),
+        "engine": "ray",
+        "ray": {"address": cluster.address, "namespace": NAMESPACE, "discovery_interval_s": 0.5},
+        "proxy": {"host": cluster.head.address, "port": PROXY_PORT, "min_disagg_tokens": 0},
+        "vllm_args": list(SERVER_ARGS),
+        "prefill": [
+            {"config": str(ROOT / "configs/producer.yaml"), "cpus": "0",
+             "ray_resources": {"prefill_node": 1}}
+        ],
+        "decode": [
+            {"config": str(ROOT / "configs/consumer.yaml"), "cpus": "1",
+             "ray_resources": {"decode_node": 1}}
+        ],
+    }  # fmt: skip
+    path = cluster.workdir / "pools.yaml"
+    path.write_text(yaml.safe_dump(pools))
+    return path
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> float:
+    """Seconds until ``check()`` holds (exceptions count as not yet); fails at the deadline."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout_s:
+        with contextlib.suppress(Exception):
+            if check():
+                return time.monotonic() - began
+        time.sleep(0.5)
+    pytest.fail(f"{what}: not within {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return ensure_model(ROOT / ".cache" / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    logs = tmp_path_factory.mktemp("reference")
+    with VLLMServer(model, free_port(), logs / "plain.log", cpu=0, extra_args=SERVER_ARGS) as plain:
+        return {
+            name: _answer(plain.complete(body(model, tokens, OUTPUT_TOKENS)))
+            for name, tokens in PROMPTS.items()
+        }
+
+
+def _answer(response: dict) -> tuple[list[str], list[float]]:
+    logprobs = response["choices"][0]["logprobs"]
+    return logprobs["tokens"], logprobs["token_logprobs"]
+
+
+def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
+    model: Path,
+    reference: dict[str, tuple],
+    tmp_path: Path,
+    record_property: Callable[[str, object], None],
+) -> None:
+    measured: dict[str, float] = {}
+    with netns.veth_pair("lmpd-ray") as pair:
+        cluster = Cluster(pair, model, tmp_path)
+        temp = f"/tmp/lmpd-ray-{os.getpid()}"  # Ray's sockets: a short path of our own
+        with contextlib.ExitStack() as stack:
+            stack.callback(subprocess.run, ["rm", "-rf", temp], check=False)
+            head_command = ray_start(
+                cluster.head, "--head", f"--port={GCS_PORT}", "--include-dashboard=false",
+                f"--temp-dir={temp}", '--resources={"prefill_node": 1}',
+            )  # fmt: skip
+            stack.enter_context(started(head_command, tmp_path / "ray-head.log"))
+            wait_for(
+                "the Ray head",
+                lambda: "Ray runtime started" in (tmp_path / "ray-head.log").read_text(),
+                60,
+            )
+            worker_command = ray_start(
+                cluster.worker, f"--address={cluster.address}", '--resources={"decode_node": 2}'
+            )
+            stack.enter_context(started(worker_command, tmp_path / "ray-worker.log"))
+            serve = [*cluster.head.wrap, str(BIN / "lmcache-pd"), "serve", str(pools_file(cluster)),
+                     "--workdir", str(tmp_path / "run")]  # fmt: skip
+            began = time.monotonic()
+            stack.enter_context(started(serve, tmp_path / "serve.log"))
+            measured["serve_ready_s"] = wait_for(
+                "serve's proxy",
+                lambda: (
+                    cluster.at_head(
+                        lambda: httpx.get(f"{cluster.proxy}/health", timeout=2).status_code, 5
+                    )
+                    == 200
+                ),
+                SERVE_TIMEOUT_S,
+            )
+
+            # Placement: prefill on the head's node, decode on the worker's.
+            assert len(vllm_servers(cluster.head)) == 1
+            [decode_port] = vllm_servers(cluster.worker)
+            [decode_url] = cluster.decode_urls()
+            assert decode_url == f"http://{cluster.worker.address}:{decode_port}"
+
+            # Answers equal one plain vLLM's; decode loaded the prompts.
+            before = cluster.decode_counters(decode_url)
+            for name, tokens in PROMPTS.items():
+                assert_close_answer(cluster.complete(tokens), reference[name], name)
+            after = cluster.decode_counters(decode_url)
+            loaded = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
+            computed = after.get("local_compute", 0) - before.get("local_compute", 0)
+            assert loaded >= sum(len(t) for t in PROMPTS.values()) - 3 * 256, (loaded, computed)
+            assert after["loads_failed"] == before.get("loads_failed", 0)
+
+            # Decode's vLLM dies; Ray restarts its actor; requests succeed again.
+            killed = time.monotonic()
+            os.killpg(vllm_servers(cluster.worker)[decode_port], signal.SIGKILL)
+            new_url: list[str] = []
+
+            def served_by_a_new_decode() -> bool:
+                urls = cluster.decode_urls()
+                if len(urls) != 1 or urls[0] == decode_url:
+                    return False
+                assert_close_answer(cluster.complete(PROMPTS["len-1000"]), reference["len-1000"])
+                new_url[:] = urls
+                return True
+
+            measured["restart_to_first_answer_s"] = wait_for(
+                "a request served after decode's restart",
+                served_by_a_new_decode,
+                RECOVERY_TIMEOUT_S,
+            )
+            assert time.monotonic() - killed < RECOVERY_TIMEOUT_S
+            for name, tokens in PROMPTS.items():
+                assert_close_answer(cluster.complete(tokens), reference[name], name)
+            assert cluster.decode_counters(new_url[0])["tokens_loaded"] > 0
+
+            # A second decode instance, on the worker's node, takes requests.
+            measured["scale_up_s"] = cluster.scale(2)
+            urls = cluster.decode_urls()
+            assert len(urls) == 2 and len(vllm_servers(cluster.worker)) == 2
+            for name, tokens in PROMPTS.items():
+                assert_close_answer(cluster.complete(tokens), reference[name], name)
+            for url in urls:  # round-robin between idle equals: each got some
+                assert cluster.decode_counters(url)["tokens_loaded"] > 0, url
+
+            # Shrinking back drains: two streams in flight (one on each decode) both finish.
+            def loads() -> float:
+                return sum(cluster.decode_counters(u).get("loads_completed", 0) for u in urls)
+
+            loaded_before = loads()
+            with ThreadPoolExecutor(2) as streams:
+                running = [streams.submit(cluster.stream, PROMPTS["len-300"], 400) for _ in (0, 1)]
+                wait_for("both streams at decode", lambda: loads() >= loaded_before + 2, 60)
+                measured["scale_down_s"] = cluster.scale(1)
+                scaled = time.monotonic()
+                finished = [future.result(timeout=300) for future in running]
+            assert [(count, finish) for count, finish, _ in finished] == [(400, "length")] * 2
+            # The leaving instance was stopped only after its stream ended.
+            assert scaled > max(ended for _, _, ended in finished)
+            assert len(cluster.decode_urls()) == 1 and len(vllm_servers(cluster.worker)) == 1
+            measured["serve_total_s"] = time.monotonic() - began
+        # serve stopped by its process group: nothing of ours is left in either namespace.
+        for side in (cluster.head, cluster.worker):
+            assert vllm_servers(side) == {}, side
+    logger.info("measured on the two-node Ray cluster: %s", json.dumps(measured))
+    record_property("ray_cluster_seconds", measured)
