@@ -125,7 +125,8 @@ class Membership:
             if url not in current:
                 logger.info("%s instance %s (%s) joined", pool.role.value, url, member.name)
                 kept.append(Upstream(url, pool.role, member.receiver))
-        pool.replace(kept)
+        if kept != pool.members:
+            pool.replace(kept)
 
     async def _run(self) -> None:
         while True:

@@ -67,9 +67,10 @@ class Pool:
     _cursor: int = field(default=0, repr=False)
 
     def replace(self, members: list[Upstream]) -> None:
-        """Serve from ``members`` from now on (a cluster engine changed the pool)."""
+        """Serve from ``members`` from now on (a cluster engine changed the pool); the
+        round-robin goes on where it was."""
         self.members = members
-        self._cursor = 0
+        self._cursor %= max(len(members), 1)
 
     def pick(self, exclude: Upstream | None = None) -> Upstream:
         """The healthy instance with the fewest outstanding requests; ties go round-robin."""

@@ -21,7 +21,9 @@ def write(tmp_path: Path, pools: dict) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["pools.yaml", "pools-2p1d.yaml", "pools-tp2.yaml"])
+@pytest.mark.parametrize(
+    "name", ["pools.yaml", "pools-2p1d.yaml", "pools-tp2.yaml", "pools-ray.yaml"]
+)
 def test_shipped_pools_configs_are_valid(name: str) -> None:
     pools = load_pools(CONFIGS / name)
     assert pools.proxy.port == 8000 and pools.prefill and pools.decode
