@@ -29,6 +29,13 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from lmcache_pd.errors import ConfigError, PDError
 from lmcache_pd.metrics_scrape import scrape
 from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig, Timeouts
+from lmcache_pd.proxy.instance import (
+    Role,
+    connector_config,
+    instance_args,
+    instance_env,
+    transfer_settings,
+)
 from lmcache_pd.proxy.pools import InstanceSpec, PoolsConfig
 from lmcache_pd.vllm_server import VLLMServer
 
@@ -88,7 +95,7 @@ def _receive_ports(ports: _Ports, ranks: int) -> dict[str, int | list[int]]:
     return {"init_port": [p[0] for p in pairs], "alloc_port": [p[1] for p in pairs]}
 
 
-def _peer_text(decode: DecodeInstance) -> str:
+def peer_text(decode: DecodeInstance) -> str:
     """``host:init:alloc`` for a producer's ``warm_peers``, ports comma-separated per rank."""
 
     def joined(ports: int | list[int]) -> str:
@@ -97,18 +104,12 @@ def _peer_text(decode: DecodeInstance) -> str:
     return f"{decode.receiver_host}:{joined(decode.init_port)}:{joined(decode.alloc_port)}"
 
 
-def _parallel_args(spec: InstanceSpec) -> list[str]:
-    if spec.tensor_parallel_size == 1:
-        return []
-    return ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
-
-
 @dataclass(frozen=True, slots=True)
 class _Launch:
     """What an instance was started with, so that ``restart`` can start it again alike."""
 
     spec: InstanceSpec
-    role: str
+    role: Role
     port: int
     settings_of_role: dict[str, Any]
 
@@ -137,7 +138,7 @@ class PoolLauncher:
                 port = ports.take(spec.port)
                 receive = _receive_ports(ports, spec.tensor_parallel_size)
                 decode.append(DecodeInstance(f"http://127.0.0.1:{port}", "127.0.0.1", **receive))
-            peers = [_peer_text(d) for d in decode]
+            peers = [peer_text(d) for d in decode]
             for index, spec in enumerate(self.pools.prefill):
                 port = ports.take(spec.port)
                 self._launch(f"prefill-{index}", spec, "kv_producer", port, {"warm_peers": peers})
@@ -169,18 +170,14 @@ class PoolLauncher:
         self,
         name: str,
         spec: InstanceSpec,
-        role: str,
+        role: Role,
         port: int,
         settings_of_role: dict[str, Any],
         log_name: str | None = None,
     ) -> None:
         """Start one instance; ``settings_of_role`` go into its transfer config (a decode
         rank's receive ports, a prefill's warm peers)."""
-        try:
-            settings: dict[str, Any] = yaml.safe_load(Path(spec.config).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"{name}: cannot read its config {spec.config}: {exc}") from exc
-        settings |= {"kv_role": role, **settings_of_role}
+        settings = transfer_settings(name, spec, role, settings_of_role)
         if self.pools.trace:
             settings["trace_path"] = str(self.workdir / f"{name}.trace.jsonl")
         config_path = self.workdir / f"{name}.yaml"
@@ -191,17 +188,11 @@ class PoolLauncher:
             Path(self.pools.model),
             port,
             log_path,
-            kv_transfer_config={
-                "kv_connector": "LMCachePDConnector",
-                "kv_connector_module_path": "lmcache_pd.connector",
-                "kv_role": role,
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"config_path": str(config_path)},
-            },
+            kv_transfer_config=connector_config(role, str(config_path)),
             cpu=spec.cpus,
-            env={"VLLM_CPU_KVCACHE_SPACE": str(self.pools.kv_cache_gib), **spec.env},
+            env=instance_env(self.pools, spec),
             engine_args=self.pools.engine_args,
-            extra_args=[*self.pools.vllm_args, *_parallel_args(spec), *spec.vllm_args],
+            extra_args=instance_args(self.pools, spec),
             log_stats=True,
             wait=False,
         )

@@ -29,7 +29,7 @@ from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.protocol import AbandonReason, DisaggSpec
 from lmcache_pd.proxy.config import DecodeInstance
 from lmcache_pd.proxy.kv_drop import KVDropper
-from lmcache_pd.proxy.launcher import _peer_text
+from lmcache_pd.proxy.launcher import peer_text
 from lmcache_pd.proxy.pools import InstanceSpec, load_pools
 from tests.helpers import free_port
 from tests.test_proxy import AllocChannel
@@ -285,7 +285,7 @@ def test_a_decode_instance_lists_a_port_pair_per_rank() -> None:
         {"url": "http://d:1", "receiver_host": "d", "init_port": [5, 7], "alloc_port": [6, 8]},
         DecodeInstance,
     )
-    assert _peer_text(decode) == "d:5,7:6,8"
+    assert peer_text(decode) == "d:5,7:6,8"
     with pytest.raises(msgspec.ValidationError, match="init_port lists 2 rank"):
         msgspec.convert(
             {"url": "http://d:1", "receiver_host": "d", "init_port": [5, 7], "alloc_port": 6},
