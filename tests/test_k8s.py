@@ -76,16 +76,13 @@ def pod_env(container: Manifest, pod_name: str) -> dict[str, str]:
 
 def mounted_file(workload: Manifest, objects: list[Manifest], path: str) -> str | None:
     """The text a pod of ``workload`` reads at ``path``, if a ConfigMap mount puts it there."""
-    pod = workload["spec"]["template"]["spec"]
-    volumes = {v["name"]: v for v in pod["volumes"]}
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+    maps = {o["metadata"]["name"]: o["data"] for o in objects if o["kind"] == "ConfigMap"}
+    folder, _, key = path.rpartition("/")
     for mount in container_of(workload)["volumeMounts"]:
-        folder, _, key = path.rpartition("/")
-        volume = volumes.get(mount["name"], {})
-        if mount["mountPath"] == folder and "configMap" in volume:
-            maps = [o for o in objects if o["kind"] == "ConfigMap"]
-            for config_map in maps:
-                if config_map["metadata"]["name"] == volume["configMap"]["name"]:
-                    return config_map["data"].get(key)
+        source = volumes.get(mount["name"], {}).get("configMap")
+        if mount["mountPath"] == folder and source and source["name"] in maps:
+            return maps[source["name"]].get(key)
     return None
 
 
