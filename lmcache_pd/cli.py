@@ -1,5 +1,5 @@
 """The ``lmcache-pd`` command: serve pools behind the proxy, run the proxy or a consumer rank
-alone, the demos, and make the tiny model."""
+alone, the demos, make the tiny model, and write a pools file's Kubernetes manifests."""
 
 from __future__ import annotations
 
@@ -371,6 +371,33 @@ def make_model_command(
     _setup_logging("info")
     built = make_model(directory, seed=seed) if force else ensure_model(directory, seed=seed)
     typer.echo(built)
+
+
+@app.command()
+def k8s(
+    pools: Annotated[Path, typer.Argument(help="pools YAML")],
+    output: Annotated[
+        Path | None, typer.Option(help="write one file per object into this folder")
+    ] = None,
+) -> None:
+    """Write the Kubernetes manifests of POOLS (its `kubernetes:` section says the image,
+    namespace, names and model volume): decode and prefill as StatefulSets with headless
+    Services, the proxy as a Deployment with a Service, their YAMLs as ConfigMaps. Printed as
+    one YAML stream, or with --output one file per object; then `kubectl apply -f`."""
+    from lmcache_pd.errors import ConfigError
+    from lmcache_pd.k8s import file_name, manifests, to_yaml
+
+    try:
+        objects = manifests(load_pools(pools))
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint="POOLS") from None
+    if output is None:
+        typer.echo(to_yaml(objects), nl=False)
+        return
+    output.mkdir(parents=True, exist_ok=True)
+    for index, manifest in enumerate(objects):
+        (output / file_name(index, manifest)).write_text(to_yaml([manifest]))
+    typer.echo(f"{len(objects)} objects written to {output}", err=True)
 
 
 if __name__ == "__main__":

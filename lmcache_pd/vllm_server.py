@@ -70,6 +70,54 @@ def wait_until_healthy(url: str, process: subprocess.Popen, timeout_s: float) ->
     raise TimeoutError(f"not healthy after {timeout_s} s")
 
 
+def vllm_command(
+    model: str,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    engine_args: Sequence[str] = TINY_MODEL_ARGS,
+    extra_args: Sequence[str] = (),
+    log_stats: bool = False,
+    kv_transfer_config: dict[str, Any] | None = None,
+    python: str = sys.executable,
+) -> list[str]:
+    """The command line of one vLLM OpenAI server (see ``VLLMServer``), run by ``python``: the
+    one place it is written, for child processes here and for Kubernetes pods alike."""
+    command = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--host",
+        host,
+        *engine_args,
+    ]
+    if not log_stats:
+        command.append("--disable-log-stats")
+    command += list(extra_args)
+    if kv_transfer_config is not None:
+        command += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    return command
+
+
+def server_env(*, cpu: int | str | None, env: dict[str, str] | None = None) -> dict[str, str]:
+    """What a vLLM server needs in its environment on top of what it inherits: offline Hugging
+    Face (models come from folders), a 1 GiB CPU KV cache unless ``env`` says otherwise,
+    unbuffered output (its log shows each line as it happens), ``cpu``'s thread pinning
+    (``VLLM_CPU_OMP_THREADS_BIND``; None: vLLM's own choice), then ``env``."""
+    pinning = {} if cpu is None else {"VLLM_CPU_OMP_THREADS_BIND": str(cpu)}
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONUNBUFFERED": "1",
+        **pinning,
+        **(env or {}),
+    }
+
+
 def _group_gone(group: int, timeout_s: float) -> bool:
     """Wait until no process of ``group`` is left; False if some still are at the deadline."""
     deadline = time.monotonic() + timeout_s
@@ -111,41 +159,27 @@ class VLLMServer:
         ``wait_until_healthy`` and every request from there, e.g. with ``netns.Side.call``)."""
         command = [
             *wrap,
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--port",
-            str(port),
-            "--host",
-            host,
-            *engine_args,
+            *vllm_command(
+                str(model),
+                port,
+                host=host,
+                engine_args=engine_args,
+                extra_args=extra_args,
+                log_stats=log_stats,
+                kv_transfer_config=kv_transfer_config,
+            ),
         ]
-        if not log_stats:
-            command.append("--disable-log-stats")
-        command += list(extra_args)
-        if kv_transfer_config is not None:
-            command += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         self.url = f"http://{host}:{port}"
         self.model = str(model)
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
-        pinning = {} if cpu is None else {"VLLM_CPU_OMP_THREADS_BIND": str(cpu)}
         self._process = subprocess.Popen(
             command,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=_die_with_parent,
-            env={
-                **os.environ,
-                "HF_HUB_OFFLINE": "1",
-                "VLLM_CPU_KVCACHE_SPACE": "1",
-                "PYTHONUNBUFFERED": "1",
-                **pinning,
-                **(env or {}),
-            },
+            env={**os.environ, **server_env(cpu=cpu, env=env)},
         )
         if wait:
             self.wait_until_healthy()

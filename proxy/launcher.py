@@ -29,6 +29,13 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from lmcache_pd.errors import ConfigError, PDError
 from lmcache_pd.metrics_scrape import scrape
 from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig, Timeouts
+from lmcache_pd.proxy.instance import (
+    Role,
+    connector_config,
+    instance_args,
+    instance_env,
+    transfer_settings,
+)
 from lmcache_pd.proxy.pools import InstanceSpec, PoolsConfig
 from lmcache_pd.vllm_server import VLLMServer
 
@@ -97,12 +104,6 @@ def peer_text(decode: DecodeInstance) -> str:
     return f"{decode.receiver_host}:{joined(decode.init_port)}:{joined(decode.alloc_port)}"
 
 
-def _parallel_args(spec: InstanceSpec) -> list[str]:
-    if spec.tensor_parallel_size == 1:
-        return []
-    return ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
-
-
 def start_instance(
     pools: PoolsConfig,
     workdir: Path,
@@ -119,11 +120,7 @@ def start_instance(
     of ``spec.config`` with ``kv_role`` and ``settings_of_role`` (a decode rank's receive ports,
     a prefill's warm peers), written to ``workdir/NAME.yaml``; its log is ``workdir/NAME.log``
     (or ``LOG_NAME.log``). Every engine starts its instances with this."""
-    try:
-        settings: dict[str, Any] = yaml.safe_load(Path(spec.config).read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{name}: cannot read its config {spec.config}: {exc}") from exc
-    settings |= {"kv_role": role, **settings_of_role}
+    settings = transfer_settings(name, spec, role, settings_of_role)
     if pools.trace:
         settings["trace_path"] = str(workdir / f"{name}.trace.jsonl")
     config_path = workdir / f"{name}.yaml"
@@ -133,17 +130,11 @@ def start_instance(
         Path(pools.model),
         port,
         log_path,
-        kv_transfer_config={
-            "kv_connector": "LMCachePDConnector",
-            "kv_connector_module_path": "lmcache_pd.connector",
-            "kv_role": role,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"config_path": str(config_path)},
-        },
+        kv_transfer_config=connector_config(role, str(config_path)),
         cpu=spec.cpus,
-        env={"VLLM_CPU_KVCACHE_SPACE": str(pools.kv_cache_gib), **spec.env},
+        env=instance_env(pools, spec),
         engine_args=pools.engine_args,
-        extra_args=[*pools.vllm_args, *_parallel_args(spec), *spec.vllm_args],
+        extra_args=instance_args(pools, spec),
         log_stats=True,
         wait=False,
         host=host,
@@ -180,7 +171,7 @@ class _Launch:
     """What an instance was started with, so that ``restart`` can start it again alike."""
 
     spec: InstanceSpec
-    role: str
+    role: Role
     port: int
     settings_of_role: dict[str, Any]
 
@@ -228,7 +219,7 @@ class PoolLauncher:
         self,
         name: str,
         spec: InstanceSpec,
-        role: str,
+        role: Role,
         port: int,
         settings_of_role: dict[str, Any],
         log_name: str | None = None,

@@ -16,7 +16,7 @@ import msgspec
 import yaml
 
 from lmcache_pd.errors import ConfigError
-from lmcache_pd.protocol import MAX_TP_RANKS
+from lmcache_pd.protocol import MAX_TP_RANKS, Port
 from lmcache_pd.proxy.config import MIN_DISAGG_TOKENS
 from lmcache_pd.vllm_server import TINY_MODEL_ARGS
 
@@ -88,6 +88,63 @@ class RaySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     discovery_interval_s: Seconds = 1.0
 
 
+# Kubernetes' names: a DNS-1123 label (namespaces), a DNS-1035 label (Services, which must start
+# with a letter), a DNS-1123 subdomain (the cluster's domain, volume claims).
+DnsLabel = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)]
+# Short enough that "PREFIX-prefill-12" and the StatefulSet's revision label stay within 63.
+NamePrefix = Annotated[str, msgspec.Meta(pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=40)]
+DnsName = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+        max_length=253,
+    ),
+]
+PodPath = Annotated[str, msgspec.Meta(pattern=r"^/")]
+
+
+class KubernetesSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What ``lmcache-pd k8s`` needs beyond the pools: the image, where the objects go, how the
+    model folder reaches the pods, and how the proxy is exposed."""
+
+    # An image with this package installed (vLLM, NIXL and all), ``python3`` and
+    # ``lmcache-pd`` on its PATH; the project ships none.
+    image: str = "lmcache-pd:latest"
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    namespace: DnsLabel = "default"
+    # Every object's name starts with it: two deployments in one namespace need two.
+    name_prefix: NamePrefix = "lmcache-pd"
+    # The cluster's DNS domain (the kubelet's clusterDomain): decode pods' names end with it.
+    cluster_domain: DnsName = "cluster.local"
+    # The model folder, read-only in every pod: a PersistentVolumeClaim (ReadOnlyMany when pods
+    # run on several nodes) and the folder inside it (None: the whole volume), ...
+    model_claim: DnsName | None = None
+    model_sub_path: str | None = None
+    # ... or a folder on every node (hostPath); with neither, the pools file's ``model`` as an
+    # absolute path here (a one-node cluster on this machine).
+    model_host_path: PodPath | None = None
+    # Where pods see it: vLLM's ``--model`` and the proxy's tokenizer (None: /models/NAME,
+    # NAME the last part of the pools file's ``model``).
+    model_mount_path: PodPath | None = None
+    # vLLM's HTTP port in its pods: each pod has its own network, so one port serves them all.
+    http_port: Port = 8000
+    # Decode rank r receives KV on kv_port_base + 2r (init) and kv_port_base + 2r + 1 (alloc).
+    kv_port_base: Port = 55555
+    proxy_service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    proxy_service_port: Port = 8000
+    # An accelerator each vLLM pod asks for one of per rank (e.g. "nvidia.com/gpu"); None: CPU.
+    gpu_resource: str | None = None
+    # How long a vLLM pod may take to first answer /health (its startup probe) before it is
+    # restarted: a large model loads for minutes.
+    startup_timeout_s: Annotated[int, msgspec.Meta(ge=60, le=7200)] = 900
+
+    def __post_init__(self) -> None:
+        if self.model_claim is not None and self.model_host_path is not None:
+            raise ValueError("model_claim and model_host_path: name one place for the model")
+        if self.model_sub_path is not None and self.model_claim is None:
+            raise ValueError("model_sub_path is a folder inside model_claim, which is not set")
+
+
 class PoolsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What ``lmcache-pd serve`` starts."""
 
@@ -106,6 +163,8 @@ class PoolsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # host; ``ray``, actors on a Ray cluster's nodes (restarted when they die, scalable).
     engine: Literal["local", "ray"] = "local"
     ray: RaySpec = msgspec.field(default_factory=RaySpec)
+    # ``lmcache-pd k8s``: the manifests' image, namespace, names, model volume, proxy Service.
+    kubernetes: KubernetesSpec = msgspec.field(default_factory=KubernetesSpec)
 
 
 def load_pools(path: str | Path) -> PoolsConfig:

@@ -1,0 +1,215 @@
+"""Kubernetes manifests for a pools file (``lmcache-pd k8s``): the instances ``serve`` would
+start, as objects a cluster runs, each a plain dict ready for YAML.
+
+- Decode: a StatefulSet behind a headless Service, as LMCache's Kubernetes example and llm-d
+  do. Each pod has a stable DNS name, ``PREFIX-decode-N.PREFIX-decode.NAMESPACE.svc.DOMAIN``:
+  it advertises it as its ``receiver_host`` (its pod name reaches it through the downward API)
+  and binds its KV ports on it (the kubelet writes that name into the pod's /etc/hosts), and
+  prefill's ``warm_peers`` and the proxy's decode list name the same pods and ports.
+- Prefill: a StatefulSet behind a headless Service too, though nothing pushes to it: the proxy
+  then sees each pod, so it keeps least-outstanding routing and health per pod, and retries a
+  failed prefill on another; one Service in front of a Deployment would hide them all behind one
+  address.
+- The proxy: a Deployment of ``lmcache-pd proxy`` with a Service in front.
+- The transfer YAMLs and the proxy's YAML: ConfigMaps, mounted read-only at /etc/lmcache-pd.
+
+A StatefulSet's pods are alike, so every instance of a pool must be, except in ``cpus`` and
+``port``, which are not used: they name one host's cores and ports, while the kubelet places
+pods and each pod has a network of its own. Replicas are the pool's instance count, and the
+proxy's list is the pods named then: to scale, edit the pools file and generate again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import yaml
+
+from lmcache_pd.errors import ConfigError
+from lmcache_pd.k8s_workloads import (
+    RECEIVER_HOST_ENV,
+    TRACE_DIR,
+    Manifest,
+    Names,
+    decode_ports,
+    model_mount_path,
+    proxy_deployment,
+    stateful_set,
+)
+from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig, Timeouts
+from lmcache_pd.proxy.instance import transfer_settings
+from lmcache_pd.proxy.launcher import peer_text
+from lmcache_pd.proxy.pools import InstanceSpec, KubernetesSpec, PoolsConfig
+
+
+def manifests(pools: PoolsConfig) -> list[Manifest]:
+    """Every object of ``pools``, in an order to apply them: ConfigMaps, Services, then what
+    runs. Reads the pools' transfer YAMLs; ``ConfigError`` if a pool's instances differ where
+    pods must be alike, or a decode instance's ports would pass 65535."""
+    k8s = pools.kubernetes
+    names = Names(k8s)
+    model = model_mount_path(pools)
+    prefill_spec = _pool_spec(pools.prefill, "prefill")
+    decode_spec = _pool_spec(pools.decode, "decode")
+    receive = receive_ports(k8s, decode_spec.tensor_parallel_size)
+    decode = [
+        DecodeInstance(
+            f"http://{names.pod_host('decode', index)}:{k8s.http_port}",
+            names.pod_host("decode", index),
+            **receive,
+        )
+        for index in range(len(pools.decode))
+    ]
+    prefill = [
+        PrefillInstance(f"http://{names.pod_host('prefill', index)}:{k8s.http_port}")
+        for index in range(len(pools.prefill))
+    ]
+    trace = pools.trace
+    decode_settings = transfer_settings("decode", decode_spec, "kv_consumer", dict(receive))
+    decode_settings.pop("receiver_host", None)  # each pod's own: RECEIVER_HOST_ENV
+    prefill_settings = transfer_settings(
+        "prefill", prefill_spec, "kv_producer", {"warm_peers": [peer_text(d) for d in decode]}
+    )
+    proxy = ProxyConfig(
+        model=model,
+        prefill=prefill,
+        decode=decode,
+        host="0.0.0.0",  # reached through its Service, from other pods
+        port=pools.proxy.port,
+        timeouts=Timeouts(decode_read_s=pools.proxy.decode_read_timeout_s),
+        trace_path=f"{TRACE_DIR}/proxy.trace.jsonl" if trace else None,
+        tokenizer=model,
+        min_disagg_tokens=pools.proxy.min_disagg_tokens,
+    )
+    configs = {
+        "prefill": _with_trace(prefill_settings, "prefill", trace),
+        "decode": _with_trace(decode_settings, "decode", trace),
+        "proxy": msgspec.to_builtins(proxy),
+    }
+    return [
+        *(_config_map(names, component, text) for component, text in configs.items()),
+        _headless_service(names, "prefill", {"http": k8s.http_port}),
+        _headless_service(names, "decode", decode_ports(k8s, receive)),
+        _proxy_service(names, k8s),
+        stateful_set(names, pools, prefill_spec, "prefill", len(prefill), {"http": k8s.http_port}),
+        stateful_set(names, pools, decode_spec, "decode", len(decode), decode_ports(k8s, receive)),
+        proxy_deployment(names, pools),
+    ]
+
+
+def receive_ports(k8s: KubernetesSpec, ranks: int) -> dict[str, int | list[int]]:
+    """A decode pod's KV receive ports: fixed, one pair per rank from ``kv_port_base``."""
+    init = [k8s.kv_port_base + 2 * rank for rank in range(ranks)]
+    alloc = [port + 1 for port in init]
+    if alloc[-1] > 65535:
+        raise ConfigError(
+            f"kubernetes.kv_port_base {k8s.kv_port_base} leaves no room for {ranks} rank(s) "
+            f"of KV ports (two each) below 65536"
+        )
+    if ranks == 1:
+        return {"init_port": init[0], "alloc_port": alloc[0]}
+    return {"init_port": init, "alloc_port": alloc}
+
+
+def _pool_spec(specs: list[InstanceSpec], pool: str) -> InstanceSpec:
+    """The one pod template of a pool: its instances, less what pods do not use, must agree."""
+    alike = [
+        msgspec.structs.replace(spec, cpus=None, port=None, ray_resources={}, ray_labels={})
+        for spec in specs
+    ]
+    for index, spec in enumerate(alike[1:], start=1):
+        if spec != alike[0]:
+            differ = [
+                field
+                for field in spec.__struct_fields__
+                if getattr(spec, field) != getattr(alike[0], field)
+            ]
+            raise ConfigError(
+                f"{pool}[{index}] differs from {pool}[0] in {', '.join(differ)}: the pods of a "
+                f"StatefulSet are alike (cpus and port may differ; they are not used there)"
+            )
+    return alike[0]
+
+
+def _with_trace(settings: dict[str, Any], component: str, trace: bool) -> dict[str, Any]:
+    return {**settings, "trace_path": f"{TRACE_DIR}/{component}.trace.jsonl"} if trace else settings
+
+
+def _config_map(names: Names, component: str, settings: dict[str, Any]) -> Manifest:
+    text = yaml.safe_dump(settings, sort_keys=False)
+    if component == "decode":
+        text = f"# receiver_host: each pod's own DNS name, from ${RECEIVER_HOST_ENV}\n{text}"
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": names.metadata(component),
+        "data": {f"{component}.yaml": text},
+    }
+
+
+def _headless_service(names: Names, component: str, ports: dict[str, int]) -> Manifest:
+    """The Service that gives a StatefulSet's pods their DNS names. Names resolve as soon as a
+    pod has an address, ready or not: prefill shakes hands with decode pods while both start,
+    and the proxy checks each pod's health itself."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": names.metadata(component),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": names.labels(component),
+            "ports": [
+                {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+                for name, port in ports.items()
+            ],
+        },
+    }
+
+
+def _proxy_service(names: Names, k8s: KubernetesSpec) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": names.metadata("proxy"),
+        "spec": {
+            "type": k8s.proxy_service_type,
+            "selector": names.labels("proxy"),
+            "ports": [
+                {
+                    "name": "http",
+                    "port": k8s.proxy_service_port,
+                    "targetPort": "http",
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+
+
+def file_name(index: int, manifest: Manifest) -> str:
+    """``NN-NAME-KIND.yaml``: ``kubectl apply -f DIR`` applies files in name order."""
+    name = manifest["metadata"]["name"]
+    return f"{index:02d}-{name}-{manifest['kind'].lower()}.yaml"
+
+
+class _Dumper(yaml.SafeDumper):
+    """Plain YAML for people to read: no anchors for repeated values, and multi-line strings
+    (the ConfigMaps' files) as literal blocks."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _string(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _string)
+
+
+def to_yaml(objects: list[Manifest]) -> str:
+    """The objects as one multi-document YAML stream."""
+    return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False)

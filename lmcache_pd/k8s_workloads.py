@@ -1,0 +1,266 @@
+"""The workloads of ``lmcache-pd k8s``'s manifests: the StatefulSets of vLLM pods and the
+proxy's Deployment, each pod with its ConfigMap, the model folder, probes on ``/health`` and
+resource requests from the pools file. ``k8s.py`` says what is deployed and how it is wired."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmcache_pd.config import ENV_PREFIX
+from lmcache_pd.proxy.instance import Role, connector_config, instance_args, instance_env
+from lmcache_pd.proxy.pools import InstanceSpec, KubernetesSpec, PoolsConfig
+from lmcache_pd.vllm_server import server_env, vllm_command
+
+Manifest = dict[str, Any]
+
+CONFIG_DIR = "/etc/lmcache-pd"
+TRACE_DIR = "/var/log/lmcache-pd"
+POD_PYTHON = "python3"
+RECEIVER_HOST_ENV = f"{ENV_PREFIX}RECEIVER_HOST"
+# vLLM loads a model for seconds to minutes: the startup probe (KubernetesSpec.startup_timeout_s)
+# covers that; after it, a pod that stops answering /health for a minute is restarted, and one
+# that fails it three times in a row (15 s) takes no traffic until it answers again.
+PROBE_PERIOD_S = 10
+READY_PERIOD_S = 5
+READY_FAILURES = 3
+PROBE_TIMEOUT_S = 5
+LIVENESS_FAILURES = 6
+# The proxy asks for little; the pools file says nothing of it (an asyncio process that streams).
+PROXY_CPU = "500m"
+PROXY_MEMORY = "512Mi"
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    """The objects' names and the pods' DNS names of one deployment."""
+
+    spec: KubernetesSpec
+
+    def of(self, component: str) -> str:
+        """The name of a component's objects (StatefulSet, Service, ConfigMap share it)."""
+        return f"{self.spec.name_prefix}-{component}"
+
+    def service_domain(self, component: str) -> str:
+        """The DNS domain of a component's headless Service, under which its pods are named."""
+        return f"{self.of(component)}.{self.spec.namespace}.svc.{self.spec.cluster_domain}"
+
+    def pod_host(self, component: str, index: int) -> str:
+        """The stable DNS name of pod ``index`` of a component's StatefulSet."""
+        return f"{self.of(component)}-{index}.{self.service_domain(component)}"
+
+    def labels(self, component: str) -> dict[str, str]:
+        """Labels of a component's objects; its Services select its pods by them."""
+        return {
+            "app.kubernetes.io/name": "lmcache-pd",
+            "app.kubernetes.io/instance": self.spec.name_prefix,
+            "app.kubernetes.io/component": component,
+        }
+
+    def metadata(self, component: str) -> Manifest:
+        """An object's metadata: its component's name, the namespace, the labels."""
+        return {
+            "name": self.of(component),
+            "namespace": self.spec.namespace,
+            "labels": self.labels(component),
+        }
+
+
+def model_mount_path(pools: PoolsConfig) -> str:
+    """Where the pods see the model folder."""
+    return pools.kubernetes.model_mount_path or f"/models/{Path(pools.model).name}"
+
+
+def decode_ports(k8s: KubernetesSpec, receive: dict[str, int | list[int]]) -> dict[str, int]:
+    """A decode pod's named ports: HTTP, then an init and an alloc port per rank."""
+    init, alloc = (receive[key] for key in ("init_port", "alloc_port"))
+    pairs = zip(*(p if isinstance(p, list) else [p] for p in (init, alloc)), strict=True)
+    ports = {"http": k8s.http_port}
+    for rank, (init_port, alloc_port) in enumerate(pairs):
+        ports |= {f"kv-init-{rank}": init_port, f"kv-alloc-{rank}": alloc_port}
+    return ports
+
+
+def stateful_set(
+    names: Names,
+    pools: PoolsConfig,
+    spec: InstanceSpec,
+    component: str,
+    replicas: int,
+    ports: dict[str, int],
+) -> Manifest:
+    """A pool's pods, each named ``NAME-N`` under its headless Service (of the same name)."""
+    container = _vllm_container(names, pools, spec, component, ports)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": names.metadata(component),
+        "spec": {
+            "serviceName": names.of(component),
+            "replicas": replicas,
+            # Every pod starts at once: in order, each would wait minutes for the one before.
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": names.labels(component)},
+            "template": {
+                "metadata": {"labels": names.labels(component)},
+                "spec": _pod_spec(
+                    pools,
+                    [container],
+                    component,
+                    names,
+                    # vLLM's ranks share tensors through shared memory; a container's own
+                    # /dev/shm is 64 MiB.
+                    [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+                ),
+            },
+        },
+    }
+
+
+def _vllm_container(
+    names: Names,
+    pools: PoolsConfig,
+    spec: InstanceSpec,
+    component: str,
+    ports: dict[str, int],
+) -> Manifest:
+    """The vLLM server of a pod: the command ``serve`` would run (``vllm_command``), its
+    environment less ``cpus``'s pinning, which names one host's cores."""
+    k8s = pools.kubernetes
+    role: Role = "kv_consumer" if component == "decode" else "kv_producer"
+    command = vllm_command(
+        model_mount_path(pools),
+        k8s.http_port,
+        host="0.0.0.0",
+        engine_args=pools.engine_args,
+        extra_args=instance_args(pools, spec),
+        log_stats=True,
+        kv_transfer_config=connector_config(role, f"{CONFIG_DIR}/{component}.yaml"),
+        python=POD_PYTHON,
+    )
+    env: list[Manifest] = []
+    values = server_env(cpu=None, env=instance_env(pools, spec))
+    if component == "decode":
+        # Kubernetes expands $(POD_NAME), defined just before, in a later variable's value.
+        env.append({"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
+        values[RECEIVER_HOST_ENV] = f"$(POD_NAME).{names.service_domain('decode')}"
+    env += [{"name": name, "value": value} for name, value in values.items()]
+    requests = {
+        "cpu": _cpu_quantity(spec.cores),
+        "memory": _memory_quantity((spec.memory_gib or 0) + pools.kv_cache_gib),
+    }
+    resources: Manifest = {"requests": requests}
+    if k8s.gpu_resource is not None:
+        resources["limits"] = {k8s.gpu_resource: str(spec.tensor_parallel_size)}
+    startup_failures = -(-k8s.startup_timeout_s // PROBE_PERIOD_S)
+    return {
+        "name": "vllm",
+        "image": k8s.image,
+        "imagePullPolicy": k8s.image_pull_policy,
+        "command": command,
+        "env": env,
+        "ports": [
+            {"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ports.items()
+        ],
+        "resources": resources,
+        "startupProbe": _health_probe(PROBE_PERIOD_S, startup_failures),
+        "readinessProbe": _health_probe(READY_PERIOD_S, READY_FAILURES),
+        "livenessProbe": _health_probe(PROBE_PERIOD_S, LIVENESS_FAILURES),
+        "volumeMounts": [
+            *_common_mounts(pools, component),
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+
+
+def _health_probe(period_s: int, failures: int) -> Manifest:
+    """GET /health on the container's ``http`` port."""
+    return {
+        "httpGet": {"path": "/health", "port": "http"},
+        "periodSeconds": period_s,
+        "timeoutSeconds": PROBE_TIMEOUT_S,
+        "failureThreshold": failures,
+    }
+
+
+def proxy_deployment(names: Names, pools: PoolsConfig) -> Manifest:
+    """``lmcache-pd proxy`` on its ConfigMap. Ready once its /health says a prefill and a decode
+    pod are up; alive while its port accepts (its /health fails whenever they are all down,
+    which is no reason to restart it)."""
+    k8s = pools.kubernetes
+    container = {
+        "name": "proxy",
+        "image": k8s.image,
+        "imagePullPolicy": k8s.image_pull_policy,
+        "command": ["lmcache-pd", "proxy", f"{CONFIG_DIR}/proxy.yaml"],
+        "ports": [{"name": "http", "containerPort": pools.proxy.port, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": PROXY_CPU, "memory": PROXY_MEMORY}},
+        "readinessProbe": _health_probe(READY_PERIOD_S, READY_FAILURES),
+        "livenessProbe": {
+            "tcpSocket": {"port": "http"},
+            "periodSeconds": PROBE_PERIOD_S,
+            "timeoutSeconds": PROBE_TIMEOUT_S,
+        },
+        "volumeMounts": _common_mounts(pools, "proxy"),
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": names.metadata("proxy"),
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": names.labels("proxy")},
+            "template": {
+                "metadata": {"labels": names.labels("proxy")},
+                "spec": _pod_spec(pools, [container], "proxy", names, []),
+            },
+        },
+    }
+
+
+def _pod_spec(
+    pools: PoolsConfig,
+    containers: list[Manifest],
+    component: str,
+    names: Names,
+    extra_volumes: list[Manifest],
+) -> Manifest:
+    """A pod with its ConfigMap, the model folder and (with ``trace``) a folder for traces.
+    No Service links: Kubernetes would set ``PREFIX_..._PORT`` variables for every Service of
+    the namespace, and with the default prefix those read as unknown ``LMCACHE_PD_*``
+    settings, which the connector refuses."""
+    k8s = pools.kubernetes
+    if k8s.model_claim is not None:
+        model: Manifest = {
+            "persistentVolumeClaim": {"claimName": k8s.model_claim, "readOnly": True}
+        }
+    else:
+        host_path = k8s.model_host_path or str(Path(pools.model).absolute())
+        model = {"hostPath": {"path": host_path, "type": "Directory"}}
+    volumes = [
+        {"name": "config", "configMap": {"name": names.of(component)}},
+        {"name": "model", **model},
+        *extra_volumes,
+    ]
+    if pools.trace:
+        volumes.append({"name": "traces", "emptyDir": {}})
+    return {"enableServiceLinks": False, "containers": containers, "volumes": volumes}
+
+
+def _common_mounts(pools: PoolsConfig, component: str) -> list[Manifest]:
+    model: Manifest = {"name": "model", "mountPath": model_mount_path(pools), "readOnly": True}
+    if pools.kubernetes.model_sub_path is not None:
+        model["subPath"] = pools.kubernetes.model_sub_path
+    mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, model]
+    if pools.trace:
+        mounts.append({"name": "traces", "mountPath": TRACE_DIR})
+    return mounts
+
+
+def _cpu_quantity(cores: float) -> str:
+    return str(int(cores)) if cores == int(cores) else f"{round(cores * 1000)}m"
+
+
+def _memory_quantity(gib: float) -> str:
+    return f"{int(gib)}Gi" if gib == int(gib) else f"{round(gib * 1024)}Mi"

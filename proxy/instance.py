@@ -1,0 +1,66 @@
+"""What one instance of a pools file runs, wherever it runs: its transfer settings (the YAML its
+spec names, with its role's own on top), the ``--kv-transfer-config`` that loads our connector
+with them, and the arguments and environment its vLLM gets. ``serve``'s launcher starts child
+processes with these and ``lmcache-pd k8s`` writes them into pods, so that an instance is the
+same instance whichever of them runs it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+from lmcache_pd.config import PDConfig
+from lmcache_pd.errors import ConfigError
+from lmcache_pd.proxy.pools import InstanceSpec, PoolsConfig
+
+Role = Literal["kv_producer", "kv_consumer"]
+
+
+def transfer_settings(
+    name: str, spec: InstanceSpec, role: Role, of_role: dict[str, Any]
+) -> dict[str, Any]:
+    """``spec.config`` with ``kv_role`` and ``of_role`` (a decode's receive ports, a prefill's
+    warm peers) on top, checked as the connector will check it, so that a bad file fails here,
+    naming instance ``name``, rather than minutes later inside vLLM."""
+    try:
+        settings = yaml.safe_load(Path(spec.config).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{name}: cannot read its config {spec.config}: {exc}") from exc
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{name}: its config {spec.config} is not a mapping")
+    settings |= {"kv_role": role, **of_role}
+    try:
+        msgspec.convert(settings, PDConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{name}: invalid config {spec.config}: {exc}") from exc
+    return settings
+
+
+def connector_config(role: Role, config_path: str) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for our connector reading ``config_path``. A load that
+    fails is recomputed, never an error to the client."""
+    return {
+        "kv_connector": "LMCachePDConnector",
+        "kv_connector_module_path": "lmcache_pd.connector",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"config_path": config_path},
+    }
+
+
+def instance_args(pools: PoolsConfig, spec: InstanceSpec) -> list[str]:
+    """vLLM arguments after the engine's: the pool-wide ones, the instance's ranks, its own."""
+    ranks = (
+        ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+        if spec.tensor_parallel_size > 1
+        else []
+    )
+    return [*pools.vllm_args, *ranks, *spec.vllm_args]
+
+
+def instance_env(pools: PoolsConfig, spec: InstanceSpec) -> dict[str, str]:
+    """The instance's environment on top of a vLLM server's: the CPU KV cache's size, its own."""
+    return {"VLLM_CPU_KVCACHE_SPACE": str(pools.kv_cache_gib), **spec.env}
