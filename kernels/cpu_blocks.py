@@ -16,6 +16,9 @@ Older vLLM CPU backends used ``(2, num_blocks, num_kv_heads, block_size, head_si
 
 A chunk's bytes are ordered ``[layer][block][bytes of the block]``. The copies run in one
 compiled call (``_cpu_block_copy.c``, built at install), which releases the GIL while bytes move.
+With ``hashed=True`` that call also returns the chunk's XXH3-64 (``xxh3.h``), taken from the
+registers that copy each 64 bytes: the checksum a chunk travels with costs no pass of its own
+over the chunk (``lmcache_pd/integrity.py``).
 Why compiled: with 1 MiB chunks of 128 KiB blocks, one numpy row assignment per block plus the
 argument checks cost ~5-8 us of Python against a ~23 us memcpy (0.74x memcpy); the compiled loop
 runs at 0.92-1.07x memcpy (1 and 32 MiB chunks, in and out of the CPU's caches).
@@ -32,7 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._cpu_block_copy import copy_blocks
+from ._cpu_block_copy import copy_blocks, xxh3_64
 
 
 def validate_chunk_size(chunk_size: int, block_size: int) -> int:
@@ -101,49 +104,52 @@ class CpuKVCache:
         """Bytes of a chunk of ``num_tokens`` tokens."""
         return blocks_for_tokens(num_tokens, self.block_size) * self.num_layers * self.block_nbytes
 
-    def tail_blocks(self, chunk: torch.Tensor, count: int) -> torch.Tensor:
-        """The last ``count`` blocks of every layer of ``chunk`` (as :meth:`gather` made it), as
-        a chunk of their own: ``chunk`` itself when that is all of it, else a copy. A load that
-        starts inside a chunk (decode's own cache holds its first blocks) scatters only these."""
-        total = chunk.numel() // (self.num_layers * self.block_nbytes)
-        if count == total:
-            return chunk
-        if not 0 < count < total:
-            raise ValueError(f"asked for the last {count} of a chunk's {total} blocks")
-        blocks = chunk.view(self.num_layers, total, self.block_nbytes)
-        return blocks[:, total - count :].contiguous().view(-1)
+    def gather(
+        self, block_ids: torch.Tensor, out: torch.Tensor, *, hashed: bool = False
+    ) -> int | None:
+        """Copy blocks ``block_ids`` of every layer into ``out``, ordered [layer][block][bytes];
+        with ``hashed``, return the XXH3-64 of ``out``'s bytes, taken in the same pass."""
+        return self._copy(block_ids, out, "out", to_chunk=True, hashed=hashed)
 
-    def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy blocks ``block_ids`` of every layer into ``out``, ordered [layer][block][bytes]."""
-        self._copy(block_ids, out, "out", to_chunk=True)
+    def scatter(
+        self, chunk: torch.Tensor, block_ids: torch.Tensor, *, hashed: bool = False
+    ) -> int | None:
+        """Write ``chunk`` (as :meth:`gather` made it) into blocks ``block_ids`` of every layer;
+        with ``hashed``, return the XXH3-64 of all of ``chunk``'s bytes, taken in the same pass.
 
-    def scatter(self, chunk: torch.Tensor, block_ids: torch.Tensor) -> None:
-        """Write ``chunk`` (as :meth:`gather` made it) into blocks ``block_ids`` of every layer."""
-        self._copy(block_ids, chunk, "chunk", to_chunk=False)
+        A chunk may hold more blocks a layer than ``block_ids`` names: a load that starts inside
+        it (decode's own cache holds its first blocks) writes only its last ``len(block_ids)``
+        blocks of each layer, and the first ones are only hashed, so the hash still covers every
+        byte the producer's checksum did."""
+        return self._copy(block_ids, chunk, "chunk", to_chunk=False, hashed=hashed)
 
     def _copy(
-        self, block_ids: torch.Tensor, chunk: torch.Tensor, name: str, to_chunk: bool
-    ) -> None:
+        self, block_ids: torch.Tensor, chunk: torch.Tensor, name: str, to_chunk: bool, hashed: bool
+    ) -> int | None:
         """Check the chunk and the block ids (the compiled copy checks their range), then copy."""
         ids = _check_block_ids(block_ids)
         if not to_chunk and len(set(ids)) != len(ids):
             raise ValueError(
                 f"block_ids name a block twice; two chunk blocks cannot share it: {ids}"
             )
-        expected = self.num_layers * len(ids) * self.block_nbytes
+        layer_bytes = self.num_layers * self.block_nbytes
+        total = chunk.numel() // layer_bytes if chunk.numel() % layer_bytes == 0 else -1
+        fits = total == len(ids) or (not to_chunk and total > len(ids))
         if not (
             chunk.dtype == torch.uint8
             and chunk.dim() == 1
             and chunk.is_cpu
             and chunk.is_contiguous()
-            and chunk.numel() == expected
+            and fits
         ):
+            expected = layer_bytes * len(ids)
+            extra = "" if to_chunk else " (or more whole blocks a layer, the first ones skipped)"
             raise ValueError(
-                f"{name} must be a flat contiguous uint8 CPU tensor of {expected} bytes "
+                f"{name} must be a flat contiguous uint8 CPU tensor of {expected} bytes{extra} "
                 f"({self.num_layers} layers x {len(ids)} blocks x {self.block_nbytes} bytes), "
                 f"got {_describe(chunk)} on {chunk.device}"
             )
-        copy_blocks(
+        return copy_blocks(
             chunk.data_ptr(),
             self._addrs,
             self._strides,
@@ -151,7 +157,16 @@ class CpuKVCache:
             self.block_nbytes,
             ids,
             to_chunk,
+            total - len(ids),
+            hashed,
         )
+
+
+def xxh3_64_of(data: torch.Tensor) -> int:
+    """XXH3-64 of a contiguous CPU tensor's bytes, by the same code as a hashed copy."""
+    if not (data.is_cpu and data.is_contiguous()):
+        raise ValueError(f"need a contiguous CPU tensor, got {_describe(data)} on {data.device}")
+    return xxh3_64(data.data_ptr(), data.numel() * data.element_size())
 
 
 def _check_layers(layers: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -107,14 +107,26 @@ def receive_buffer_bytes(config: PDConfig) -> int:
     return config.num_pages * config.page_bytes + protocol.PROBE_AREA_BYTES
 
 
-def landed_bytes(buffer: torch.Tensor, page_bytes: int, landed: LandedChunk) -> torch.Tensor:
-    """The view of ``buffer`` a landed chunk occupies, once its bytes match the producer's
-    checksum; raises ``IntegrityError`` (logged) if they do not."""
+def landed_view(buffer: torch.Tensor, page_bytes: int, landed: LandedChunk) -> torch.Tensor:
+    """The view of ``buffer`` a landed chunk occupies, unchecked: for a caller that checks it
+    in the pass that copies it out (``check_landed``)."""
     start = landed.page * page_bytes
-    view = buffer[start : start + landed.nbytes]
-    if landed.checksum is not None and checksum(view) != landed.checksum:
+    return buffer[start : start + landed.nbytes]
+
+
+def check_landed(landed: LandedChunk, digest: int | None) -> None:
+    """Raise ``IntegrityError`` (logged) unless ``digest``, the hash of the chunk's bytes as
+    read, is the producer's checksum (or the producer sent none)."""
+    if landed.checksum is not None and digest != landed.checksum:
         logger.error("chunk in page %d fails its checksum", landed.page)
         raise IntegrityError(f"chunk in page {landed.page} fails its checksum")
+
+
+def landed_bytes(buffer: torch.Tensor, page_bytes: int, landed: LandedChunk) -> torch.Tensor:
+    """The view of ``buffer`` a landed chunk occupies, once its bytes match the producer's
+    checksum (a pass of its own over them); raises ``IntegrityError`` if they do not."""
+    view = landed_view(buffer, page_bytes, landed)
+    check_landed(landed, None if landed.checksum is None else checksum(view))
     return view
 
 

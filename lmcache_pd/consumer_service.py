@@ -37,7 +37,7 @@ from lmcache_pd.affinity import unpin_this_thread
 from lmcache_pd.chunk_store import LandedChunk
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig
-from lmcache_pd.consumer import Consumer, landed_bytes, receive_buffer_bytes
+from lmcache_pd.consumer import Consumer, landed_view, receive_buffer_bytes
 from lmcache_pd.errors import PDError, PeerTimeout
 from lmcache_pd.keys import ChunkKeyer
 
@@ -172,8 +172,9 @@ class ConsumerService:
         return reply
 
     def chunk(self, landed: LandedChunk) -> torch.Tensor:
-        """A landed chunk's bytes (see ``landed_bytes``); raises ``IntegrityError``."""
-        return landed_bytes(self.buffer, self.page_bytes, landed)
+        """A landed chunk's bytes, unchecked: the worker checks them in the pass that scatters
+        them (``consumer.check_landed``)."""
+        return landed_view(self.buffer, self.page_bytes, landed)
 
     def close(self) -> None:
         """Ask the process to stop, kill it if it does not; idempotent."""

@@ -101,11 +101,19 @@ class Producer:
         chunks in place (no copy at push time); returned to the pool on exit."""
         return self._staging.pages(count)
 
-    def push(self, spec: DisaggSpec, chunks: Sequence[Chunk]) -> PushResult:
+    def push(
+        self,
+        spec: DisaggSpec,
+        chunks: Sequence[Chunk],
+        checksums: Sequence[int] | None = None,
+    ) -> PushResult:
         """Write ``chunks`` (key, contiguous CPU tensor) to ``spec``'s consumer.
 
         Tensors inside the staging buffer (see ``staged``) go as they are; others are copied into
-        staging first (room for them is taken before the consumer is asked for any). Raises
+        staging first (room for them is taken before the consumer is asked for any).
+        ``checksums``: each chunk's, where the caller took them while copying the chunk into
+        staging (``CpuKVCache.gather(hashed=True)``); without them, and with integrity on, they
+        are taken here, a pass of their own over the chunks. Raises
         ``PeerTimeout``, ``TransferError``, ``AllocationError`` (``BufferFull`` after
         ``max_alloc_retries``), ``PeerError`` or ``ProtocolError``.
         """
@@ -113,6 +121,12 @@ class Producer:
             raise ValueError(f"req {spec.req_id}: nothing to push")
         started = time.monotonic()
         sources = [self._as_bytes(spec.req_id, tensor) for _, tensor in chunks]
+        if checksums is not None and len(checksums) != len(chunks):
+            raise ValueError(f"req {spec.req_id}: {len(checksums)} checksums, {len(chunks)} chunks")
+        if not self.config.integrity_checksums:
+            checksums = None
+        elif checksums is None:
+            checksums = [checksum(data) for data in sources]
         sizes = [data.numel() for data in sources]
         specs = [
             protocol.ChunkSpec(key, size) for (key, _), size in zip(chunks, sizes, strict=True)
@@ -121,11 +135,11 @@ class Producer:
         with self.staged(len(outside)) as spare:
             copies = dict(zip(outside, spare, strict=True))
             try:
-                to_write = self._push_once(spec, specs, sources, sizes, copies)
+                to_write = self._push_once(spec, specs, sources, sizes, copies, checksums)
             except PeerRestarted as exc:
                 # Our handshake is with its former self: shake hands again and retry once.
                 logger.warning("req %s: %s; shaking hands again", spec.req_id, exc)
-                to_write = self._push_once(spec, specs, sources, sizes, copies)
+                to_write = self._push_once(spec, specs, sources, sizes, copies, checksums)
         result = PushResult(
             req_id=spec.req_id,
             chunks_sent=len(to_write),
@@ -149,6 +163,7 @@ class Producer:
         sources: list[torch.Tensor],
         sizes: list[int],
         copies: dict[int, torch.Tensor],
+        checksums: Sequence[int] | None,
     ) -> list[int]:
         """Handshake if needed, allocate, write; returns the indices of the chunks written."""
         peer = self.connect(spec)
@@ -159,7 +174,8 @@ class Producer:
             if to_write:
                 addresses = [self._staged_address(sources[i], copies.get(i)) for i in to_write]
                 deadline = asked_at + peer.write_budget_s
-                self._write(spec, peer, response, to_write, sources, sizes, addresses, deadline)
+                sums = None if checksums is None else [checksums[i] for i in to_write]
+                self._write(spec, peer, response, to_write, sizes, addresses, sums, deadline)
         except AllocationError as exc:
             logger.warning("req %s: not pushed to %s: %s", spec.req_id, peer.name, exc)
             raise
@@ -319,16 +335,13 @@ class Producer:
         peer: Peer,
         response: protocol.AllocResponse,
         to_write: list[int],
-        sources: list[torch.Tensor],
         sizes: list[int],
         addresses: list[int],
+        checksums: list[int] | None,
         deadline: float,
     ) -> None:
-        """One WRITE of the chunks ``to_write`` and its WriteDone notification, done by
-        ``deadline`` (a ``time.monotonic()`` value)."""
-        checksums = (
-            [checksum(sources[i]) for i in to_write] if self.config.integrity_checksums else None
-        )
+        """One WRITE of the chunks ``to_write`` and its WriteDone notification (with their
+        ``checksums``), done by ``deadline`` (a ``time.monotonic()`` value)."""
         notif = protocol.encode(
             protocol.WriteDone(
                 version=protocol.PROTOCOL_VERSION,

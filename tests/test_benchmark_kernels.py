@@ -25,6 +25,8 @@ def test_kernel_benchmark_writes_hot_and_streaming_records_against_memcpy(tmp_pa
         ("cpu_scatter", "hot"),
         ("cpu_gather", "streaming"),
         ("cpu_scatter", "streaming"),
+        ("cpu_gather_hashed", "hot"),
+        ("cpu_scatter_hashed", "streaming"),
     }
     for record in records:
         assert all(field in record for field in FIELDS), record

@@ -124,7 +124,7 @@ def test_push_to_an_incompatible_consumer_is_abandoned_so_decode_recomputes_at_o
         for req_id in ("first", "second"):
             request = Saving(spec_for(consumer.config, req_id), keys, len(tokens))
             chunks = make_chunks(keys, seed=1)
-            pool.submit(PushJob(request, chunks, contextlib.nullcontext(), time.time()))
+            pool.submit(PushJob(request, chunks, None, contextlib.nullcontext(), time.time()))
             wait_for(lambda r=req_id: consumer.dropped_reason(r) == "incompatible", 5, req_id)
         totals = stats.totals()
         assert totals["handshakes_refused"] == 1  # the second push did not shake hands again

@@ -23,7 +23,7 @@ from lmcache_pd.connector.worker import ProducerWorker
 from lmcache_pd.errors import AllocationError, BufferFull, PeerTimeout, TransferError
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.producer import Producer
-from lmcache_pd.protocol import CANCEL_TIMEOUT_S, DisaggSpec
+from lmcache_pd.protocol import CANCEL_TIMEOUT_S, PROBE_AREA_BYTES, DisaggSpec
 from tests.helpers import free_port, wait_for
 
 BLOCK = 32
@@ -296,6 +296,29 @@ def test_a_load_past_decodes_own_hit_writes_only_the_blocks_it_lacks(workers: Wo
     wait_for(lambda: workers.consumer_used_pages() == 0, what="pages back")
 
 
+@pytest.mark.parametrize("corrupted", [True, False])
+def test_a_chunk_that_fails_its_checksum_while_scattered_fails_the_load(
+    workers: Workers, corrupted: bool
+) -> None:
+    """The checksum is checked in the pass that scatters a chunk, so a bad chunk's bytes are in
+    decode's blocks by the time it is known: the load must then be reported failed (vLLM
+    recomputes the prompt over those blocks), never received. Unchanged bytes: the control."""
+    prompt = list(range(3000, 3150))
+    src_blocks, dst_blocks = [7, 3, 12, 20, 5], [1, 30, 2, 9, 11]
+    workers.producer.wait_for_save(save("p", workers.spec, prompt, src_blocks, 150))
+    wait_for(lambda: workers.consumer_total("consumer_chunks_landed") == 3, what="landed")
+    if corrupted:  # one bit of every page, after the write: whichever pages the chunks took
+        service = workers.consumer._service
+        service.buffer[: -PROBE_AREA_BYTES : service.page_bytes] ^= 1
+    workers.consumer.start_load_kv(load("c", "d-1", prompt, dst_blocks))
+    received, failed = finish(workers.consumer)
+    assert (received, failed) == ({"c"}, {"c"} if corrupted else set())
+    totals = workers.consumer_stats.totals()
+    assert totals.get("integrity_failures", 0) == (1 if corrupted else 0)
+    assert totals.get("tokens_loaded", 0) == (0 if corrupted else 150)
+    wait_for(lambda: workers.consumer_used_pages() == 0, what="pages back")
+
+
 def test_a_chunk_decode_has_itself_is_not_written_when_its_claim_comes_first(
     workers: Workers,
 ) -> None:
@@ -437,7 +460,7 @@ def test_a_notice_the_consumer_missed_is_sent_again(
     real_abandon = Producer.abandon
     tries: list[float] = []
 
-    def push_fails(self: Producer, spec: DisaggSpec, chunks) -> None:
+    def push_fails(self: Producer, spec: DisaggSpec, chunks, checksums) -> None:
         raise TransferError("NIXL write failed")
 
     def first_notice_lost(self: Producer, spec: DisaggSpec, *args, **kwargs) -> bool:
@@ -481,7 +504,7 @@ def test_each_kind_of_push_failure_has_the_decode_recompute_at_once(
     error: Exception,
     reason: str,
 ) -> None:
-    def push_fails(self: Producer, spec: DisaggSpec, chunks) -> None:
+    def push_fails(self: Producer, spec: DisaggSpec, chunks, checksums) -> None:
         raise error
 
     monkeypatch.setattr(Producer, "push", push_fails)
@@ -500,10 +523,10 @@ def test_a_sender_survives_an_unexpected_error_and_serves_on(
 ) -> None:
     real = Producer.push
 
-    def push_once_broken(self: Producer, spec: DisaggSpec, chunks):
+    def push_once_broken(self: Producer, spec: DisaggSpec, chunks, checksums):
         if spec.req_id == "d-broken":
             raise RuntimeError("a bug")
-        return real(self, spec, chunks)
+        return real(self, spec, chunks, checksums)
 
     monkeypatch.setattr(Producer, "push", push_once_broken)
     prompt = list(range(64))

@@ -6,6 +6,13 @@ far every pending load got (one round trip, answered by the next step at the lat
 chunks have all landed in the buffer both processes map is scattered into its blocks and reported
 as received; one whose KV was abandoned, not complete by its deadline, or with a chunk that fails
 its checksum, is reported as failed and vLLM recomputes the prompt.
+
+A chunk's checksum is checked in the pass that scatters it (``CpuKVCache.scatter(hashed=True)``),
+so its bytes are read once; a chunk that fails it has already been written into the request's
+blocks by then. That is safe because the load is reported failed: vLLM's scheduler then counts
+none of the request's tokens as computed and frees its blocks without caching them
+(``kv_load_failure_policy: recompute``), so the prompt is recomputed over those bytes and no
+other request can hit them in the prefix cache.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from lmcache_pd.config import PDConfig, replace
 from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata
 from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.connector.worker import WorkerHalf, chunk_blocks, paged_cache
+from lmcache_pd.consumer import check_landed
 from lmcache_pd.consumer_service import (
     ConsumerService,
     ConsumerServiceDown,
@@ -248,7 +256,8 @@ class ConsumerWorker(WorkerHalf):
             for chunk, landed in zip(pending.keys, pending.landed, strict=True):
                 data = self._service.chunk(landed)
                 blocks = chunk_blocks(load.block_ids, chunk, self._cache.block_size, load.start)
-                self._cache.scatter(self._cache.tail_blocks(data, len(blocks)), blocks)
+                hashed = landed.checksum is not None
+                check_landed(landed, self._cache.scatter(data, blocks, hashed=hashed))
         except IntegrityError as exc:
             return self._failed(
                 pending, "unusable", "integrity_failures", f"received KV unusable: {exc}"

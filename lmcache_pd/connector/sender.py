@@ -93,10 +93,12 @@ class Saving:
 
 @dataclass(slots=True)
 class PushJob:
-    """Chunks of one request gathered into staging pages, to push and then give back."""
+    """Chunks of one request gathered into staging pages, to push and then give back;
+    ``checksums`` were taken by the gather (None: integrity off)."""
 
     request: Saving
     chunks: list[tuple[bytes, torch.Tensor]]
+    checksums: list[int] | None
     pages: contextlib.AbstractContextManager
     staged_at: float  # wall clock, for the trace
 
@@ -309,7 +311,7 @@ class PeerSender:
             self._trace.write(record | {"start": started, "end": time.time()})
             return
         try:
-            result = producer.push(spec, job.chunks)
+            result = producer.push(spec, job.chunks, job.checksums)
         except RequestDropped as exc:
             job.request.abandoned.set()
             job.request.consumer_told = True  # it let the request go itself

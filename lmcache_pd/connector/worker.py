@@ -2,7 +2,8 @@
 
 Producer: at the end of each step (``wait_for_save``) the chunks whose tokens are all computed
 are gathered into pages of the staging buffer, so vLLM may free or reuse the blocks at once, and
-the sender thread of the request's consumer pushes them (``sender.py``). A request that cannot
+the sender thread of the request's consumer pushes them (``sender.py``). The gather takes each
+chunk's checksum in the same pass (``integrity.py``). A request that cannot
 be pushed (no staging room, prefill aborted) is abandoned: its consumer is told at once.
 Consumer: each step, pending loads whose chunks have all landed are scattered into their blocks
 and reported as received; a load whose KV was abandoned, not complete by its deadline, or with a
@@ -107,6 +108,7 @@ class ProducerWorker(WorkerHalf):
         if profile is not None:
             profile = msgspec.structs.replace(profile, page_bytes=config.page_bytes)
         self._stats = stats
+        self._hashed = config.integrity_checksums
         self._staging = Staging(num_pages=config.num_pages, page_bytes=config.page_bytes)
         self._saving: dict[str, Saving] = {}
         self._senders = SenderPool(
@@ -182,13 +184,16 @@ class ProducerWorker(WorkerHalf):
             self._abandon(request, AbandonReason.STAGING_FULL, str(exc))
             return
         request.pushed_upto = ready
-        staged = []
+        staged, checksums = [], []
         for chunk, page in zip(chunks, pages, strict=True):
             blocks = chunk_blocks(request.block_ids, chunk, self._cache.block_size)
             data = page[: self._cache.chunk_nbytes(chunk.end - chunk.start)]
-            self._cache.gather(blocks, data)
+            digest = self._cache.gather(blocks, data, hashed=self._hashed)
+            if digest is not None:
+                checksums.append(digest)
             staged.append((chunk.key, data))
-        self._senders.submit(PushJob(request, staged, pages_context, time.time()))
+        sums = checksums if self._hashed else None
+        self._senders.submit(PushJob(request, staged, sums, pages_context, time.time()))
 
     def _abandon(self, request: Saving, reason: AbandonReason, detail: str) -> None:
         """No more of this request is pushed; its sender tells the consumer (off this thread)."""
