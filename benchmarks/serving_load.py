@@ -189,7 +189,8 @@ async def run_load(
 
 
 def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, float | int]:
-    """Percentiles (ms) of TTFT, inter-token gaps and end-to-end latency, and throughputs."""
+    """Percentiles (ms) of TTFT, inter-token gaps, the gap from the first token to the second,
+    and end-to-end latency; that first gap over the ITL p50; throughputs."""
     done = [r for r in results if r.error is None]
     summary: dict[str, float | int] = {
         "requests": len(results),
@@ -199,10 +200,14 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, floa
         "ttft": [r.ttft for r in done],
         "itl": [gap for r in done for gap in r.gaps],
         "e2e": [r.e2e for r in done],
+        # First token to second: in PD, the second comes from decode once the KV has loaded.
+        "first_gap": [r.gaps[0] for r in done if r.gaps],
     }
     for name, values in series.items():
         for q in (50, 90, 99):
             summary[f"{name}_ms_p{q}"] = float(np.percentile(values, q)) * 1e3 if values else 0.0
+    itl = summary["itl_ms_p50"]
+    summary["first_gap_over_itl_p50"] = summary["first_gap_ms_p50"] / itl if itl else 0.0
     summary["output_tok_s"] = sum(r.output_tokens for r in done) / wall_s
     summary["req_s"] = len(done) / wall_s
     return summary

@@ -4,11 +4,16 @@
   proxy in its own process, every process tracing its per-request phases;
 - ``lmcache-pd-nocache``: the same with the consumer's cache of landed chunks off;
 - ``colocated``: one plain vLLM instance doing prefill and decode;
+- ``prefill-cores``: one plain vLLM instance on exactly the prefill instance's cores: what a
+  request costs on the hardware lmcache-pd's prompt runs on, so that lmcache-pd's TTFT over its
+  TTFT is the cost of disaggregation alone (the colocated instance has both cores, each PD
+  instance one);
 - ``nixl``: vLLM's own NixlConnector, 1 prefill + 1 decode, behind the small router of
   ``nixl_baseline.py`` that follows vLLM's documented protocol.
 
 All run the same model with the same flags (fp32, eager, the same vLLM arguments, stats on); the
-PD pairs get one core per instance and the colocated instance the same two cores. Each names its
+PD pairs get one core per instance (``PREFILL_CPUS``, ``DECODE_CPUS``) and the colocated instance
+the same two cores. Each names its
 ``decode_url``: the instance whose ``vllm:prompt_tokens_by_source_total`` says where decode's
 prompt tokens came from (loaded, its own prefix cache, computed).
 """
@@ -27,9 +32,10 @@ from lmcache_pd.vllm_server import VLLMServer, wait_until_healthy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PROXY_START_TIMEOUT_S = 30.0
-SYSTEMS = ("lmcache-pd", "lmcache-pd-nocache", "colocated", "nixl")
+SYSTEMS = ("lmcache-pd", "lmcache-pd-nocache", "colocated", "prefill-cores", "nixl")
 # What ``lmcache-pd bench`` compares unless told otherwise.
-DEFAULT_SYSTEMS = ("lmcache-pd", "colocated", "nixl")
+DEFAULT_SYSTEMS = ("lmcache-pd", "colocated", "prefill-cores", "nixl")
+PREFILL_CPUS, DECODE_CPUS = "0", "1"
 
 
 class LmcachePD:
@@ -44,9 +50,11 @@ class LmcachePD:
         self.url = f"http://127.0.0.1:{port}"
         pools = PoolsConfig(
             model=str(model),
-            prefill=[InstanceSpec(config=str(CONFIGS / "producer.yaml"), cpus="0")],
+            prefill=[InstanceSpec(config=str(CONFIGS / "producer.yaml"), cpus=PREFILL_CPUS)],
             decode=[
-                InstanceSpec(config=str(CONFIGS / "consumer.yaml"), cpus="1", env=self.consumer_env)
+                InstanceSpec(
+                    config=str(CONFIGS / "consumer.yaml"), cpus=DECODE_CPUS, env=self.consumer_env
+                )
             ],
             proxy=ProxySpec(port=port),
             vllm_args=vllm_args,
@@ -123,13 +131,14 @@ class Colocated:
     """One plain vLLM instance, on the cores the PD pairs use between them."""
 
     name = "colocated"
+    cpus = "0-1"  # PREFILL_CPUS and DECODE_CPUS
 
-    def __init__(self, model: Path, workdir: Path, vllm_args: list[str], cpus: str = "0-1"):
+    def __init__(self, model: Path, workdir: Path, vllm_args: list[str]):
         self._server = VLLMServer(
             model,
             unused_port(set()),
-            workdir / "colocated.log",
-            cpu=cpus,
+            workdir / f"{self.name}.log",
+            cpu=self.cpus,
             extra_args=vllm_args,
             log_stats=True,
             wait=False,
@@ -145,6 +154,14 @@ class Colocated:
 
     def breakdown(self) -> dict[str, dict[str, Any]]:
         return {}
+
+
+class PrefillCores(Colocated):
+    """One plain vLLM instance on the prefill instance's cores only: lmcache-pd's TTFT over its
+    TTFT is what disaggregation costs, apart from lmcache-pd having two cores to its one."""
+
+    name = "prefill-cores"
+    cpus = PREFILL_CPUS
 
 
 class NixlPD:
@@ -180,6 +197,7 @@ def make_system(name: str, model: Path, workdir: Path, vllm_args: list[str]):
         "lmcache-pd": LmcachePD,
         "lmcache-pd-nocache": LmcachePDNoCache,
         "colocated": Colocated,
+        "prefill-cores": PrefillCores,
         "nixl": NixlPD,
     }
     if name not in kinds:
