@@ -255,9 +255,12 @@ def _measure(
         }
         samples: dict[str, list[float]] = {name: [] for name in METHODS}
         send_samples: dict[str, list[float]] = {name: [] for name in SENDERS}
+        order = list(steps)
         for run in range(-WARMUP_RUNS, runs):
-            for name, step in steps.items():
-                gather_s, send_s = step()
+            # Each method takes its turn first: the first of a round finds the caches cold
+            # after the memcpy's and the consumer's work.
+            for name in order[run % len(order) :] + order[: run % len(order)]:
+                gather_s, send_s = steps[name]()
                 if run >= 0:
                     samples[name].append(gather_s + send_s)
                     if name in send_samples:
