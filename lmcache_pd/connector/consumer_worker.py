@@ -99,13 +99,11 @@ class ConsumerWorker(WorkerHalf):
         self._rank = rank
         self._keyer = keyer
         self._cache = paged_kv(kv_caches, config, facts)
-        page_bytes = self._cache.chunk_nbytes(config.chunk_size)
-        profile = rank_profile(profile, self._cache, page_bytes)
+        rank_config = replace(config, page_bytes=self._cache.chunk_nbytes(config.chunk_size))
+        profile = rank_profile(profile, self._cache, rank_config)
         # With buffer_device cuda the receive buffer is in the cache's GPU memory.
         device = self._cache.device if config.buffer_device == "cuda" else None
-        self._service = ConsumerService(
-            replace(config, page_bytes=page_bytes), keyer, profile=profile, device=device
-        )
+        self._service = ConsumerService(rank_config, keyer, profile=profile, device=device)
         self._cache.adopt(self._service.buffer)
         # Loads scattered on a GPU's copy stream whose pages go back once the copy is done.
         self._releasing: list[tuple[Copy, str]] = []

@@ -72,14 +72,18 @@ def paged_kv(kv_caches: dict[str, torch.Tensor], config: PDConfig, facts: CacheF
     )
 
 
-def rank_profile(profile: KVProfile | None, cache: PagedKV, page_bytes: int) -> KVProfile | None:
-    """``profile`` completed by what the cache knows: its chunk format and page size; a token
-    chunk does not depend on the block size, which is then not compared."""
+def rank_profile(profile: KVProfile | None, cache: PagedKV, config: PDConfig) -> KVProfile:
+    """``profile`` (or, without one, the config's chunk size) completed by what the cache knows:
+    its chunk format, always compared, and its page size. A token chunk does not depend on the
+    block size, which is then not compared."""
     if profile is None:
-        return None
+        profile = KVProfile(chunk_size=config.chunk_size, page_bytes=config.page_bytes)
     block_size = profile.block_size if cache.whole_blocks else None
     return msgspec.structs.replace(
-        profile, page_bytes=page_bytes, chunk_format=cache.chunk_format, block_size=block_size
+        profile,
+        page_bytes=config.page_bytes,
+        chunk_format=cache.chunk_format,
+        block_size=block_size,
     )
 
 
@@ -138,7 +142,7 @@ class ProducerWorker(WorkerHalf):
         self._unserved: set[str] = set()
         self._cache = paged_kv(kv_caches, config, facts)
         config = replace(config, page_bytes=self._cache.chunk_nbytes(config.chunk_size))
-        profile = rank_profile(profile, self._cache, config.page_bytes)
+        profile = rank_profile(profile, self._cache, config)
         self._stats = stats
         self._staging = staging_for(config, self._cache)
         self._saving: dict[str, Saving] = {}
