@@ -384,3 +384,22 @@ def test_vllm_cpus_cache_facts_keep_the_whole_block_path() -> None:
     cpu_engine = {"l": torch.zeros(NUM_BLOCKS, HEADS, 128, 2 * HEAD)}
     cache = recognise(cpu_engine, 256, block_size=128, packed_blocks=facts.packed_blocks)
     assert cache.chunk_format == f"blocks:1x{HEADS}x128x{2 * HEAD}:float32"
+
+
+def test_vllms_kernel_blocks_are_read_as_its_blocks_where_they_follow_each_other() -> None:
+    """vLLM may split its blocks of 32 into kernel blocks of 16: in an NHD page they follow each
+    other, so slots of 32-token blocks find the right tokens; in HND they do not, refused."""
+    generator = torch.Generator().manual_seed(11)
+    physical = torch.randn(2 * 8, 16, HEADS, 2 * HEAD, generator=generator)  # LBNHC pages
+    cache = recognise(
+        {"l": physical.permute(0, 2, 1, 3)}, CHUNK, block_size=32, packed_blocks=False
+    )
+    chunk = torch.empty(cache.chunk_nbytes(40), dtype=torch.uint8)
+    cache.gather([5, 2], 0, 40, chunk)  # tokens 0-31 in block 5, 32-39 in block 2
+    kv = chunk.view(torch.float32).view(2, 1, 40, HEADS, HEAD)
+    # token 20 of block 5: kernel block 11, its token 4; V is the second half of the last dim
+    assert torch.equal(kv[1, 0, 20], physical[11, 4, :, HEAD:])
+    assert torch.equal(kv[0, 0, 35], physical[4, 3, :, :HEAD])
+    hnd = torch.zeros(2 * 8, HEADS, 16, 2 * HEAD)  # LBHNC pages
+    with pytest.raises(ValueError, match="do not follow each other"):
+        recognise({"l": hnd}, CHUNK, block_size=32, packed_blocks=False)

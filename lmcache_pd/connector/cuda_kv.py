@@ -36,6 +36,7 @@ from lmcache_pd.connector.paged_kv import slot_mapping, token_chunk_format
 from lmcache_pd.errors import TransferError
 from lmcache_pd.kernels.token_layout import KVLayout, TokenKVCache
 from lmcache_pd.kernels.triton_layout import TritonTokenKV
+from lmcache_pd.protocol import DEVICE_COPY_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +153,14 @@ class CudaTokenKV:
         self._pinned.append(buffer)
 
     def close(self) -> None:
-        """Wait for queued copies (bounded by the stream's own work), unlock what was locked."""
-        self._stream.synchronize()
+        """Wait for queued copies (up to a deadline), then unlock what was locked."""
+        drained = torch.cuda.Event()
+        drained.record(self._stream)
+        try:
+            CudaCopy(drained).wait(time.monotonic() + DEVICE_COPY_TIMEOUT_S)
+        except TransferError as exc:
+            logger.error("copies still queued at close, receive buffer left locked: %s", exc)
+            return
         for buffer in self._pinned:
             with contextlib.suppress(RuntimeError):
                 torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())

@@ -223,7 +223,9 @@ def recognise(
         # strides as the resolved layout has them (vllm/v1/attention/backends/flash_attn.py).
         head_size = sample.shape[-1] // 2
         views = [layer.unflatten(-1, (2, head_size)).permute(3, 0, 2, 1, 4) for layer in layers]
-        return _token_kv(views, sample.shape[2])
+        if block_size is not None and block_size != sample.shape[2]:
+            views = [_manager_blocks(view, block_size) for view in views]
+        return _token_kv(views, views[0].shape[2])
     if sample.dim() == 5 and sample.shape[0] == 2:
         layout = shape_order(sample, block_size, physical_order)
         views = layers if layout is KVLayout.NHD else [layer.transpose(2, 3) for layer in layers]
@@ -252,6 +254,26 @@ def shape_order(layer: torch.Tensor, block_size: int | None, physical: str | Non
     token_outer = physical == "NHD"
     first_outer = layer.stride(2) >= layer.stride(3)
     return KVLayout.NHD if first_outer == token_outer else KVLayout.HND
+
+
+def _manager_blocks(view: torch.Tensor, block_size: int) -> torch.Tensor:
+    """An NHD view of kernel blocks (vLLM splits a block into smaller ones for some attention
+    kernels) as one of vLLM's blocks, which block ids name: possible without a copy only where a
+    block's kernel blocks follow each other token after token (a dense NHD page)."""
+    kv, blocks, kernel_block, heads, head_size = view.shape
+    ratio = block_size // kernel_block
+    if block_size % kernel_block or blocks % ratio:
+        raise ValueError(f"block size {block_size} is not whole kernel blocks of {kernel_block}")
+    try:
+        return view.unflatten(1, (blocks // ratio, ratio)).view(
+            kv, blocks // ratio, block_size, heads, head_size
+        )
+    except RuntimeError as exc:
+        raise ValueError(
+            f"kernel blocks of {kernel_block} tokens do not follow each other inside vLLM's "
+            f"blocks of {block_size} in this layout (strides {view.stride()}): use a block "
+            "size equal to the kernel's, or a layer-compact NHD layout (LBNHC)"
+        ) from exc
 
 
 def _token_kv(views: list[torch.Tensor], block_size: int) -> PagedKV:
