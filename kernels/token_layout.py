@@ -98,7 +98,6 @@ class TokenKVCache:
     its copies and the checks of its own arguments."""
 
     def __init__(self, layers: Sequence[torch.Tensor], layout: KVLayout) -> None:
-        self.layout = layout
         self._views = nhd_views(layers, layout)
         sample = self._views[0]
         _, num_blocks, self.block_size, self.num_heads, self.head_size = sample.shape
@@ -112,11 +111,6 @@ class TokenKVCache:
         self._bases = _layer_bases(self._views)
         # Tables of rows by (layer or None for all, width): a handful, built on first use.
         self._tables: dict[tuple[int | None, int], torch.Tensor] = {}
-
-    @property
-    def views(self) -> list[torch.Tensor]:
-        """The layers as NHD-ordered views (see :func:`nhd_views`)."""
-        return self._views
 
     def chunk_nbytes(self, num_tokens: int) -> int:
         """Bytes of a chunk of ``num_tokens`` tokens."""

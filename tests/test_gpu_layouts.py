@@ -24,7 +24,7 @@ from lmcache_pd.connector.paged_kv import BlockKV, TokenKV, recognise, shape_ord
 from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.connector.worker import CacheFacts, ProducerWorker
 from lmcache_pd.errors import ConfigError
-from lmcache_pd.kernels import KVLayout
+from lmcache_pd.kernels import KVLayout, triton_available
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.protocol import DisaggSpec
 from tests.helpers import free_port, wait_for
@@ -112,7 +112,7 @@ class Pair:
 
 
 def make_pair(
-    source: dict[str, torch.Tensor], target: dict[str, torch.Tensor]
+    source: dict[str, torch.Tensor], target: dict[str, torch.Tensor], **overrides: object
 ) -> tuple[Pair, StatsRecorder, StatsRecorder]:
     init_port, alloc_port = free_port(), free_port()
     keyer = ChunkKeyer(
@@ -124,6 +124,7 @@ def make_pair(
         "init_port": init_port,
         "alloc_port": alloc_port,
         "load_timeout_s": 5.0,
+        **overrides,
     }
     consumer_stats, producer_stats = StatsRecorder("c"), StatsRecorder("p")
     consumer = ConsumerWorker(
@@ -403,3 +404,25 @@ def test_vllms_kernel_blocks_are_read_as_its_blocks_where_they_follow_each_other
     hnd = torch.zeros(2 * 8, HEADS, 16, 2 * HEAD)  # LBHNC pages
     with pytest.raises(ValueError, match="do not follow each other"):
         recognise({"l": hnd}, CHUNK, block_size=32, packed_blocks=False)
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not triton_available(), reason="needs a CUDA device and Triton")
+@pytest.mark.parametrize("buffer_device", ["cpu", "cuda"], ids=["pinned_host", "vram"])
+def test_on_a_gpu_chunks_move_by_triton_on_the_copy_stream(
+    pairs: list[Pair], buffer_device: str
+) -> None:
+    """The CUDA path end to end (runs only on a GPU machine): NHD producer, HND consumer,
+    through pinned host staging (NIXL DRAM) or GPU buffers (NIXL VRAM, checksums off)."""
+    source = {k: v.cuda() for k, v in token_cache(KVLayout.NHD, seed=12).items()}
+    target = {k: v.cuda() for k, v in token_cache(KVLayout.HND, None).items()}
+    overrides = {"buffer_device": buffer_device, "integrity_checksums": buffer_device == "cpu"}
+    pair, _, _ = make_pair(source, target, **overrides)
+    pairs.append(pair)
+    prompt = list(range(5000, 5150))
+    src, dst = random_table(13, 10), random_table(14, 10)
+    assert push_and_load(pair, prompt, src, dst) == ({"c"}, set())
+    torch.cuda.synchronize()
+    on_host = [{k: v.cpu() for k, v in cache.items()} for cache in (source, target)]
+    tokens = range(len(prompt))
+    assert tokens_match(on_host[0], KVLayout.NHD, src, on_host[1], KVLayout.HND, dst, tokens)
