@@ -25,7 +25,9 @@ each in two regimes (the ``regime`` of a record):
   save or a busy consumer's loads run; the memcpy copies as many distinct buffer pairs of the
   same size, and a sample is one pass, divided by the number of chunks.
 - ``token_gather_{nhd,hnd}`` / ``token_scatter_{nhd,hnd}``: the torch token-level path for GPU
-  layouts, run here on CPU tensors (on a GPU machine the Triton path replaces it).
+  layouts (``TokenKVCache``, block size 16 as vLLM's GPU default, a request's blocks filled in
+  order), run here on CPU tensors; ``--device cuda`` measures the Triton path on a GPU instead
+  (``kernels_gpu.py``, JSON in ``benchmarks/results/kernels_gpu.json``).
 
 Every kernel's bytes are checked against a block-by-block reference before timing. Same ids and
 buffers every run, so kernel and memcpy see equally warm caches. torch runs on one thread by
@@ -37,6 +39,7 @@ call on the calling thread and never start threads).
 Reproduce (medians of 7 runs; table on stdout, JSON in benchmarks/results/kernels.json)::
 
     .venv/bin/python benchmarks/kernels.py
+    .venv/bin/python benchmarks/kernels.py --device cuda --runs 20   # on a GPU: kernels_gpu.json
     .venv/bin/python -m lmcache_pd.benchmarks.kernels --models tiny --runs 5 --output /tmp/k.json
 """
 
@@ -62,21 +65,22 @@ from lmcache_pd.integrity import checksum
 from lmcache_pd.kernels import (
     CpuKVCache,
     KVLayout,
+    TokenKVCache,
     gather_blocks,
-    gather_tokens,
-    scatter_tokens,
-    token_chunk_nbytes,
     validate_chunk_size,
 )
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "kernels.json"
+DEFAULT_GPU_OUTPUT = DEFAULT_OUTPUT.with_name("kernels_gpu.json")
 WARMUP_RUNS = 2
 # A hot call lasts tens of microseconds, so one stray interrupt moves a median of 7 by 2x here:
 # the hot regime takes this many interleaved samples per run.
 HOT_SAMPLES_PER_RUN = 25
 SEED = 0
+# Token layouts are GPU backends': measured at vLLM's default block size there.
+GPU_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,33 +296,51 @@ def measure_cpu_blocks_streaming(
     return records
 
 
-def measure_tokens(
-    shape: ModelShape, layout: KVLayout, chunk_tokens: int, cache_bytes: int, runs: int
-) -> list[dict[str, Any]]:
-    """Token-level gather and scatter (torch path) of one chunk of a request's slots."""
-    blocks = -(-chunk_tokens // shape.block_size)
-    num_blocks = max(4 * blocks, cache_bytes // (shape.num_layers * shape.block_nbytes()))
-    heads, block, head = shape.num_kv_heads, shape.block_size, shape.head_size
+def token_layers(
+    shape: ModelShape, layout: KVLayout, num_blocks: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A random token-layout cache (GPU backends' order, block size ``GPU_BLOCK_SIZE``) and a
+    zeroed one like it, layer views into one buffer each as vLLM allocates them."""
+    heads, block, head = shape.num_kv_heads, GPU_BLOCK_SIZE, shape.head_size
     per_layer = (2, num_blocks, block, heads, head)
     if layout is KVLayout.HND:
         per_layer = (2, num_blocks, heads, block, head)
     source = _random_cache((shape.num_layers, *per_layer), shape.torch_dtype)
-    layers, target = list(source.unbind(0)), list(torch.zeros_like(source).unbind(0))
-    tokens = torch.arange(chunk_tokens)
-    slots = _block_ids(num_blocks, blocks).long()[tokens // block] * block + tokens % block
-    chunk = torch.empty(token_chunk_nbytes(layers, chunk_tokens, layout), dtype=torch.uint8)
+    return list(source.unbind(0)), list(torch.zeros_like(source).unbind(0))
 
-    gather_tokens(layers, slots, chunk, layout)
-    scatter_tokens(chunk, target, slots, layout)
+
+def request_slots(num_blocks: int, chunk_tokens: int) -> torch.Tensor:
+    """The slots of one chunk of a request: its blocks at random, filled in order."""
+    tokens = torch.arange(chunk_tokens)
+    blocks = _block_ids(num_blocks, -(-chunk_tokens // GPU_BLOCK_SIZE)).long()
+    return blocks[tokens // GPU_BLOCK_SIZE] * GPU_BLOCK_SIZE + tokens % GPU_BLOCK_SIZE
+
+
+def measure_tokens(
+    shape: ModelShape, layout: KVLayout, chunk_tokens: int, cache_bytes: int, runs: int
+) -> list[dict[str, Any]]:
+    """Token-level gather and scatter (torch path, ``TokenKVCache`` built once as the connector
+    does) of one chunk of a request's slots."""
+    layer_bytes = 2 * GPU_BLOCK_SIZE * shape.num_kv_heads * shape.head_size
+    layer_bytes *= torch.empty(0, dtype=shape.torch_dtype).element_size()
+    blocks = -(-chunk_tokens // GPU_BLOCK_SIZE)
+    num_blocks = max(4 * blocks, cache_bytes // (shape.num_layers * layer_bytes))
+    layers, target_layers = token_layers(shape, layout, num_blocks)
+    cache, target = TokenKVCache(layers, layout), TokenKVCache(target_layers, layout)
+    slots = request_slots(num_blocks, chunk_tokens)
+    chunk = torch.empty(cache.chunk_nbytes(chunk_tokens), dtype=torch.uint8)
+
+    cache.gather(slots, chunk)
+    target.scatter(chunk, slots)
     check = torch.empty_like(chunk)
-    gather_tokens(target, slots, check, layout)
+    target.gather(slots, check)
     if not torch.equal(check, chunk):
         raise RuntimeError(f"{shape.name}: the token kernels ({layout.value}) lost bytes")
     memcpy = _memcpy(chunk.numel())
     name = layout.value.lower()
     steps = {
-        f"token_gather_{name}": lambda: gather_tokens(layers, slots, chunk, layout),
-        f"token_scatter_{name}": lambda: scatter_tokens(chunk, target, slots, layout),
+        f"token_gather_{name}": lambda: cache.gather(slots, chunk),
+        f"token_scatter_{name}": lambda: target.scatter(chunk, slots),
     }
     return [
         _record(
@@ -328,6 +350,7 @@ def measure_tokens(
             chunk.numel(),
             _interleaved_samples(step, memcpy, runs * HOT_SAMPLES_PER_RUN),
         )
+        | {"block_size": GPU_BLOCK_SIZE}
         for op, step in steps.items()
     ]
 
@@ -374,7 +397,7 @@ def print_table(document: dict[str, Any], console: Console | None = None) -> Non
     table = Table(
         title=f"KV kernels vs memcpy, GB/s (medians of {settings['runs']} runs, "
         f"{settings['chunk_tokens']}-token chunks)",
-        caption=f"memcpy: {settings['memcpy']}; torch threads {settings['torch_threads']}",
+        caption=f"memcpy: {settings['memcpy']}; torch threads {settings.get('torch_threads', '-')}",
     )
     for column in ("model", "dtype", "op", "regime", "MiB", "GB/s", "memcpy GB/s", "ratio"):
         justify = "left" if column in ("model", "op", "regime") else "right"
@@ -406,7 +429,12 @@ def main(
         int, typer.Option(min=1, help="distinct chunks per streaming sample, in MiB")
     ] = 64,
     torch_threads: Annotated[int, typer.Option(min=1, help="torch intra-op threads")] = 1,
-    output: Annotated[Path, typer.Option(help="where the JSON goes")] = DEFAULT_OUTPUT,
+    device: Annotated[
+        str, typer.Option(help="cpu: every kernel on CPU tensors; cuda: the Triton path on a GPU")
+    ] = "cpu",
+    output: Annotated[
+        Path | None, typer.Option(help="where the JSON goes (default: results/kernels*.json)")
+    ] = None,
 ) -> None:
     """Run the benchmark, print the table and write the JSON."""
     logging.basicConfig(
@@ -416,10 +444,28 @@ def main(
     unknown = sorted(set(names) - set(MODELS))
     if unknown:
         raise typer.BadParameter(f"unknown models {unknown}; known: {', '.join(MODELS)}")
+    if device not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"--device is cpu or cuda, got {device}")
     torch.set_num_threads(torch_threads)
-    document = run_benchmark(
-        names, runs, chunk_tokens=chunk_tokens, cache_mib=cache_mib, stream_mib=stream_mib
-    )
+    if device == "cuda":
+        # Imported here: it is the GPU's, and needs Triton only when run.
+        from lmcache_pd.benchmarks.kernels_gpu import run_gpu_benchmark
+
+        document = run_gpu_benchmark(
+            [MODELS[name] for name in names],
+            runs,
+            block_size=GPU_BLOCK_SIZE,
+            chunk_tokens=chunk_tokens,
+            cache_mib=cache_mib,
+            make_layers=token_layers,
+            make_slots=request_slots,
+        )
+        output = output or DEFAULT_GPU_OUTPUT
+    else:
+        document = run_benchmark(
+            names, runs, chunk_tokens=chunk_tokens, cache_mib=cache_mib, stream_mib=stream_mib
+        )
+        output = output or DEFAULT_OUTPUT
     print_table(document)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(document, indent=2) + "\n")

@@ -8,12 +8,26 @@ from .cpu_blocks import (
     scatter_blocks,
     validate_chunk_size,
 )
-from .token_layout import KVLayout, gather_tokens, nhd_views, scatter_tokens, token_chunk_nbytes
-from .triton_layout import gather_tokens_triton, scatter_tokens_triton, triton_available
+from .token_layout import (
+    KVLayout,
+    TokenKVCache,
+    gather_tokens,
+    nhd_views,
+    scatter_tokens,
+    token_chunk_nbytes,
+)
+from .triton_layout import (
+    TritonTokenKV,
+    gather_tokens_triton,
+    scatter_tokens_triton,
+    triton_available,
+)
 
 __all__ = [
     "CpuKVCache",
     "KVLayout",
+    "TokenKVCache",
+    "TritonTokenKV",
     "blocks_for_tokens",
     "chunk_nbytes",
     "gather_blocks",

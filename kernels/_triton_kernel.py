@@ -10,9 +10,11 @@ import triton.language as tl
 @triton.jit
 def copy_tokens_kernel(
     layer_ptrs,  # int64[num_layers]: the address of each layer's cache
-    chunk_ptr,  # the chunk, in the cache's dtype: [layer][K/V][token][head][dim]
-    slot_ptr,  # int64[num_tokens]: block_id * block_size + offset of each token
-    num_tokens,
+    chunk_ptr,  # the chunk as integers of the cache's width: [K/V][layer][token][head][dim]
+    slot_ptr,  # int64[num_tokens]: block_id * block_size + offset of each token copied
+    num_layers,
+    chunk_tokens,  # tokens the chunk holds; the copy covers tokens skip .. skip + num_tokens
+    skip,
     block_size,
     stride_kv,  # element strides of every layer's (2, blocks, block_size, heads, dim) view
     stride_block,
@@ -24,11 +26,12 @@ def copy_tokens_kernel(
     HEAD_SIZE_POW2: tl.constexpr,
     TO_CACHE: tl.constexpr,  # scatter (chunk -> cache) when true, else gather
 ):
-    """One program per (token, layer * 2 + K/V): all heads of one token of one layer's K or V."""
+    """One program per (token, K/V * num_layers + layer): all heads of one token of one layer's
+    K or V. Values move as integers of their own width, so every bit pattern survives."""
     token = tl.program_id(0).to(tl.int64)
-    layer_kv = tl.program_id(1).to(tl.int64)
-    layer = layer_kv // 2
-    kv = layer_kv % 2
+    kv_layer = tl.program_id(1).to(tl.int64)
+    kv = kv_layer // num_layers
+    layer = kv_layer % num_layers
     slot = tl.load(slot_ptr + token).to(tl.int64)
     block = slot // block_size
     offset = slot % block_size
@@ -40,7 +43,8 @@ def copy_tokens_kernel(
     cache_offsets = (
         kv * stride_kv + block * stride_block + offset * stride_token + heads * stride_head + dims
     )
-    chunk_offsets = ((layer_kv * num_tokens + token) * NUM_HEADS + heads) * HEAD_SIZE + dims
+    chunk_token = kv_layer * chunk_tokens + skip + token
+    chunk_offsets = (chunk_token * NUM_HEADS + heads) * HEAD_SIZE + dims
     if TO_CACHE:
         values = tl.load(chunk_ptr + chunk_offsets, mask=mask)
         tl.store(cache_ptr + cache_offsets, values, mask=mask)

@@ -38,6 +38,11 @@ BACKEND_LOCK_PATH = os.path.join(tempfile.gettempdir(), "lmcache-pd-ucx-backend.
 BACKEND_LOCK_TIMEOUT_S = 30.0
 
 
+# NIXL's memory type of a buffer on each torch device type: host memory (DRAM) or a GPU's (VRAM,
+# which UCX moves with its CUDA transports).
+MEM_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
+
+
 class XferState(enum.Enum):
     """NIXL's "PROC" / "DONE" / "ERR" strings, as one enum."""
 
@@ -212,13 +217,16 @@ class NixlChannel:
         """Register the one buffer this channel reads from or is written into."""
         if self._buffer is not None:
             raise RuntimeError(f"{self.agent_name} already has a registered buffer")
-        if buffer.device.type != "cpu" or not buffer.is_contiguous():
-            raise ValueError("only contiguous CPU buffers are supported")
+        if buffer.device.type not in MEM_TYPES or not buffer.is_contiguous():
+            raise ValueError(
+                f"only contiguous CPU or CUDA buffers are registered, got one on {buffer.device}"
+            )
+        mem_type = MEM_TYPES[buffer.device.type]
         with self._mapped("register memory"):
-            self._registered = self._agent.register_memory(buffer)
+            self._registered = self._agent.register_memory(buffer)  # NIXL reads its type
         self._buffer = RegisteredBuffer(
-            mem_type="DRAM",
-            device_id=0,
+            mem_type=mem_type,
+            device_id=buffer.device.index or 0,
             base_addr=buffer.data_ptr(),
             nbytes=buffer.numel() * buffer.element_size(),
         )

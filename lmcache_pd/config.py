@@ -41,7 +41,11 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     chunk_size: PositiveInt = 256
     page_bytes: Annotated[int, msgspec.Meta(ge=1, le=protocol.MAX_PAGE_BYTES)] = 1 << 20
     buffer_size_bytes: PositiveInt = 1 << 30
-    buffer_device: Literal["cpu"] = "cpu"
+    # Where the staging (producer) or receive (consumer) buffer lives: CPU memory (NIXL
+    # DRAM; pinned when the KV cache is on a GPU), or the KV cache's GPU memory (NIXL VRAM,
+    # chunks never cross to the host; needs a CUDA torch and integrity_checksums off, since
+    # the checksum is computed over host bytes).
+    buffer_device: Literal["cpu", "cuda"] = "cpu"
     receiver_host: protocol.HostName = "127.0.0.1"
     init_port: protocol.Port | protocol.RankPorts = 55555
     alloc_port: protocol.Port | protocol.RankPorts = 55556
@@ -107,6 +111,8 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
                 f"claim_timeout_s ({self.claim_timeout_s}) must not exceed hold_timeout_s "
                 f"({self.hold_timeout_s})"
             )
+        if self.buffer_device == "cuda":
+            _check_cuda_buffer(self.integrity_checksums)
         if self.buffer_size_bytes < self.page_bytes:
             raise ValueError(
                 f"buffer_size_bytes ({self.buffer_size_bytes}) is smaller than one page "
@@ -139,6 +145,22 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     def cache_pages(self) -> int:
         """The most pages that idle cached chunks keep."""
         return int(self.num_pages * self.cache_share)
+
+
+def _check_cuda_buffer(integrity_checksums: bool) -> None:
+    """``buffer_device: cuda`` is refused where it cannot work, before anything is allocated."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "buffer_device is cuda, but torch here has no CUDA device "
+            f"(torch {torch.__version__}); use buffer_device: cpu"
+        )
+    if integrity_checksums:
+        raise ValueError(
+            "buffer_device cuda needs integrity_checksums: false (the checksum is computed "
+            "over host bytes, and chunks in GPU memory never reach the host)"
+        )
 
 
 def _as_list(ports: int | list[int]) -> list[int]:

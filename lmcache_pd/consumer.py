@@ -463,7 +463,9 @@ class Consumer:
             logger.info("self-test notification from %s for a slot no longer known", peer)
             return
         start = self._slot_offset(probe.slot)
-        landed = bytes(self._buffer[start : start + protocol.PROBE_NONCE_BYTES].numpy())
+        # .cpu(): a GPU receive buffer (buffer_device cuda) is read by a 16-byte copy.
+        nonce_bytes = self._buffer[start : start + protocol.PROBE_NONCE_BYTES].cpu()
+        landed = bytes(nonce_bytes.numpy())
         probe.state = ProbeState.LANDED if landed == done.nonce else ProbeState.CORRUPT
         if probe.state is ProbeState.LANDED:
             with self._lock:

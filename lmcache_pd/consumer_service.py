@@ -6,7 +6,8 @@ code holds the worker's GIL, and no thread of ours runs meanwhile, unpinned or n
 to 78 s of silence in 2P1D on 2 cores, 35 to 55 s on both decode ranks of TP 2, the watchdog
 thread silent too). A process of its own is scheduled by the kernel like any other.
 
-The receive buffer is a memfd both processes map: the service registers it with NIXL and lands
+The receive buffer is a memfd both processes map (or, with ``buffer_device: cuda``, the worker's
+GPU memory, opened by CUDA IPC: ``cuda_ipc.py``): the service registers it with NIXL and lands
 chunks in it; the worker scatters from it, and reads only pages its request holds (they keep
 their bytes until it releases them). Control is msgpack over a socketpair: ``claim`` and
 ``release`` are one-way, and the worker's one question per engine step, ``Progress``, asks how
@@ -33,11 +34,13 @@ from typing import TypeVar
 import msgspec
 import torch
 
+from lmcache_pd import cuda_ipc
 from lmcache_pd.affinity import unpin_this_thread
 from lmcache_pd.chunk_store import LandedChunk
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig
 from lmcache_pd.consumer import Consumer, landed_view, receive_buffer_bytes
+from lmcache_pd.cuda_ipc import CudaBufferHandle
 from lmcache_pd.errors import PDError, PeerTimeout
 from lmcache_pd.keys import ChunkKeyer
 
@@ -59,6 +62,8 @@ class Setup(msgspec.Struct, frozen=True):
     config: PDConfig
     keyer: dict[str, str | int]
     profile: KVProfile | None
+    # With buffer_device cuda: the worker's GPU receive buffer (the memfd is then unused).
+    cuda_buffer: CudaBufferHandle | None = None
 
 
 class Ready(msgspec.Struct, frozen=True):
@@ -116,18 +121,30 @@ class ConsumerService:
     """Starts the consumer rank's process and talks to it; the worker's only way to it."""
 
     def __init__(
-        self, config: PDConfig, keyer: ChunkKeyer, profile: KVProfile | None = None
+        self,
+        config: PDConfig,
+        keyer: ChunkKeyer,
+        profile: KVProfile | None = None,
+        device: torch.device | None = None,
     ) -> None:
-        """``config``: the rank's own (``PDConfig.for_rank``), with its page size."""
+        """``config``: the rank's own (``PDConfig.for_rank``), with its page size. ``device``:
+        a GPU to hold the receive buffer (``buffer_device: cuda``; shared with the process by
+        CUDA IPC), else it is a memfd both map."""
         self.page_bytes = config.page_bytes
         self.stats: dict[str, int] = {}
         self._awaiting = False
         self._down: str | None = None
         size = receive_buffer_bytes(config)
         memory = os.memfd_create("lmcache-pd-receive-buffer", os.MFD_CLOEXEC)
+        shared = None
         try:
-            os.ftruncate(memory, size)
-            self.buffer = _map(memory, size)
+            if device is not None and device.type == "cuda":
+                # Ours: it outlives the process, which is stopped in close() before it goes.
+                self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+                shared = cuda_ipc.share(self.buffer)
+            else:
+                os.ftruncate(memory, size)
+                self.buffer = _map(memory, size)
             ours, theirs = socket.socketpair()
             with theirs:
                 self._process = subprocess.Popen(
@@ -137,7 +154,7 @@ class ConsumerService:
                 )
             self._connection = Connection(ours.detach())
             try:
-                self._send(Setup(config, keyer.params, profile))
+                self._send(Setup(config, keyer.params, profile, shared))
                 ready = self._receive(READY_TIMEOUT_S, Ready, "start")
             except BaseException:
                 self._kill()
@@ -236,7 +253,10 @@ def _serve(memory: int, connection: Connection) -> None:
     )
     # It starts on the one core vLLM pinned its worker to.
     unpin_this_thread(setup.config.thread_cpus, "consumer service process")
-    buffer = _map(memory, receive_buffer_bytes(setup.config))
+    if setup.cuda_buffer is not None:
+        buffer = cuda_ipc.open_shared(setup.cuda_buffer)
+    else:
+        buffer = _map(memory, receive_buffer_bytes(setup.config))
     os.close(memory)
     commands = msgspec.msgpack.Decoder(Command)
     with Consumer(

@@ -107,7 +107,8 @@ class Producer:
         chunks: Sequence[Chunk],
         checksums: Sequence[int] | None = None,
     ) -> PushResult:
-        """Write ``chunks`` (key, contiguous CPU tensor) to ``spec``'s consumer.
+        """Write ``chunks`` (key, contiguous tensor where the staging buffer is) to ``spec``'s
+        consumer.
 
         Tensors inside the staging buffer (see ``staged``) go as they are; others are copied into
         staging first (room for them is taken before the consumer is asked for any).
@@ -394,8 +395,9 @@ class Producer:
         return copy[: data.numel()].copy_(data).data_ptr()
 
     def _as_bytes(self, req_id: str, tensor: torch.Tensor) -> torch.Tensor:
-        if not tensor.is_cpu or not tensor.is_contiguous():
-            raise ValueError(f"req {req_id}: chunks must be contiguous CPU tensors")
+        device = self._staging.buffer.device  # CPU, or a GPU with buffer_device cuda
+        if tensor.device != device or not tensor.is_contiguous():
+            raise ValueError(f"req {req_id}: chunks must be contiguous tensors on {device}")
         # Staged pages are already flat bytes; every view costs microseconds per chunk.
         flat = tensor.dtype == torch.uint8 and tensor.dim() == 1
         data = tensor if flat else tensor.view(-1).view(torch.uint8)

@@ -19,6 +19,10 @@ Protocol history:
      consumer refuses a mismatch with ErrorCode.INCOMPATIBLE naming the field and both values.
      BufferDescriptors hands out a self-test slot; ProbeDone notification, ProbeCheck/ProbeResult
      on the init port; AbandonReason.INCOMPATIBLE.
+  4: ``KVProfile.kv_layout`` (the engine's cache shape) becomes ``chunk_format`` (what a chunk's
+     bytes are: whole blocks, or tokens-major KV_2LTD), and ``block_size`` is left out for
+     token chunks: a GPU producer and consumer whose caches differ in layout or block size
+     are compatible; a block-format and a token-format peer are refused.
   (no version change) DisaggSpec, which travels in HTTP bodies and on no socket of ours, may
      give its ports as lists indexed by rank (tensor parallelism); single integers still mean
      a consumer of one rank.
@@ -34,7 +38,7 @@ import msgspec
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.errors import ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # Limits, checked before anything is allocated for a message.
 MAX_FRAME_BYTES = 1 << 20
@@ -55,6 +59,9 @@ PROBE_AREA_BYTES = PROBE_SLOTS * PROBE_NONCE_BYTES
 # Default deadlines. The lease must outlive the producer's transfer deadline, so that a page is
 # never handed to a new request while a slow write into it may still be in flight.
 HANDSHAKE_TIMEOUT_S = 5.0
+# A GPU worker's copy of a chunk between the KV cache and the staging buffer, on the
+# connector's own CUDA stream: the sender waits this long for it before giving the push up.
+DEVICE_COPY_TIMEOUT_S = 10.0
 # A self-test's write and notification take well under a millisecond when the transport works;
 # one that misses this deadline never arrives (measured: "PROC" for minutes).
 PROBE_TIMEOUT_S = 1.0

@@ -22,15 +22,24 @@ from lmcache_pd.errors import AllocationError
 
 
 class Staging:
-    """``num_pages`` pages of ``page_bytes`` in one zeroed CPU buffer; thread-safe."""
+    """``num_pages`` pages of ``page_bytes`` in one zeroed buffer; thread-safe."""
 
-    def __init__(self, *, num_pages: int, page_bytes: int) -> None:
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_bytes: int,
+        device: torch.device | str = "cpu",
+        pinned: bool = False,
+    ) -> None:
+        """``device``: CPU memory (NIXL's DRAM) or a GPU's (VRAM, ``buffer_device: cuda``).
+        ``pinned``: page-locked CPU memory, which a GPU copies into without blocking (a CUDA
+        cache's host staging)."""
         self.page_bytes = page_bytes
         self._pages_bytes = num_pages * page_bytes
+        size = self._pages_bytes + protocol.PROBE_AREA_BYTES
         # Zeroed now so that every page is faulted in here, not on the first transfers.
-        self.buffer = torch.zeros(
-            self._pages_bytes + protocol.PROBE_AREA_BYTES, dtype=torch.uint8
-        ).zero_()
+        self.buffer = torch.zeros(size, dtype=torch.uint8, device=device, pin_memory=pinned)
         self._pages = PageAllocator(num_pages=num_pages, page_bytes=page_bytes, lease_s=None)
         self._free_slots = list(range(protocol.PROBE_SLOTS))
         self._lock = threading.Lock()

@@ -34,3 +34,15 @@ def test_kernel_benchmark_writes_hot_and_streaming_records_against_memcpy(tmp_pa
         assert record["ratio_vs_memcpy"] == record["gbps"] / record["memcpy_gbps"]
     streaming = [r for r in records if r["regime"] == "streaming"]
     assert all(r["chunks_per_sample"] == 4 for r in streaming)  # 4 MiB of 1 MiB chunks
+
+
+def test_the_gpu_benchmark_says_what_is_missing_and_writes_nothing(tmp_path: Path) -> None:
+    """No GPU here: ``--device cuda`` fails at once, naming what it needs, and no result file
+    (which would claim a GPU measurement) is written."""
+    output = tmp_path / "kernels_gpu.json"
+    argv = [sys.executable, "-m", "lmcache_pd.benchmarks.kernels", "--device", "cuda"]
+    argv += ["--models", "tiny", "--runs", "5", "--output", str(output)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=BENCHMARK_TIMEOUT_S)
+    assert done.returncode != 0
+    assert "needs a CUDA device and Triton" in done.stderr
+    assert not output.exists()

@@ -34,7 +34,7 @@ FULL = KVProfile(
     page_bytes=PAGE_BYTES,
     model="/models/tiny-llama",
     kv_dtype="float32",
-    kv_layout="cpu:4x2x128x128",
+    chunk_format="blocks:4x2x128x128",
     block_size=128,
     tp_size=1,
     tp_rank=0,
@@ -44,7 +44,7 @@ DIFFERENT = {
     "page_bytes": 2 * PAGE_BYTES,
     "model": "/models/other",
     "kv_dtype": "bfloat16",
-    "kv_layout": "cpu:4x2x128x64",
+    "chunk_format": "blocks:4x2x128x64",
     "block_size": 256,
     "tp_size": 2,
     "tp_rank": 1,
@@ -69,6 +69,28 @@ def test_fields_one_side_does_not_know_are_not_compared() -> None:
     standalone = KVProfile(chunk_size=CHUNK_SIZE, page_bytes=PAGE_BYTES)
     assert incompatibilities(standalone, FULL) == incompatibilities(FULL, standalone) == []
     assert incompatibilities(FULL, FULL) == []  # the control
+
+
+TOKENS = msgspec.structs.replace(FULL, chunk_format="tokens:KV_2LTD:4x256", block_size=None)
+
+
+def test_a_block_format_and_a_token_format_peer_are_refused_naming_both() -> None:
+    for producer, consumer in ((FULL, TOKENS), (TOKENS, FULL)):
+        problems = incompatibilities(producer, consumer)
+        assert problems[0] == (
+            f"chunk_format: producer {producer.chunk_format!r}, consumer {consumer.chunk_format!r}"
+        )
+        assert any("cannot be converted" in problem for problem in problems)
+
+
+def test_token_chunks_do_not_depend_on_the_engines_layout_or_block_size() -> None:
+    """An NHD producer and an HND consumer (or block sizes 16 and 32) make the same chunks:
+    their profiles differ in nothing compared."""
+    assert incompatibilities(TOKENS, TOKENS) == []
+    wider_heads = msgspec.structs.replace(TOKENS, chunk_format="tokens:KV_2LTD:4x512")
+    assert incompatibilities(TOKENS, wider_heads) == [
+        "chunk_format: producer 'tokens:KV_2LTD:4x256', consumer 'tokens:KV_2LTD:4x512'"
+    ]
 
 
 @pytest.fixture

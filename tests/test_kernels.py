@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from lmcache_pd.kernels import (
     CpuKVCache,
     KVLayout,
+    TokenKVCache,
     blocks_for_tokens,
     chunk_nbytes,
     gather_blocks,
@@ -256,7 +257,7 @@ def token_layers(name: str, num_layers: int, num_blocks: int, block: int, heads:
 def reference_tokens(
     layers: list[torch.Tensor], slots: list[int], layout: KVLayout
 ) -> torch.Tensor:
-    """[layer][K/V][token][head][dim], one token at a time."""
+    """[K/V][layer][token][head][dim] (KV_2LTD), one token at a time."""
     block_size = layers[0].shape[2] if layout is KVLayout.NHD else layers[0].shape[3]
 
     def token(layer: torch.Tensor, kv: int, slot: int) -> torch.Tensor:
@@ -265,8 +266,8 @@ def reference_tokens(
 
     return torch.stack(
         [
-            torch.stack([torch.stack([token(layer, kv, s) for s in slots]) for kv in range(2)])
-            for layer in layers
+            torch.stack([torch.stack([token(layer, kv, s) for s in slots]) for layer in layers])
+            for kv in range(2)
         ]
     )
 
@@ -305,6 +306,43 @@ def test_token_gather_then_scatter_reproduces_the_source_tokens(
         assert not as_bytes(reference_tokens(target, untouched, layout)).any()
 
 
+def request_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The slots of a request's tokens ``start .. end``, its blocks filled in order."""
+    return [block_table[t // block_size] * block_size + t % block_size for t in range(start, end)]
+
+
+@pytest.mark.parametrize("arrangement", ["one_buffer", "separate"])
+@pytest.mark.parametrize("name", sorted(TOKEN_LAYOUTS))
+@pytest.mark.parametrize(
+    ("start", "end", "skip"),
+    [(0, 64, 0), (64, 150, 0), (0, 64, 16), (32, 37, 3)],
+    ids=["whole_blocks", "partial_last_block", "load_inside_chunk", "few_tokens"],
+)
+def test_token_copies_of_a_request_match_the_reference(name, arrangement, start, end, skip):
+    """Slots as a request has them (runs of a block's tokens: the wide-row path), layers in one
+    buffer (one copy for all) or apart (one per layer and K/V), and a scatter that skips the
+    chunk's first tokens (decode's own prefix-cache hit ends inside the chunk)."""
+    layout, layers = token_layers(name, 3, 16, 16, 4, 32, torch.bfloat16)
+    if arrangement == "separate":
+        layers = [layer.clone() for layer in layers]
+    cache = TokenKVCache(layers, layout)
+    table = torch.randperm(16, generator=torch.Generator().manual_seed(5)).tolist()
+    slots = request_slots(table, start, end, 16)
+    chunk = torch.empty(cache.chunk_nbytes(len(slots)), dtype=torch.uint8)
+    cache.gather(torch.tensor(slots), chunk)
+    assert torch.equal(chunk, as_bytes(reference_tokens(layers, slots, layout)))
+
+    _, target = token_layers(name, 3, 16, 16, 4, 32, torch.bfloat16)
+    target = [layer.zero_() for layer in target]
+    if arrangement == "separate":
+        target = [layer.clone() for layer in target]
+    TokenKVCache(target, layout).scatter(chunk, torch.tensor(slots[skip:]), skip=skip)
+    expected = reference_tokens(layers, slots[skip:], layout)
+    assert torch.equal(as_bytes(reference_tokens(target, slots[skip:], layout)), as_bytes(expected))
+    if skip:
+        assert not as_bytes(reference_tokens(target, slots[:skip], layout)).any()
+
+
 @pytest.mark.parametrize("name", sorted(TOKEN_LAYOUTS))
 def test_token_scatter_with_permuted_slots_does_not_reproduce_the_source(name):
     layout, layers = token_layers(name, 2, 2, 32, 2, 16, torch.float32)
@@ -322,12 +360,12 @@ def test_token_scatter_with_permuted_slots_does_not_reproduce_the_source(name):
     assert not landed_equals_source([40, 3, 17, 0])
 
 
-def test_token_chunk_is_typed_layer_kv_token_head_dim():
-    layout, layers = token_layers("flash_attn_hnd", 2, 2, 32, 4, 16, torch.bfloat16)
-    typed = torch.empty(2, 2, 5, 4, 16, dtype=torch.bfloat16)
+def test_token_chunk_is_typed_kv_layer_token_head_dim():
+    layout, layers = token_layers("flash_attn_hnd", 3, 2, 32, 4, 16, torch.bfloat16)
+    typed = torch.empty(2, 3, 5, 4, 16, dtype=torch.bfloat16)
     gather_tokens(layers, torch.tensor([0, 1, 2, 33, 63]), typed, layout)
-    # layer 1, V, chunk token 3 (slot 33: block 1, offset 1), head 2
-    assert torch.equal(as_bytes(typed[1, 1, 3, 2]), as_bytes(layers[1][1, 1, 2, 1]))
+    # V, layer 2, chunk token 3 (slot 33: block 1, offset 1), head 2
+    assert torch.equal(as_bytes(typed[1, 2, 3, 2]), as_bytes(layers[2][1, 1, 2, 1]))
 
 
 BAD_TOKEN_CALLS = {
@@ -397,7 +435,7 @@ def test_triton_path_matches_the_torch_path(name, dtype):
 INTERPRETER_CHECK = """
 import torch
 from lmcache_pd.kernels import gather_tokens, gather_tokens_triton, scatter_tokens_triton
-from lmcache_pd.kernels import token_chunk_nbytes
+from lmcache_pd.kernels import TokenKVCache, TritonTokenKV, token_chunk_nbytes
 from tests.test_kernels import TOKEN_LAYOUTS, as_bytes, token_layers
 
 for name in sorted(TOKEN_LAYOUTS):
@@ -414,6 +452,15 @@ for name in sorted(TOKEN_LAYOUTS):
         check = torch.empty_like(expected)
         gather_tokens(target, slots, check, layout)
         assert torch.equal(check, expected), (name, dtype, "scatter")
+        # a load that starts inside the chunk: only its later tokens are written
+        _, target = token_layers(name, 2, 3, 32, 3, 24, dtype)
+        target = [layer.zero_() for layer in target]
+        reference = [layer.clone() for layer in target]
+        TritonTokenKV(target, layout).scatter(chunk, slots[5:].long(), skip=5)
+        TokenKVCache(reference, layout).scatter(chunk, slots[5:], skip=5)
+        assert any(layer.view(torch.uint8).any() for layer in target), (name, dtype, "nothing")
+        assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(target, reference)), (
+            name, dtype, "scatter skipping 5")
 print("interpreter ok")
 """
 

@@ -32,7 +32,7 @@ from lmcache_pd.connector.consumer_worker import ConsumerWorker
 from lmcache_pd.connector.metadata import PDConnectorMetadata, PushProgress
 from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler, SchedulerHalf
 from lmcache_pd.connector.stats import PDConnectorStats, PDPromMetrics, StatsRecorder
-from lmcache_pd.connector.worker import ProducerWorker, WorkerHalf
+from lmcache_pd.connector.worker import CacheFacts, ProducerWorker, WorkerHalf
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.keys import ChunkKeyer
 
@@ -101,24 +101,51 @@ def chunk_keyer(vllm_config: VllmConfig, config: PDConfig, rank: int) -> ChunkKe
     )
 
 
-def kv_profile(
-    vllm_config: VllmConfig, config: PDConfig, rank: int, kv_caches: dict[str, torch.Tensor]
-) -> KVProfile:
-    """What a peer's KV must match to be loadable here, compared at handshake; ``page_bytes``
-    is the config's until the worker half derives it from the cache."""
-    layers = list(kv_caches.values())
-    shape = "x".join(str(n) for n in (len(layers), *layers[0].shape[1:]))
+def kv_profile(vllm_config: VllmConfig, config: PDConfig, rank: int) -> KVProfile:
+    """What a peer's KV must match to be loadable here, compared at handshake; the worker half
+    completes it from the cache (chunk format, page bytes: ``worker.rank_profile``)."""
     parallel = vllm_config.parallel_config
     return KVProfile(
         chunk_size=config.chunk_size,
         page_bytes=config.page_bytes,
         model=vllm_config.model_config.model,  # as the chunk keys have it
         kv_dtype=kv_dtype_name(vllm_config),
-        kv_layout=f"{layers[0].device.type}:{shape}",
         block_size=vllm_config.cache_config.block_size,
         tp_size=parallel.tensor_parallel_size,
         tp_rank=rank,
     )
+
+
+def cache_facts(vllm_config: VllmConfig) -> CacheFacts:
+    """What vLLM says of its cache: the block size, the physical order of a block's interior
+    (its resolved layout: ``LBNHC``/``BLNHC`` put a token's heads together, NHD; the others
+    HND), and whether its attention backend packs whole blocks (vLLM's CPU engine)."""
+    from vllm.platforms import current_platform
+
+    return CacheFacts(
+        block_size=vllm_config.cache_config.block_size,
+        physical_order=physical_order(vllm_config),
+        packed_blocks=current_platform.is_cpu(),
+    )
+
+
+def physical_order(vllm_config: VllmConfig) -> str | None:
+    """ "NHD" or "HND" from vLLM's resolved KV cache layout (vLLM 0.32:
+    ``CacheConfig.get_resolved_kv_cache_layout``; older: ``get_kv_cache_layout``); None if this
+    vLLM has neither or has not resolved it yet."""
+    try:
+        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    except (AttributeError, ValueError):
+        try:
+            from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_cache_layout
+        except ImportError:
+            return None
+        name = str(get_kv_cache_layout())
+        return name if name in ("NHD", "HND") else None
+    # Logical block axes (H, N) = (2, 3) in vLLM's [L, B, H, N, C]: whichever comes first in
+    # memory is the outer one.
+    order = layout.stride_order
+    return "NHD" if order.index(3) < order.index(2) else "HND"
 
 
 class LMCachePDConnector(KVConnectorBase_V1):
@@ -152,11 +179,13 @@ class LMCachePDConnector(KVConnectorBase_V1):
     # ---- worker side ----
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Called once the paged cache exists: the worker half starts here."""
+        """Called once the paged cache exists: the worker half starts here, moving whole
+        blocks (vLLM's CPU engine) or tokens (GPU layouts) as the cache is (``paged_kv.py``)."""
         keyer = chunk_keyer(self._vllm_config, self._config, self._rank)
-        profile = kv_profile(self._vllm_config, self._config, self._rank, kv_caches)
+        profile = kv_profile(self._vllm_config, self._config, self._rank)
+        facts = cache_facts(self._vllm_config)
         half = ProducerWorker if self._config.kv_role == "kv_producer" else ConsumerWorker
-        self._worker = half(self._config, keyer, kv_caches, self._stats, profile, self._rank)
+        self._worker = half(self._config, keyer, kv_caches, self._stats, profile, self._rank, facts)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Consumer: queue this step's loads; they complete as their chunks land."""

@@ -23,15 +23,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import msgspec
 import torch
 
 from lmcache_pd.chunk_store import LandedChunk
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig, replace
 from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata
+from lmcache_pd.connector.paged_kv import COPIED, Copy
 from lmcache_pd.connector.stats import StatsRecorder
-from lmcache_pd.connector.worker import WorkerHalf, chunk_blocks, paged_cache
+from lmcache_pd.connector.worker import (
+    UNKNOWN,
+    CacheFacts,
+    WorkerHalf,
+    paged_kv,
+    rank_profile,
+)
 from lmcache_pd.consumer import check_landed
 from lmcache_pd.consumer_service import (
     ConsumerService,
@@ -39,8 +45,10 @@ from lmcache_pd.consumer_service import (
     LoadQuery,
     LoadState,
 )
-from lmcache_pd.errors import IntegrityError
+from lmcache_pd.errors import IntegrityError, TransferError
+from lmcache_pd.integrity import checksum
 from lmcache_pd.keys import ChunkKey, ChunkKeyer
+from lmcache_pd.protocol import DEVICE_COPY_TIMEOUT_S
 from lmcache_pd.trace import TraceFile
 
 logger = logging.getLogger(__name__)
@@ -91,19 +99,23 @@ class ConsumerWorker(WorkerHalf):
         stats: StatsRecorder,
         profile: KVProfile | None = None,
         rank: int = 0,
+        facts: CacheFacts = UNKNOWN,
     ) -> None:
         """``profile``: this rank's KV format, checked against each producer's at handshake.
-        ``config``: this rank's own (``PDConfig.for_rank``), whose ports it binds."""
+        ``config``: this rank's own (``PDConfig.for_rank``), whose ports it binds.
+        ``facts``: what vLLM says of its cache."""
         self._config = config
         self._rank = rank
         self._keyer = keyer
-        self._cache = paged_cache(kv_caches, config.chunk_size)
-        page_bytes = self._cache.chunk_nbytes(config.chunk_size)
-        if profile is not None:
-            profile = msgspec.structs.replace(profile, page_bytes=page_bytes)
-        self._service = ConsumerService(
-            replace(config, page_bytes=page_bytes), keyer, profile=profile
-        )
+        self._cache = paged_kv(kv_caches, config, facts)
+        rank_config = replace(config, page_bytes=self._cache.chunk_nbytes(config.chunk_size))
+        profile = rank_profile(profile, self._cache, rank_config)
+        # With buffer_device cuda the receive buffer is in the cache's GPU memory.
+        device = self._cache.device if config.buffer_device == "cuda" else None
+        self._service = ConsumerService(rank_config, keyer, profile=profile, device=device)
+        self._cache.adopt(self._service.buffer)
+        # Loads scattered on a GPU's copy stream whose pages go back once the copy is done.
+        self._releasing: list[tuple[Copy, str]] = []
         self._stats = stats
         self._trace = TraceFile(config.trace_path)
         self._pending: list[_PendingLoad] = []
@@ -153,6 +165,7 @@ class ConsumerWorker(WorkerHalf):
         it runs on vLLM's model-runner thread, and a load that cannot be done is recomputed."""
         received: set[str] = self._aborted
         self._aborted = set()
+        self._release_copied()
         failed: set[str] = set()
         states = self._progress()
         still: list[_PendingLoad] = []
@@ -216,8 +229,25 @@ class ConsumerWorker(WorkerHalf):
         self._stats.set_gauge("consumer_cached_pages", snapshot["cached_pages"])
         self._stats.set_gauge("consumer_held_requests", snapshot["held_requests"])
 
+    def _release_copied(self) -> None:
+        """Give back the pages of loads whose copy out of them is done."""
+        still = []
+        for copy, disagg_req_id in self._releasing:
+            if copy.done():
+                self._release(disagg_req_id)
+            else:
+                still.append((copy, disagg_req_id))
+        self._releasing = still
+
     def close(self) -> None:
+        """Let the copies still reading the receive buffer finish, then stop its process."""
+        deadline = time.monotonic() + DEVICE_COPY_TIMEOUT_S
+        for copy, _ in self._releasing:
+            with contextlib.suppress(TransferError):
+                copy.wait(deadline)
+        self._releasing = []
         self._service.close()
+        self._cache.close()
 
     def _traced(self, pending: _PendingLoad, outcome: str, tokens: int = 0) -> None:
         self._trace.write(
@@ -252,17 +282,28 @@ class ConsumerWorker(WorkerHalf):
                 f"KV not landed within {self._config.load_timeout_s:.1f} s",
             )
         # Only pages this request holds: they keep their bytes until it is released.
+        copy: Copy = COPIED
         try:
             for chunk, landed in zip(pending.keys, pending.landed, strict=True):
                 data = self._service.chunk(landed)
-                blocks = chunk_blocks(load.block_ids, chunk, self._cache.block_size, load.start)
                 hashed = landed.checksum is not None
-                check_landed(landed, self._cache.scatter(data, blocks, hashed=hashed))
+                copy = self._cache.scatter(
+                    data, load.block_ids, chunk.start, chunk.end, load.start, hashed=hashed
+                )
+                # A cache that cannot hash while it copies: a pass of its own (the bytes were
+                # written already; a mismatch fails the load, so vLLM recomputes them).
+                digest = copy.digest if copy.digest is not None or not hashed else checksum(data)
+                check_landed(landed, digest)
         except IntegrityError as exc:
             return self._failed(
                 pending, "unusable", "integrity_failures", f"received KV unusable: {exc}"
             )
-        self._release(load.disagg_req_id)
+        # The model reads the blocks after the copy (its stream waits for it); the pages may
+        # be written again only once the copy has read them.
+        if copy.done():
+            self._release(load.disagg_req_id)
+        else:
+            self._releasing.append((copy, load.disagg_req_id))
         tokens = len(load.prompt) - load.start
         self._traced(pending, "loaded", tokens)
         self._stats.add("loads_completed")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmcache_pd.affinity import unpin_this_thread
+from lmcache_pd.connector.paged_kv import COPIED, Copy
 from lmcache_pd.errors import (
     AllocationError,
     Incompatible,
@@ -36,7 +37,7 @@ from lmcache_pd.errors import (
 )
 from lmcache_pd.keys import ChunkKey
 from lmcache_pd.producer import Producer
-from lmcache_pd.protocol import AbandonReason, DisaggSpec
+from lmcache_pd.protocol import DEVICE_COPY_TIMEOUT_S, AbandonReason, DisaggSpec
 from lmcache_pd.trace import TraceFile
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,9 @@ class PushJob:
     checksums: list[int] | None
     pages: contextlib.AbstractContextManager
     staged_at: float  # wall clock, for the trace
+    # The copy into the pages (the last of them: a GPU's copies run in order on one stream);
+    # the bytes go out once it is done.
+    ready: Copy = COPIED
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +315,7 @@ class PeerSender:
             self._trace.write(record | {"start": started, "end": time.time()})
             return
         try:
+            job.ready.wait(time.monotonic() + DEVICE_COPY_TIMEOUT_S)
             result = producer.push(spec, job.chunks, job.checksums)
         except RequestDropped as exc:
             job.request.abandoned.set()

@@ -2,8 +2,10 @@
 
 Producer: at the end of each step (``wait_for_save``) the chunks whose tokens are all computed
 are gathered into pages of the staging buffer, so vLLM may free or reuse the blocks at once, and
-the sender thread of the request's consumer pushes them (``sender.py``). The gather takes each
-chunk's checksum in the same pass (``integrity.py``). A request that cannot
+the sender thread of the request's consumer pushes them (``sender.py``); the gather takes each
+chunk's checksum in the same pass where the cache allows (``integrity.py``); from a GPU cache the
+copies are queued on the connector's own CUDA stream and the sender waits for them
+(``cuda_kv.py``). The chunk format follows the cache (``paged_kv.py``). A request that cannot
 be pushed (no staging room, prefill aborted) is abandoned: its consumer is told at once.
 Consumer: each step, pending loads whose chunks have all landed are scattered into their blocks
 and reported as received; a load whose KV was abandoned, not complete by its deadline, or with a
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -26,6 +29,7 @@ from lmcache_pd.connector.metadata import (
     PushProgress,
     SaveRequest,
 )
+from lmcache_pd.connector.paged_kv import COPIED, Copy, PagedKV, recognise
 from lmcache_pd.connector.sender import (
     AbandonJob,
     PushJob,
@@ -35,8 +39,7 @@ from lmcache_pd.connector.sender import (
 )
 from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.errors import AllocationError, ProtocolError
-from lmcache_pd.kernels.cpu_blocks import CpuKVCache, validate_chunk_size
-from lmcache_pd.keys import ChunkKey, ChunkKeyer
+from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.producer import Producer
 from lmcache_pd.protocol import AbandonReason
 from lmcache_pd.staging import Staging
@@ -45,21 +48,55 @@ from lmcache_pd.trace import TraceFile
 logger = logging.getLogger(__name__)
 
 
-def paged_cache(kv_caches: dict[str, torch.Tensor], chunk_size: int) -> CpuKVCache:
-    """The worker's layers as one block-addressed cache; refuses a chunk size that is not a
-    whole number of vLLM blocks, at start-up rather than on the first request."""
-    cache = CpuKVCache(list(kv_caches.values()))
-    validate_chunk_size(chunk_size, cache.block_size)
-    return cache
+@dataclass(frozen=True, slots=True)
+class CacheFacts:
+    """What vLLM says of its cache beyond the tensors (``paged_kv.recognise``); None: not
+    known, decided by the tensors."""
+
+    block_size: int | None = None
+    physical_order: str | None = None
+    packed_blocks: bool | None = None
 
 
-def chunk_blocks(
-    block_ids: list[int], chunk: ChunkKey, block_size: int, start: int = 0
-) -> torch.Tensor:
-    """The request's blocks that hold ``chunk``'s tokens from ``start`` on (a block boundary)."""
-    first = max(chunk.start, start) // block_size
-    last = -(-chunk.end // block_size)
-    return torch.tensor(block_ids[first:last], dtype=torch.int64)
+UNKNOWN = CacheFacts()
+
+
+def paged_kv(kv_caches: dict[str, torch.Tensor], config: PDConfig, facts: CacheFacts) -> PagedKV:
+    """The worker's layers as the chunk format they move; refuses at start-up, not on the first
+    request, a chunk size of CPU blocks that is not whole blocks."""
+    return recognise(
+        kv_caches,
+        config.chunk_size,
+        block_size=facts.block_size,
+        physical_order=facts.physical_order,
+        packed_blocks=facts.packed_blocks,
+    )
+
+
+def rank_profile(profile: KVProfile | None, cache: PagedKV, config: PDConfig) -> KVProfile:
+    """``profile`` (or, without one, the config's chunk size) completed by what the cache knows:
+    its chunk format, always compared, and its page size. A token chunk does not depend on the
+    block size, which is then not compared."""
+    if profile is None:
+        profile = KVProfile(chunk_size=config.chunk_size, page_bytes=config.page_bytes)
+    block_size = profile.block_size if cache.whole_blocks else None
+    return msgspec.structs.replace(
+        profile,
+        page_bytes=config.page_bytes,
+        chunk_format=cache.chunk_format,
+        block_size=block_size,
+    )
+
+
+def staging_for(config: PDConfig, cache: PagedKV) -> Staging:
+    """The producer's staging pages: in the cache's GPU memory with ``buffer_device: cuda``,
+    pinned CPU memory for any other GPU cache (copied into from the GPU without blocking),
+    plain CPU memory for a CPU one."""
+    device = cache.device if config.buffer_device == "cuda" else torch.device("cpu")
+    pinned = config.buffer_device == "cpu" and cache.device.type == "cuda"
+    return Staging(
+        num_pages=config.num_pages, page_bytes=config.page_bytes, device=device, pinned=pinned
+    )
 
 
 class WorkerHalf:
@@ -95,21 +132,21 @@ class ProducerWorker(WorkerHalf):
         stats: StatsRecorder,
         profile: KVProfile | None = None,
         rank: int = 0,
+        facts: CacheFacts = UNKNOWN,
     ) -> None:
         """``profile``: this rank's KV format, checked against each consumer's at handshake.
         ``rank``: this worker's tensor-parallel rank; it pushes to the consumer rank of the
-        same index in each request's DisaggSpec."""
+        same index in each request's DisaggSpec. ``facts``: what vLLM says of its cache."""
         self._keyer = keyer
         self._rank = rank
         # Requests whose spec names no consumer rank for this one: never pushed by this rank.
         self._unserved: set[str] = set()
-        self._cache = paged_cache(kv_caches, config.chunk_size)
+        self._cache = paged_kv(kv_caches, config, facts)
         config = replace(config, page_bytes=self._cache.chunk_nbytes(config.chunk_size))
-        if profile is not None:
-            profile = msgspec.structs.replace(profile, page_bytes=config.page_bytes)
+        profile = rank_profile(profile, self._cache, config)
         self._stats = stats
         self._hashed = config.integrity_checksums
-        self._staging = Staging(num_pages=config.num_pages, page_bytes=config.page_bytes)
+        self._staging = staging_for(config, self._cache)
         self._saving: dict[str, Saving] = {}
         self._senders = SenderPool(
             lambda: Producer(config, staging=self._staging, profile=profile, count=stats.add),
@@ -145,6 +182,7 @@ class ProducerWorker(WorkerHalf):
     def close(self) -> None:
         """Stop the senders (each closes its own NIXL agent) before anything is freed."""
         self._senders.close()
+        self._cache.close()
 
     def _save(self, save: SaveRequest) -> None:
         request = self._saving.get(save.req_id)
@@ -184,16 +222,24 @@ class ProducerWorker(WorkerHalf):
             self._abandon(request, AbandonReason.STAGING_FULL, str(exc))
             return
         request.pushed_upto = ready
-        staged, checksums = [], []
-        for chunk, page in zip(chunks, pages, strict=True):
-            blocks = chunk_blocks(request.block_ids, chunk, self._cache.block_size)
-            data = page[: self._cache.chunk_nbytes(chunk.end - chunk.start)]
-            digest = self._cache.gather(blocks, data, hashed=self._hashed)
-            if digest is not None:
-                checksums.append(digest)
-            staged.append((chunk.key, data))
-        sums = checksums if self._hashed else None
-        self._senders.submit(PushJob(request, staged, sums, pages_context, time.time()))
+        staged, digests = [], []
+        copy: Copy = COPIED
+        try:
+            for chunk, page in zip(chunks, pages, strict=True):
+                data = page[: self._cache.chunk_nbytes(chunk.end - chunk.start)]
+                copy = self._cache.gather(
+                    request.block_ids, chunk.start, chunk.end, data, hashed=self._hashed
+                )
+                digests.append(copy.digest)
+                staged.append((chunk.key, data))
+        except BaseException:
+            pages_context.__exit__(None, None, None)
+            raise
+        # Checksums taken in the copy's pass; a cache that cannot has the producer take them.
+        checksums = (
+            [d for d in digests if d is not None] if self._hashed and None not in digests else None
+        )
+        self._senders.submit(PushJob(request, staged, checksums, pages_context, time.time(), copy))
 
     def _abandon(self, request: Saving, reason: AbandonReason, detail: str) -> None:
         """No more of this request is pushed; its sender tells the consumer (off this thread)."""
