@@ -35,7 +35,7 @@ from lmcache_pd.metrics_scrape import decode_sources, scrape
 from lmcache_pd.model_maker import ensure_model
 from lmcache_pd.vllm_server import VLLMServer
 from tests.helpers import free_port
-from tests.test_e2e_vllm import SERVER_ARGS, assert_close_answer, body, prompt
+from tests.test_e2e_vllm import SERVER_ARGS, answer, assert_close_answer, body, prompt
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
 openai = pytest.importorskip("openai")
@@ -250,14 +250,9 @@ def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     logs = tmp_path_factory.mktemp("reference")
     with VLLMServer(model, free_port(), logs / "plain.log", cpu=0, extra_args=SERVER_ARGS) as plain:
         return {
-            name: _answer(plain.complete(body(model, tokens, OUTPUT_TOKENS)))
+            name: answer(plain.complete(body(model, tokens, OUTPUT_TOKENS)))
             for name, tokens in PROMPTS.items()
         }
-
-
-def _answer(response: dict) -> tuple[list[str], list[float]]:
-    logprobs = response["choices"][0]["logprobs"]
-    return logprobs["tokens"], logprobs["token_logprobs"]
 
 
 def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
