@@ -337,8 +337,10 @@ def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
 
             # A second decode instance, on the worker's node, takes requests.
             measured["scale_up_s"] = cluster.scale(2)
+            # The proxy learns of it at its next question to the controller.
+            wait_for("the proxy routing to both", lambda: len(cluster.decode_urls()) == 2, 10)
             urls = cluster.decode_urls()
-            assert len(urls) == 2 and len(vllm_servers(cluster.worker)) == 2
+            assert len(vllm_servers(cluster.worker)) == 2
             for name, tokens in PROMPTS.items():
                 assert_close_answer(cluster.complete(tokens), reference[name], name)
             for url in urls:  # round-robin between idle equals: each got some
@@ -358,7 +360,8 @@ def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
             assert [(count, finish) for count, finish, _ in finished] == [(400, "length")] * 2
             # The leaving instance was stopped only after its stream ended.
             assert scaled > max(ended for _, _, ended in finished)
-            assert len(cluster.decode_urls()) == 1 and len(vllm_servers(cluster.worker)) == 1
+            wait_for("the proxy routing to one", lambda: len(cluster.decode_urls()) == 1, 10)
+            assert len(vllm_servers(cluster.worker)) == 1
             measured["serve_total_s"] = time.monotonic() - began
             measured["answers_refused_503"] = cluster.refused
         # serve, then both nodes, stopped by process group: nothing is left in either namespace
