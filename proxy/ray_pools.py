@@ -120,7 +120,7 @@ class PoolsController:
 
     async def describe(self) -> dict[str, dict[str, Any]]:
         """Every instance: its condition, node, URL, server pid and log (``lmcache-pd scale``
-        prints it; tests read it)."""
+        prints it)."""
         return {
             i.name: {"role": i.role, "condition": i.condition}
             | (msgspec.to_builtins(i.state) if i.state is not None else {})

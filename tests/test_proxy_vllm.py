@@ -407,7 +407,9 @@ def test_client_that_disconnects_leaves_nothing_running_upstream(
     prefill, decode = config["prefill"][0]["url"], config["decode"][0]["url"]
     request = {
         **completion_request(model, token_prompt(500, seed=8)),
-        "max_tokens": 1000,
+        # Long enough to outlast the control below on an idle core (1000 tokens once ran out
+        # within its first seconds: the control then found nothing running).
+        "max_tokens": 3000,
         # Still running when the client leaves, whatever the tiny model says: a greedy answer
         # whose logprobs differ within tolerance between runs could otherwise reach its end of
         # sequence early, and the control below would find nothing running.
