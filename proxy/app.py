@@ -116,9 +116,9 @@ class Proxy:
             timeout_s=self.config.timeouts.health_s,
         )
         await self._health.check_all()  # start with what is up now, not with assumptions
-        self._health.start()
+        self._health.periodic.start()
         if self._membership is not None:
-            self._membership.start()
+            self._membership.periodic.start()
         logger.info(
             "proxy for %s: prefill %s, decode %s",
             self.config.model,
@@ -131,9 +131,9 @@ class Proxy:
 
     async def _stop(self, _: web.Application) -> None:
         if self._membership is not None:
-            await self._membership.stop()
+            await self._membership.periodic.stop()
         if self._health is not None:
-            await self._health.stop()
+            await self._health.periodic.stop()
         if self._dropper is not None:
             await self._dropper.close()
         if self._session is not None:

@@ -12,7 +12,6 @@ nothing of this proxy is left on it. Everything here runs on the proxy's event l
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Annotated, Literal, Protocol
@@ -20,7 +19,7 @@ from typing import Annotated, Literal, Protocol
 import msgspec
 
 from lmcache_pd.protocol import Port, RankPorts
-from lmcache_pd.proxy.routing import Pool, Role, Upstream
+from lmcache_pd.proxy.routing import Periodic, Pool, Role, Upstream
 
 logger = logging.getLogger(__name__)
 
@@ -68,17 +67,7 @@ class Membership:
         # Taken out of their pool with requests still running there: reported until idle.
         self._leaving: dict[str, Upstream] = {}
         self._failing = False
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="membership")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        self.periodic = Periodic("membership", self.refresh, source.interval_s)
 
     def outstanding(self) -> Outstanding:
         """Requests in flight per instance, those of instances taken out included."""
@@ -127,8 +116,3 @@ class Membership:
                 kept.append(Upstream(url, pool.role, member.receiver))
         if kept != pool.members:
             pool.replace(kept)
-
-    async def _run(self) -> None:
-        while True:
-            await self.refresh()
-            await asyncio.sleep(self._interval_s)

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -84,6 +84,30 @@ class Pool:
         return chosen
 
 
+class Periodic:
+    """``step`` awaited every ``interval_s`` on a task of the running loop, from ``start`` until
+    ``stop`` (health checks, the pools' members)."""
+
+    def __init__(self, name: str, step: Callable[[], Awaitable[object]], interval_s: float) -> None:
+        self._name, self._step, self._interval_s = name, step, interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=self._name)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await self._step()
+            await asyncio.sleep(self._interval_s)
+
+
 class HealthChecker:
     """Asks every instance's ``/health`` every ``interval_s``, marking each up or down;
     ``upstreams`` says which instances there are now."""
@@ -98,19 +122,8 @@ class HealthChecker:
     ) -> None:
         self._upstreams = upstreams
         self._session_factory = session_factory
-        self._interval_s = interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="health-checks")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        self.periodic = Periodic("health-checks", self.check_all, interval_s)
 
     async def check_all(self) -> None:
         """One round: every instance, concurrently."""
@@ -124,8 +137,3 @@ class HealthChecker:
         except (aiohttp.ClientError, TimeoutError) as exc:
             healthy, why = False, f"/health failed: {exc!r}"
         member.mark(healthy, why)
-
-    async def _run(self) -> None:
-        while True:
-            await self.check_all()
-            await asyncio.sleep(self._interval_s)

@@ -313,7 +313,6 @@ def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
             assert after["loads_failed"] == before.get("loads_failed", 0)
 
             # Decode's vLLM dies; Ray restarts its actor; requests succeed again.
-            killed = time.monotonic()
             os.killpg(vllm_servers(cluster.worker)[decode_port], signal.SIGKILL)
             new_url: list[str] = []
 
@@ -330,7 +329,6 @@ def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
                 served_by_a_new_decode,
                 RECOVERY_TIMEOUT_S,
             )
-            assert time.monotonic() - killed < RECOVERY_TIMEOUT_S
             for name, tokens in PROMPTS.items():
                 assert_close_answer(cluster.complete(tokens), reference[name], name)
             assert cluster.decode_counters(new_url[0])["tokens_loaded"] > 0
