@@ -177,7 +177,11 @@ class VLLMServer:
             command,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            # A process group of its own (stopped as one), but the launcher's session: a session
+            # of its own would be a scheduler autogroup of its own (Linux's default), and on 2
+            # cores an instance's autogroup was seen frozen 20-30 s, vLLM's API server and our
+            # consumer services with it, while TP-2 workers spun beside it.
+            process_group=0,
             preexec_fn=_die_with_parent,
             env={**os.environ, **server_env(cpu=cpu, env=env)},
         )
@@ -230,7 +234,7 @@ class VLLMServer:
 
     @property
     def pid(self) -> int:
-        """The server's process id, which is also its process group's id (start_new_session):
+        """The server's process id, which is also its process group's id (process_group=0):
         vLLM's engine processes are in that group."""
         return self._process.pid
 
@@ -255,7 +259,7 @@ class VLLMServer:
         """SIGTERM the server's whole process group (vLLM's engine processes are in it) and
         wait until every member is gone; SIGKILL whatever outlives ``STOP_TIMEOUT_S``.
         Idempotent."""
-        group = self._process.pid  # start_new_session: the group id is the server's pid
+        group = self._process.pid  # process_group=0: the group id is the server's pid
         if self._process.poll() is None:
             os.killpg(group, signal.SIGTERM)
             # A stopped (SIGSTOP) group would hold SIGTERM until resumed.
