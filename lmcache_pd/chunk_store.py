@@ -19,6 +19,11 @@ request whose prompt shares it is answered "already held" instead of having it w
 Such idle pages are evicted, least recently used first, only when an allocation needs their room
 or more than ``cache_pages`` of them are idle; a page a request holds or a write still leases is
 never evicted.
+
+A producer may hold pages reserved ahead (``reserve``): tied to no key, under an allocation's
+lease, so that a small push writes at once and says afterwards where each chunk went
+(``land_reserved``). A chunk that turns out to be here already, or not needed, or of a request
+let go, gives its page straight back.
 """
 
 from __future__ import annotations
@@ -31,7 +36,13 @@ from dataclasses import dataclass, field
 
 from lmcache_pd.allocator import PageAllocator, PageState
 from lmcache_pd.errors import AllocationError, ProtocolError, RequestDropped
-from lmcache_pd.protocol import DROPPED_MEMORY_S, AllocCancel, AllocRequest, WriteDone
+from lmcache_pd.protocol import (
+    DROPPED_MEMORY_S,
+    AllocCancel,
+    AllocRequest,
+    ReservedWriteDone,
+    WriteDone,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -138,16 +149,25 @@ class ChunkStore:
         self._not_needed: dict[str, frozenset[bytes]] = {}
         self._dropped_until: deque[tuple[float, str]] = deque()
         self._alloc_ids = itertools.count(1)
+        # Pages reserved ahead and not written yet, per reservation id, and the way back.
+        self._reserved: dict[int, set[int]] = {}
+        self._reservation_of: dict[int, int] = {}
 
     @property
     def used_pages(self) -> int:
-        """Pages held by a request or waiting for a write (idle cached ones are not)."""
-        return self._allocator.used_pages - len(self._idle)
+        """Pages held by a request or waiting for a write (idle cached ones and those reserved
+        ahead are not)."""
+        return self._allocator.used_pages - len(self._idle) - len(self._reservation_of)
 
     @property
     def cached_pages(self) -> int:
         """Landed pages nobody holds, kept for a later request that shares their chunk."""
         return len(self._idle)
+
+    @property
+    def reserved_pages(self) -> int:
+        """Pages reserved ahead for producers and not written yet."""
+        return len(self._reservation_of)
 
     @property
     def pending_writes(self) -> int:
@@ -204,11 +224,7 @@ class ChunkStore:
                 pages.append(None)
                 self.cache_counts.hits += 1
                 self.cache_counts.bytes_not_resent += self._pages[page].nbytes
-            if page not in hold.pages:
-                self._allocator.incref(page)
-                hold.pages.add(page)
-                self._pages[page].holders.add(request.req_id)
-                self._idle.pop(page, None)
+            self._add_holder(hold, request.req_id, page)
         self.cache_counts.misses += needed
         if written:
             self._pending[alloc_id] = PendingWrite(request.req_id, tuple(written))
@@ -233,17 +249,81 @@ class ChunkStore:
         del self._pending[done.alloc_id]
         nbytes = 0
         for index, page in enumerate(pending.pages):
-            info = self._pages[page]
-            info.checksum = None if done.checksums is None else done.checksums[index]
-            nbytes += info.nbytes
-            if self._cache_pages:
-                self._allocator.confirm(page, keep=True)
-                self._cached.add(page)
-                if not info.holders:
-                    self._idle_now(page)
-            elif self._allocator.confirm(page):
-                self._forget(page)
+            nbytes += self._land(page, None if done.checksums is None else done.checksums[index])
         return len(pending.pages), nbytes
+
+    def reserve(self, count: int, now: float) -> tuple[int, list[int]]:
+        """``count`` pages tied to no chunk, under an allocation's lease, for a producer to
+        write a later push into at once; returns (reservation id, pages). Raises
+        ``BufferFull`` (all or nothing, as an allocation)."""
+        self._make_room(count, set())
+        pages = self._allocator.allocate(count, now)
+        reservation_id = next(self._alloc_ids)
+        self._reserved[reservation_id] = set(pages)
+        for page in pages:
+            self._reservation_of[page] = reservation_id
+        return reservation_id, pages
+
+    def land_reserved(self, done: ReservedWriteDone, now: float) -> tuple[int, int]:
+        """Chunks of ``done.req_id`` landed in reserved pages: each becomes its key's page,
+        held for the request, as if allocated and confirmed; returns the chunks and bytes kept.
+        A chunk already here is held where it is, and one decode does not need or of a request
+        let go is not kept: their pages go back at once.
+
+        Raises ``ProtocolError`` for pages not (or no longer) in that reservation, keys or pages
+        twice, or lists of different lengths.
+        """
+        reserved = self._reserved.get(done.reservation_id, set())
+        keys = [chunk.key for chunk in done.chunks]
+        if (
+            len(done.pages) != len(keys)
+            or (done.checksums is not None and len(done.checksums) != len(keys))
+            or len(set(keys)) != len(keys)
+            or len(set(done.pages)) != len(done.pages)
+            or not reserved.issuperset(done.pages)
+        ):
+            raise ProtocolError(
+                f"req {done.req_id}: ReservedWriteDone does not match reservation "
+                f"{done.reservation_id} (lease expired, or pages, keys and checksums differ)"
+            )
+        for page in done.pages:
+            reserved.discard(page)
+            del self._reservation_of[page]
+        if not reserved:
+            del self._reserved[done.reservation_id]
+        dropped = done.req_id in self._dropped
+        skip = self._not_needed.get(done.req_id, frozenset())
+        hold = None if dropped else self._hold(done.req_id, now)
+        kept = nbytes = 0
+        for index, (chunk, page) in enumerate(zip(done.chunks, done.pages, strict=True)):
+            live = self._live_page(chunk.key)
+            if hold is not None and live is not None and chunk.key not in skip:
+                self._add_holder(hold, done.req_id, live)
+            if dropped or live is not None or chunk.key in skip:
+                self._allocator.free(page)
+                continue
+            self._pages_of_key.setdefault(chunk.key, set()).add(page)
+            self._pages[page] = PageInfo(chunk.key, chunk.nbytes, done.reservation_id)
+            assert hold is not None
+            self._add_holder(hold, done.req_id, page)
+            nbytes += self._land(page, None if done.checksums is None else done.checksums[index])
+            kept += 1
+        self.cache_counts.misses += kept
+        return kept, nbytes
+
+    def _land(self, page: int, checksum: int | None) -> int:
+        """The write into leased ``page`` landed: its lease's reference goes to the cache (or
+        away); returns the chunk's bytes."""
+        info = self._pages[page]
+        info.checksum = checksum
+        if self._cache_pages:
+            self._allocator.confirm(page, keep=True)
+            self._cached.add(page)
+            if not info.holders:
+                self._idle_now(page)
+        elif self._allocator.confirm(page):
+            self._forget(page)
+        return info.nbytes
 
     def cancel(self, cancel: AllocCancel) -> bool:
         """The write of ``cancel.alloc_id`` will never come: its pages are freed at once and
@@ -351,6 +431,13 @@ class ChunkStore:
         """
         lapsed_writes: list[str] = []
         for page in self._allocator.expire(now):
+            reservation_id = self._reservation_of.pop(page, None)
+            if reservation_id is not None:  # reserved ahead, never written: just freed
+                reserved = self._reserved[reservation_id]
+                reserved.discard(page)
+                if not reserved:
+                    del self._reserved[reservation_id]
+                continue
             info = self._pages[page]
             pending = self._pending.pop(info.alloc_id, None)
             if pending is not None:
@@ -382,6 +469,14 @@ class ChunkStore:
         else:
             self._renew(hold, req_id, deadline)
         return hold
+
+    def _add_holder(self, hold: Hold, req_id: str, page: int) -> None:
+        """``req_id`` (whose hold is ``hold``) holds ``page`` from now on, if not yet."""
+        if page not in hold.pages:
+            self._allocator.incref(page)
+            hold.pages.add(page)
+            self._pages[page].holders.add(req_id)
+            self._idle.pop(page, None)
 
     def _renew(self, hold: Hold, req_id: str, deadline: float) -> None:
         # The entry of the old deadline stays in the heap and is skipped when it comes up.

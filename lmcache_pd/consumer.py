@@ -74,6 +74,8 @@ class ConsumerStats:
     chunks_already_held: int = 0
     chunks_landed: int = 0
     bytes_landed: int = 0
+    pages_reserved: int = 0  # handed out ahead of any push (ReserveRequest)
+    chunks_landed_reserved: int = 0  # of chunks_landed, written into pages reserved ahead
     unknown_notifications: int = 0
     allocations_cancelled: int = 0
     internal_errors: int = 0
@@ -225,6 +227,7 @@ class Consumer:
                 "used_pages": self._store.used_pages,
                 "cached_pages": self._store.cached_pages,
                 "pending_writes": self._store.pending_writes,
+                "reserved_pages": self._store.reserved_pages,
                 "held_requests": self._store.held_requests,
             }
 
@@ -481,6 +484,8 @@ class Consumer:
             return self._on_cancel(request)
         if isinstance(request, protocol.KVAbandoned):
             return self._on_abandoned(request)
+        if isinstance(request, protocol.ReserveRequest):
+            return self._on_reserve(request)
         req_id = request.req_id
         with self._lock:
             self.stats.alloc_requests += 1
@@ -517,6 +522,22 @@ class Consumer:
             agent_name=self._channel.agent_name,
             alloc_id=allocation.alloc_id,
             pages=allocation.pages,
+        )
+
+    def _on_reserve(self, request: protocol.ReserveRequest) -> protocol.Message:
+        with self._lock:
+            try:
+                reservation_id, pages = self._store.reserve(request.pages, time.monotonic())
+            except BufferFull as exc:
+                # Not an error of anyone's: the producer asks for pages per push meanwhile.
+                logger.debug("no pages to reserve ahead: %s", exc)
+                return self._refuse(ErrorCode.BUFFER_FULL, str(exc), "", exc.retry_after_s)
+            self.stats.pages_reserved += len(pages)
+        return protocol.Reservation(
+            version=protocol.PROTOCOL_VERSION,
+            agent_name=self._channel.agent_name,
+            reservation_id=reservation_id,
+            pages=pages,
         )
 
     def _on_cancel(self, cancel: protocol.AllocCancel) -> protocol.CancelAck:
@@ -563,7 +584,11 @@ class Consumer:
                     self._on_probe_done(peer, done)
                     continue
                 with self._lock:
-                    landed, nbytes = self._store.confirm(done)
+                    if isinstance(done, protocol.ReservedWriteDone):
+                        landed, nbytes = self._store.land_reserved(done, time.monotonic())
+                        self.stats.chunks_landed_reserved += landed
+                    else:
+                        landed, nbytes = self._store.confirm(done)
                     self.stats.chunks_landed += landed
                     self.stats.bytes_landed += nbytes
             except ProtocolError as exc:
@@ -571,7 +596,7 @@ class Consumer:
                     self.stats.unknown_notifications += 1
                 logger.warning("notification from %s ignored: %s", peer, exc)
                 continue
-            logger.debug("req %s: alloc %d landed, %d chunks", done.req_id, done.alloc_id, landed)
+            logger.debug("req %s: write landed, %d chunks kept", done.req_id, landed)
 
     def _expire(self) -> None:
         with self._lock:

@@ -323,13 +323,25 @@ def ask(
     req_id: str,
 ) -> object:
     """Send one request and wait for its reply until ``deadline``."""
+    send(socket, message, req_id)
+    return receive(socket, type(message).__name__, codec, deadline, req_id)
+
+
+def send(socket: zmq.Socket, message: protocol.Message, req_id: str) -> None:
+    """Send one request without waiting; its reply is the next one ``receive`` reads."""
     try:
         socket.send(protocol.encode(message), zmq.NOBLOCK)
     except zmq.ZMQError as exc:
         raise PeerTimeout(f"req {req_id}: cannot send {type(message).__name__}: {exc}") from exc
+
+
+def receive(
+    socket: zmq.Socket, asked: str, codec: protocol.Codec, deadline: float, req_id: str
+) -> object:
+    """The reply to the request named ``asked``, sent earlier, by ``deadline``."""
     remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
     if not socket.poll(remaining_ms, zmq.POLLIN):
-        raise PeerTimeout(f"req {req_id}: no reply to {type(message).__name__} in time")
+        raise PeerTimeout(f"req {req_id}: no reply to {asked} in time")
     return codec.decode(socket.recv())
 
 

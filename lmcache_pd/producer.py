@@ -4,7 +4,12 @@ Per push: handshake with the consumer once (cached per peer), ask it for a page 
 the chunks it does not already hold from our registered staging buffer in one NIXL WRITE whose
 notification carries the allocation id and checksums, and wait for the WRITE to finish. Every step
 has its own deadline and raises a typed error; the write's deadline ends before the consumer's
-lease on its pages (stated in the handshake) does. One owner thread calls ``connect``, ``push``
+lease on its pages (stated in the handshake) does.
+
+A push of at most ``reserved_pages`` chunks skips the asking: it writes into pages the consumer
+reserved for us ahead, and its notification says which chunk went where. The next reservation is
+asked for while a write is in flight, so under steady traffic small pushes pay no round trip
+before their bytes move. One owner thread calls ``connect``, ``push``
 and ``abandon`` (NIXL is not thread-safe); ``staged`` may be called from any thread.
 """
 
@@ -33,7 +38,16 @@ from lmcache_pd.errors import (
     ProtocolError,
     TransferError,
 )
-from lmcache_pd.handshake import Count, Handshake, Peer, ask, dealer, error_from_reply
+from lmcache_pd.handshake import (
+    Count,
+    Handshake,
+    Peer,
+    ask,
+    dealer,
+    error_from_reply,
+    receive,
+    send,
+)
 from lmcache_pd.integrity import checksum
 from lmcache_pd.protocol import AbandonReason, DisaggSpec
 from lmcache_pd.staging import Staging
@@ -41,6 +55,11 @@ from lmcache_pd.staging import Staging
 logger = logging.getLogger(__name__)
 
 Chunk = tuple[bytes, torch.Tensor]
+PeerKey = tuple[str, int, int]
+# Pages reserved ahead are written into only this soon after we asked for them: sooner than any
+# consumer restarts (a restarted one has other pages, and only an AllocResponse would say so).
+# Under steady traffic each push asks for the next reservation, so it is always this fresh.
+RESERVED_FRESH_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +71,17 @@ class PushResult:
     chunks_skipped: int
     bytes_sent: int
     seconds: float
+    reserved: bool = False  # written into pages reserved ahead, without asking first
+
+
+@dataclass(slots=True)
+class _Reserved:
+    """Pages a consumer reserved for us ahead, not written yet, and when we asked for them: a
+    write into them must end within the peer's write budget of that."""
+
+    reservation_id: int
+    pages: list[int]
+    asked_at: float
 
 
 class Producer:
@@ -93,7 +123,8 @@ class Producer:
             channel_for=self._channel_for,
             count=count or (lambda name, n: None),
         )
-        self._peers: dict[tuple[str, int, int], Peer] = {}
+        self._peers: dict[PeerKey, Peer] = {}
+        self._reserved: dict[PeerKey, _Reserved] = {}
         self._closed = False
 
     def staged(self, count: int) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
@@ -136,17 +167,18 @@ class Producer:
         with self.staged(len(outside)) as spare:
             copies = dict(zip(outside, spare, strict=True))
             try:
-                to_write = self._push_once(spec, specs, sources, sizes, copies, checksums)
+                to_write, reserved = self._push_once(spec, specs, sources, sizes, copies, checksums)
             except PeerRestarted as exc:
                 # Our handshake is with its former self: shake hands again and retry once.
                 logger.warning("req %s: %s; shaking hands again", spec.req_id, exc)
-                to_write = self._push_once(spec, specs, sources, sizes, copies, checksums)
+                to_write, reserved = self._push_once(spec, specs, sources, sizes, copies, checksums)
         result = PushResult(
             req_id=spec.req_id,
             chunks_sent=len(to_write),
             chunks_skipped=len(chunks) - len(to_write),
             bytes_sent=sum(sizes[i] for i in to_write),
             seconds=time.monotonic() - started,
+            reserved=reserved,
         )
         logger.debug(
             "req %s pushed to %s:%d: %s",
@@ -165,18 +197,54 @@ class Producer:
         sizes: list[int],
         copies: dict[int, torch.Tensor],
         checksums: Sequence[int] | None,
-    ) -> list[int]:
-        """Handshake if needed, allocate, write; returns the indices of the chunks written."""
+    ) -> tuple[list[int], bool]:
+        """Handshake if needed, allocate (or take pages reserved ahead), write; returns the
+        indices of the chunks written and whether reserved pages took them."""
         peer = self.connect(spec)
+        key = _peer_key(spec)
+        reserved = self._take_reserved(key, peer, len(specs))
         try:
-            asked_at = time.monotonic()
-            response = self._allocate(spec, peer, specs)
-            to_write = [i for i, page in enumerate(response.pages) if page is not None]
+            if reserved is None:
+                asked_at = time.monotonic()
+                response = self._allocate(spec, peer, specs)
+                to_write = [i for i, page in enumerate(response.pages) if page is not None]
+                pages = [page for page in response.pages if page is not None]
+                sums = None if checksums is None else [checksums[i] for i in to_write]
+                done: protocol.Message = protocol.WriteDone(
+                    version=protocol.PROTOCOL_VERSION,
+                    req_id=spec.req_id,
+                    alloc_id=response.alloc_id,
+                    checksums=sums,
+                )
+                alloc_id: int | None = response.alloc_id
+            else:
+                asked_at, to_write, pages = (
+                    reserved.asked_at,
+                    list(range(len(specs))),
+                    reserved.pages,
+                )
+                done = protocol.ReservedWriteDone(
+                    version=protocol.PROTOCOL_VERSION,
+                    req_id=spec.req_id,
+                    reservation_id=reserved.reservation_id,
+                    chunks=specs,
+                    pages=pages,
+                    checksums=None if checksums is None else list(checksums),
+                )
+                alloc_id = None  # nothing to cancel: unwritten, the pages lapse with the lease
             if to_write:
                 addresses = [self._staged_address(sources[i], copies.get(i)) for i in to_write]
                 deadline = asked_at + peer.write_budget_s
-                sums = None if checksums is None else [checksums[i] for i in to_write]
-                self._write(spec, peer, response, to_write, sizes, addresses, sums, deadline)
+                write = _Write(pages, [sizes[i] for i in to_write], addresses, done, alloc_id)
+                try:
+                    self._write(spec, key, peer, write, deadline)
+                except TransferError as exc:
+                    if reserved is None:
+                        raise
+                    # No AllocResponse told us who answers there now: the consumer may have
+                    # restarted since it reserved them (the pages would then be its former
+                    # self's). Shake hands again and ask first.
+                    raise PeerRestarted(f"write into pages reserved ahead failed: {exc}") from exc
         except AllocationError as exc:
             logger.warning("req %s: not pushed to %s: %s", spec.req_id, peer.name, exc)
             raise
@@ -185,7 +253,7 @@ class Producer:
             logger.warning("req %s: push to %s failed: %s", spec.req_id, peer.name, exc)
             self._forget_peer(spec)
             raise
-        return to_write
+        return to_write, reserved is not None
 
     def abandon(
         self,
@@ -239,11 +307,7 @@ class Producer:
 
     def connected(self, spec: DisaggSpec) -> bool:
         """Whether a handshake with ``spec``'s consumer is done and still trusted."""
-        return (
-            spec.receiver_host,
-            spec.receiver_init_port,
-            spec.receiver_alloc_port,
-        ) in self._peers
+        return _peer_key(spec) in self._peers
 
     def connect(self, spec: DisaggSpec) -> Peer:
         """The peer of ``spec``, after a handshake on its init port the first time; call ahead
@@ -257,7 +321,7 @@ class Producer:
             raise ProtocolError(
                 f"req {spec.req_id}: a push goes to one consumer rank; pick it with for_rank"
             )
-        key = (spec.receiver_host, spec.receiver_init_port, spec.receiver_alloc_port)
+        key = _peer_key(spec)
         peer = self._peers.get(key)
         if peer is None:
             peer = self._peers[key] = self._handshake.run(spec)
@@ -326,56 +390,99 @@ class Producer:
                 f"req {spec.req_id}: the consumer at {spec.receiver_host}:"
                 f"{spec.receiver_alloc_port} is now {reply.agent_name}, not {peer.name}"
             )
-        for page in reply.pages:
+        self._check_pages(spec, peer, reply.pages)
+
+    @staticmethod
+    def _check_pages(spec: DisaggSpec, peer: Peer, pages: Sequence[int | None]) -> None:
+        for page in pages:
             if page is not None and page >= peer.num_pages:
                 raise ProtocolError(f"req {spec.req_id}: page {page} outside {peer.num_pages}")
 
     def _write(
-        self,
-        spec: DisaggSpec,
-        peer: Peer,
-        response: protocol.AllocResponse,
-        to_write: list[int],
-        sizes: list[int],
-        addresses: list[int],
-        checksums: list[int] | None,
-        deadline: float,
+        self, spec: DisaggSpec, key: PeerKey, peer: Peer, write: _Write, deadline: float
     ) -> None:
-        """One WRITE of the chunks ``to_write`` and its WriteDone notification (with their
-        ``checksums``), done by ``deadline`` (a ``time.monotonic()`` value)."""
-        notif = protocol.encode(
-            protocol.WriteDone(
-                version=protocol.PROTOCOL_VERSION,
-                req_id=spec.req_id,
-                alloc_id=response.alloc_id,
-                checksums=checksums,
-            )
-        )
-        pages = np.array([response.pages[i] for i in to_write], dtype=np.uint64)
-        segments = np.empty((len(to_write), 3), dtype=np.uint64)
-        segments[:, 0] = addresses
+        """One WRITE of ``write``'s chunks with its notification, done by ``deadline`` (a
+        ``time.monotonic()`` value); pages for the next small push are asked for meanwhile."""
+        pages = np.array(write.pages, dtype=np.uint64)
+        segments = np.empty((len(write.pages), 3), dtype=np.uint64)
+        segments[:, 0] = write.addresses
         segments[:, 1] = peer.buffer.base_addr + pages * peer.page_bytes
-        segments[:, 2] = [sizes[i] for i in to_write]
+        segments[:, 2] = write.sizes
+        notif = protocol.encode(write.done)
         try:
             handle = peer.channel.post_write(peer.name, segments, peer.buffer, notif)
         except TransferError as exc:
-            self._cancel(spec, peer, response.alloc_id)
+            self._cancel(spec, peer, write.alloc_id)
             raise TransferError(f"req {spec.req_id}: {exc}") from exc
+        reserve_asked_at = self._ask_reserve(spec, key)
         try:
             wait_for_transfer(peer.channel, handle, deadline, f"req {spec.req_id} to {peer.name}")
         except TransferError as exc:
             # A failed write that NIXL let us release writes no more: its pages can go back
             # now. A timed-out one might still land, so its pages wait for their lease.
             if peer.channel.release(handle):
-                self._cancel(spec, peer, response.alloc_id)
+                self._cancel(spec, peer, write.alloc_id)
             raise TransferError(f"req {spec.req_id}: {exc}") from exc
         except BaseException:
             peer.channel.release(handle)
             raise
         peer.channel.release(handle)
+        if reserve_asked_at is not None:
+            self._receive_reserved(spec, key, peer, reserve_asked_at)
 
-    def _cancel(self, spec: DisaggSpec, peer: Peer, alloc_id: int) -> None:
-        """Best effort: tell the consumer that ``alloc_id`` will not be written."""
+    def _take_reserved(self, key: PeerKey, peer: Peer, count: int) -> _Reserved | None:
+        """``count`` pages reserved ahead by ``key``'s consumer, if we have that many and a
+        write into them would still end well within the lease (half the budget left)."""
+        reserved = self._reserved.get(key)
+        if reserved is None or count > len(reserved.pages):
+            return None
+        if time.monotonic() - reserved.asked_at > min(RESERVED_FRESH_S, peer.write_budget_s / 2):
+            del self._reserved[key]  # unwritten, the consumer takes them back with the lease
+            return None
+        taken = _Reserved(reserved.reservation_id, reserved.pages[:count], reserved.asked_at)
+        reserved.pages = reserved.pages[count:]
+        if not reserved.pages:
+            del self._reserved[key]
+        return taken
+
+    def _ask_reserve(self, spec: DisaggSpec, key: PeerKey) -> float | None:
+        """Ask ``key``'s consumer for pages ahead unless we hold enough; returns when we asked
+        (the reply is read by ``_receive_reserved`` once the write is done)."""
+        want = self.config.reserved_pages
+        held = self._reserved.get(key)
+        if want == 0 or (held is not None and len(held.pages) >= want):
+            return None
+        asked_at = time.monotonic()
+        request = protocol.ReserveRequest(version=protocol.PROTOCOL_VERSION, pages=want)
+        send(self._peers[key].alloc_socket, request, spec.req_id)
+        return asked_at
+
+    def _receive_reserved(
+        self, spec: DisaggSpec, key: PeerKey, peer: Peer, asked_at: float
+    ) -> None:
+        """Keep the consumer's Reservation, asked for at ``asked_at``. No pages (its buffer is
+        full) only means that the next push asks first; no answer in time makes us forget the
+        peer, so that its late answer is never read as another's."""
+        deadline = time.monotonic() + self.config.alloc_timeout_s
+        try:
+            reply = receive(
+                peer.alloc_socket, "ReserveRequest", protocol.ALLOC_REPLIES, deadline, spec.req_id
+            )
+        except PDError as exc:
+            logger.warning("req %s: %s; shaking hands again next time", spec.req_id, exc)
+            self._forget_peer(spec)
+            return
+        if isinstance(reply, protocol.Reservation) and reply.agent_name == peer.name:
+            self._reserved[key] = _Reserved(reply.reservation_id, list(reply.pages), asked_at)
+            self._check_pages(spec, peer, reply.pages)
+        elif not isinstance(reply, protocol.ErrorReply | protocol.Reservation):
+            raise ProtocolError(f"req {spec.req_id}: {type(reply).__name__} to a ReserveRequest")
+
+    def _cancel(self, spec: DisaggSpec, peer: Peer, alloc_id: int | None) -> None:
+        """Best effort: tell the consumer that ``alloc_id`` will not be written (None: reserved
+        pages, which lapse with their lease)."""
+        if alloc_id is None:
+            return
         cancel = protocol.AllocCancel(
             version=protocol.PROTOCOL_VERSION, req_id=spec.req_id, alloc_id=alloc_id
         )
@@ -410,13 +517,32 @@ class Producer:
         return data
 
     def _forget_peer(self, spec: DisaggSpec) -> None:
-        self._forget_peer_key(
-            (spec.receiver_host, spec.receiver_init_port, spec.receiver_alloc_port)
-        )
+        self._forget_peer_key(_peer_key(spec))
 
-    def _forget_peer_key(self, key: tuple[str, int, int]) -> None:
+    def _forget_peer_key(self, key: PeerKey) -> None:
+        self._reserved.pop(key, None)
         peer = self._peers.pop(key, None)
         if peer is not None:
             peer.alloc_socket.close(linger=0)
             with contextlib.suppress(PDError):
                 peer.channel.remove_peer(peer.name)
+
+
+@dataclass(frozen=True, slots=True)
+class _Write:
+    """One WRITE: the consumer's pages, the chunks' sizes and staged addresses (one each), the
+    notification that says they landed, and the allocation to cancel if it fails (None for
+    reserved pages)."""
+
+    pages: list[int]
+    sizes: list[int]
+    addresses: list[int]
+    done: protocol.Message
+    alloc_id: int | None
+
+
+def _peer_key(spec: DisaggSpec) -> PeerKey:
+    """The consumer rank ``spec`` names (single ports: ``DisaggSpec.for_rank``)."""
+    assert isinstance(spec.receiver_init_port, int)
+    assert isinstance(spec.receiver_alloc_port, int)
+    return spec.receiver_host, spec.receiver_init_port, spec.receiver_alloc_port

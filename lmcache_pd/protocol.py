@@ -23,6 +23,10 @@ Protocol history:
      bytes are: whole blocks, or tokens-major KV_2LTD), and ``block_size`` is left out for
      token chunks: a GPU producer and consumer whose caches differ in layout or block size
      are compatible; a block-format and a token-format peer are refused.
+  5: pages reserved ahead. ReserveRequest/Reservation on the alloc port give a producer pages
+     tied to no chunk yet, under the same lease as an allocation; a push small enough writes
+     into them at once, without an AllocRequest, and says in its ReservedWriteDone
+     notification which chunk went where.
   (no version change) DisaggSpec, which travels in HTTP bodies and on no socket of ours, may
      give its ports as lists indexed by rank (tensor parallelism); single integers still mean
      a consumer of one rank.
@@ -38,7 +42,7 @@ import msgspec
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.errors import ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # Limits, checked before anything is allocated for a message.
 MAX_FRAME_BYTES = 1 << 20
@@ -49,6 +53,7 @@ MAX_AGENT_METADATA_BYTES = 1 << 16
 MAX_ERROR_DETAIL_CHARS = 1024
 MAX_PAGE_BYTES = 1 << 31
 MAX_STACK_ID_CHARS = 256
+MAX_RESERVED_PAGES = 64  # pages one Reservation may hand out
 MAX_TP_RANKS = 64  # ranks of one tensor-parallel instance a DisaggSpec or config may name
 # The transport self-test: a write of PROBE_NONCE_BYTES into one of PROBE_SLOTS slots that the
 # consumer keeps past its pages (handed out in turn, so concurrent self-tests never share one).
@@ -294,6 +299,23 @@ class AllocResponse(Message, frozen=True):
     pages: Annotated[list[PageIndex | None], msgspec.Meta(max_length=MAX_CHUNKS_PER_REQUEST)]
 
 
+class ReserveRequest(Message, frozen=True):
+    """Ask for ``pages`` pages tied to no chunk yet, for a later push to write into without
+    asking first (it then says where each chunk went, in its ReservedWriteDone)."""
+
+    pages: Annotated[int, msgspec.Meta(ge=1, le=MAX_RESERVED_PAGES)]
+
+
+class Reservation(Message, frozen=True):
+    """Reply to ReserveRequest: the pages, under the lease of an allocation
+    (``BufferDescriptors.alloc_lease_s``), and the consumer's agent (a restarted consumer's
+    pages are not ours)."""
+
+    agent_name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    reservation_id: AllocId
+    pages: Annotated[list[PageIndex], msgspec.Meta(min_length=1, max_length=MAX_RESERVED_PAGES)]
+
+
 class AllocCancel(Message, frozen=True):
     """The producer will not write ``alloc_id`` after all (its post failed or was cancelled):
     the pages stop waiting for a write, and their keys are free to be sent again."""
@@ -362,6 +384,17 @@ class WriteDone(Message, frozen=True):
     checksums: Annotated[list[Checksum], msgspec.Meta(max_length=MAX_CHUNKS_PER_REQUEST)] | None
 
 
+class ReservedWriteDone(Message, frozen=True):
+    """``chunks`` of ``req_id`` were written into ``pages`` (one each, in order) of reservation
+    ``reservation_id``, with their ``checksums``. Pages a chunk did not need stay reserved."""
+
+    req_id: ReqId
+    reservation_id: AllocId
+    chunks: Annotated[list[ChunkSpec], msgspec.Meta(min_length=1, max_length=MAX_RESERVED_PAGES)]
+    pages: Annotated[list[PageIndex], msgspec.Meta(min_length=1, max_length=MAX_RESERVED_PAGES)]
+    checksums: Annotated[list[Checksum], msgspec.Meta(max_length=MAX_RESERVED_PAGES)] | None
+
+
 class ProbeDone(Message, frozen=True):
     """The self-test's notification: its nonce is in the slot it was given."""
 
@@ -417,10 +450,12 @@ INIT_REQUESTS: Codec[MetadataRequest | BufferRequest | ProbeCheck] = Codec(
 INIT_REPLIES: Codec[AgentMetadata | BufferDescriptors | ProbeResult | ErrorReply] = Codec(
     AgentMetadata | BufferDescriptors | ProbeResult | ErrorReply
 )
-ALLOC_REQUESTS: Codec[AllocRequest | AllocCancel | KVAbandoned] = Codec(
-    AllocRequest | AllocCancel | KVAbandoned
+ALLOC_REQUESTS: Codec[AllocRequest | ReserveRequest | AllocCancel | KVAbandoned] = Codec(
+    AllocRequest | ReserveRequest | AllocCancel | KVAbandoned
 )
-ALLOC_REPLIES: Codec[AllocResponse | CancelAck | AbandonAck | ErrorReply] = Codec(
-    AllocResponse | CancelAck | AbandonAck | ErrorReply
+ALLOC_REPLIES: Codec[AllocResponse | Reservation | CancelAck | AbandonAck | ErrorReply] = Codec(
+    AllocResponse | Reservation | CancelAck | AbandonAck | ErrorReply
 )
-NOTIFICATIONS: Codec[WriteDone | ProbeDone] = Codec(WriteDone | ProbeDone)
+NOTIFICATIONS: Codec[WriteDone | ReservedWriteDone | ProbeDone] = Codec(
+    WriteDone | ReservedWriteDone | ProbeDone
+)

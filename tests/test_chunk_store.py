@@ -17,9 +17,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lmcache_pd.allocator import PageAllocator, PageState
-from lmcache_pd.chunk_store import HOLD_LAPSED, RELEASED, ChunkStore
+from lmcache_pd.chunk_store import HOLD_LAPSED, RELEASED, ChunkStore, LandedChunk
 from lmcache_pd.errors import AllocationError, BufferFull, ProtocolError, RequestDropped
-from lmcache_pd.protocol import PROTOCOL_VERSION, AllocCancel, AllocRequest, ChunkSpec, WriteDone
+from lmcache_pd.protocol import (
+    PROTOCOL_VERSION,
+    AllocCancel,
+    AllocRequest,
+    ChunkSpec,
+    ReservedWriteDone,
+    WriteDone,
+)
 
 PAGE_BYTES = 64
 LEASE_S = 3.0
@@ -856,3 +863,103 @@ def test_a_request_whose_own_write_is_pending_waits_for_it() -> None:
     store.confirm(write_done("a", first.alloc_id))
     assert store.landed(b"k") is not None  # landed somewhere
     assert store.landed(b"k", "b") is None  # but not in a page b holds
+
+
+# Pages reserved ahead of a push (protocol 5): written first, told where afterwards.
+
+
+def reserved_done(
+    req_id: str,
+    reservation_id: int,
+    pages: list[int],
+    *keys: bytes,
+    checksums: list[int] | None = None,
+) -> ReservedWriteDone:
+    return ReservedWriteDone(
+        version=PROTOCOL_VERSION,
+        req_id=req_id,
+        reservation_id=reservation_id,
+        chunks=[ChunkSpec(key=key, nbytes=PAGE_BYTES) for key in keys],
+        pages=pages,
+        checksums=checksums,
+    )
+
+
+@pytest.mark.parametrize("cache_pages", [0, 4])
+def test_a_reserved_page_becomes_the_chunk_written_into_it(cache_pages: int) -> None:
+    store = make_store(cache_pages=cache_pages)
+    reservation_id, pages = store.reserve(2, now=0.0)
+    # Reserved pages are nobody's yet: neither used nor cached, and not free either.
+    assert (store.reserved_pages, store.used_pages, store._allocator.free_pages) == (2, 0, 6)
+    done = reserved_done("a", reservation_id, pages[:1], b"k0", checksums=[7])
+    assert store.land_reserved(done, now=0.0) == (1, PAGE_BYTES)
+    assert store.landed(b"k0", "a") == LandedChunk(pages[0], PAGE_BYTES, 7)
+    assert (store.reserved_pages, store.used_pages) == (1, 1)
+    # The other page stays reserved, for the next push.
+    later = reserved_done("b", reservation_id, pages[1:], b"k1")
+    assert store.land_reserved(later, now=0.0) == (1, PAGE_BYTES)
+    assert store.reserved_pages == 0 and store._reserved == {}
+    store.release("a", now=0.0)
+    store.release("b", now=0.0)
+    assert store.used_pages == 0 and store.cached_pages == min(cache_pages, 2)
+
+
+@pytest.mark.parametrize("case", ["held_already", "not_needed", "dropped", None])
+def test_a_reserved_page_not_needed_goes_back_at_once(case: str | None) -> None:
+    store = make_store(cache_pages=4)
+    if case == "held_already":
+        landed_and_released(store, "earlier", b"k0")  # k0 is cached here
+    elif case == "not_needed":
+        store.claim("a", now=0.0, not_needed=frozenset({b"k0"}))
+    elif case == "dropped":
+        store.release("a", now=0.0)
+    reservation_id, pages = store.reserve(1, now=0.0)
+    kept = store.land_reserved(reserved_done("a", reservation_id, pages, b"k0"), now=0.0)
+    if case is None:  # control: the page is kept as k0's, for a
+        assert kept == (1, PAGE_BYTES) and store.landed(b"k0", "a").page == pages[0]
+        return
+    assert kept == (0, 0)
+    assert store._allocator.state(pages[0]) is PageState.FREE and store.reserved_pages == 0
+    if case == "held_already":  # a holds the copy that was here first
+        assert store.landed(b"k0", "a").page != pages[0]
+    else:
+        assert store.landed(b"k0", "a") is None
+
+
+@pytest.mark.parametrize(
+    "fault", ["other_reservation", "unreserved_page", "page_twice", "lengths", "lapsed", None]
+)
+def test_bad_reserved_write_is_a_protocol_error_and_changes_nothing(fault: str | None) -> None:
+    store = make_store()
+    reservation_id, pages = store.reserve(2, now=0.0)
+    done = reserved_done("a", reservation_id, pages, b"k0", b"k1")
+    if fault == "other_reservation":
+        done = reserved_done("a", reservation_id + 100, pages, b"k0", b"k1")
+    elif fault == "unreserved_page":
+        done = reserved_done("a", reservation_id, [pages[0], 7], b"k0", b"k1")
+    elif fault == "page_twice":
+        done = reserved_done("a", reservation_id, [pages[0], pages[0]], b"k0", b"k1")
+    elif fault == "lengths":
+        done = reserved_done("a", reservation_id, pages, b"k0", b"k1", checksums=[1])
+    elif fault == "lapsed":  # unwritten, the pages went back with their lease
+        store.expire(LEASE_S)
+        assert store.reserved_pages == 0 and store._allocator.free_pages == 8
+    if fault is None:  # control
+        assert store.land_reserved(done, now=0.0) == (2, 2 * PAGE_BYTES)
+        return
+    before = (snapshot(store), dict(store._reserved), dict(store._reservation_of))
+    with pytest.raises(ProtocolError):
+        store.land_reserved(done, now=0.0)
+    assert (snapshot(store), dict(store._reserved), dict(store._reservation_of)) == before
+
+
+def test_reserving_is_all_or_nothing_and_evicts_idle_cached_chunks_for_room() -> None:
+    store = make_store(num_pages=3, cache_pages=3)
+    landed_and_released(store, "a", b"k0", b"k1")
+    held = store.allocate(alloc_request("b", b"k2"), now=0.0)
+    store.confirm(write_done("b", held.alloc_id))
+    with pytest.raises(BufferFull):  # b holds one page: two more at most
+        store.reserve(3, now=0.0)
+    assert store.reserved_pages == 0 and store.cached_pages == 2
+    store.reserve(2, now=0.0)
+    assert store.reserved_pages == 2 and store.cached_pages == 0

@@ -70,7 +70,11 @@ def consumer(fabric: FakeFabric, keyer: ChunkKeyer) -> Iterator[Consumer]:
 
 
 def make_producer(fabric: FakeFabric, **knobs: object) -> tuple[Producer, FakeChannel]:
-    settings = {k: knobs.pop(k) for k in list(knobs) if k.endswith("_s") or k.startswith("max_")}
+    settings = {
+        k: knobs.pop(k)
+        for k in list(knobs)
+        if k.endswith("_s") or k.startswith("max_") or k == "reserved_pages"
+    }
     settings.setdefault("transport_self_test", knobs.pop("transport_self_test", not knobs))
     channel = FakeChannel(fabric, "producer", **knobs)
     return Producer(producer_config(num_pages=8, **settings), channel=channel), channel
@@ -234,21 +238,31 @@ def test_abandoning_towards_a_dead_consumer_is_bounded(fabric) -> None:
     assert time.monotonic() - started < 2 * CANCEL_TIMEOUT_S
 
 
-def test_a_consumer_restarted_on_the_same_ports_gets_a_fresh_handshake(fabric, keyer) -> None:
-    """Its pages from the stale answer are cancelled, the push is retried once and lands."""
+@pytest.mark.parametrize("reserved_pages", [0, 1])
+def test_a_consumer_restarted_on_the_same_ports_gets_a_fresh_handshake(
+    fabric, keyer, caplog: pytest.LogCaptureFixture, reserved_pages: int
+) -> None:
+    """Asking first, the new consumer's answer names another agent: its pages are cancelled,
+    the push is retried once and lands. Writing into pages the former consumer reserved ahead
+    fails instead, and the push is retried once the same way."""
     fields = consumer_fields(num_pages=8)
     config = load_config(None, environ={}, **fields)
-    producer, _ = make_producer(fabric)
+    producer, _ = make_producer(fabric, reserved_pages=reserved_pages)
     with producer:
         with Consumer(config, keyer, channel=FakeChannel(fabric, "consumer")) as first:
             producer.push(spec_for(fields, "r-1"), make_chunks(keyer.chunk_keys([1, 2]), 1))
             wait_for(lambda: first.stats_snapshot()["chunks_landed"] == 1)
+            assert first.stats_snapshot()["reserved_pages"] == reserved_pages
         with Consumer(config, keyer, channel=FakeChannel(fabric, "consumer")) as second:
             result = producer.push(spec_for(fields, "r-2"), make_chunks(keyer.chunk_keys([3]), 2))
-            assert result.chunks_sent == 1
+            assert result.chunks_sent == 1 and not result.reserved
             wait_for(lambda: second.stats_snapshot()["chunks_landed"] == 1)
             stats = second.stats_snapshot()
-            assert (stats["allocations_cancelled"], stats["used_pages"]) == (1, 1)
+            assert stats["used_pages"] == 1
+    expected = "reserved ahead failed" if reserved_pages else "is now"
+    assert f"{expected}" in caplog.text and "shaking hands again" in caplog.text
+    if not reserved_pages:
+        assert stats["allocations_cancelled"] == 1
 
 
 def test_full_buffer_is_retried_until_room_appears(consumer: Consumer, fabric, keyer) -> None:

@@ -29,7 +29,7 @@ from lmcache_pd.errors import (
 )
 from lmcache_pd.integrity import checksum
 from lmcache_pd.keys import ChunkKeyer
-from lmcache_pd.producer import Producer
+from lmcache_pd.producer import RESERVED_FRESH_S, Producer
 from tests.helpers import (
     BYTES_PER_TOKEN,
     CHUNK_SIZE,
@@ -202,6 +202,47 @@ def test_chunks_already_held_are_not_sent_again(
     assert after["bytes_landed"] - before["bytes_landed"] == a.bytes_sent + b.bytes_sent
     for req_id in ("r-first", "r-second"):
         consumer.process.call("release", req_id=req_id)
+
+
+def test_a_small_push_writes_into_pages_reserved_ahead_without_asking(
+    consumer: Consumer, keyer: ChunkKeyer
+) -> None:
+    """Each push asks for the next push's pages while its write is in flight; a push of at most
+    ``reserved_pages`` chunks, soon after, writes into them at once (no AllocRequest) and lands
+    bit-exact. Controls: a larger push, and one after the reservation went stale, ask first."""
+    pushes = {
+        "r-res-first": list(range(9000, 9100)),
+        "r-res-reserved": list(range(9100, 9300)),
+        "r-res-two-chunks": list(range(9300, 9300 + CHUNK_SIZE + 5)),
+        "r-res-stale": list(range(9600, 9700)),
+    }
+    reserved: dict[str, bool] = {}
+    with Producer(producer_config(num_pages=8, reserved_pages=1)) as producer:
+        for req_id, tokens in pushes.items():
+            if req_id == "r-res-stale":
+                time.sleep(RESERVED_FRESH_S + 0.1)
+            chunks = make_chunks(keyer.chunk_keys(tokens), seed=len(tokens))
+            before = consumer.process.stats()
+            result = producer.push(consumer.spec(req_id), chunks)
+            reserved[req_id] = result.reserved
+            wait_landed(consumer, tokens)
+            after = consumer.process.stats()
+            landed = consumer.process.call("checksums", keys=[key.hex() for key, _ in chunks])
+            assert landed == local_checksums(chunks), req_id
+            # A reserved write needs no AllocRequest; a write asks for the next push's pages
+            # unless we hold them (the larger push left the reservation before it unused).
+            assert after["alloc_requests"] - before["alloc_requests"] == int(not result.reserved)
+            asked = req_id != "r-res-two-chunks"
+            assert after["pages_reserved"] - before["pages_reserved"] == int(asked)
+            landed_reserved = after["chunks_landed_reserved"] - before["chunks_landed_reserved"]
+            assert landed_reserved == (len(chunks) if result.reserved else 0)
+            consumer.process.call("release", req_id=req_id)
+    assert reserved == {
+        "r-res-first": False,  # nothing reserved yet
+        "r-res-reserved": True,
+        "r-res-two-chunks": False,
+        "r-res-stale": False,
+    }
 
 
 def ask_raw(port: int, frames: list[bytes]) -> protocol.Message:

@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 # Counters of ``ConsumerStats`` that reach /metrics as ``lmcache_pd_consumer_<name>_total``.
 CONSUMER_COUNTERS = (
     "chunks_landed",
+    "chunks_landed_reserved",
     "bytes_landed",
     "requests_abandoned",
     "refused_dropped",
@@ -228,6 +229,7 @@ class ConsumerWorker(WorkerHalf):
         self._stats.set_gauge("consumer_used_pages", snapshot["used_pages"])
         self._stats.set_gauge("consumer_cached_pages", snapshot["cached_pages"])
         self._stats.set_gauge("consumer_held_requests", snapshot["held_requests"])
+        self._stats.set_gauge("consumer_reserved_pages", snapshot["reserved_pages"])
 
     def _release_copied(self) -> None:
         """Give back the pages of loads whose copy out of them is done."""

@@ -348,10 +348,12 @@ class PeerSender:
             self._count("chunks_pushed", result.chunks_sent)
             self._count("chunks_skipped", result.chunks_skipped)
             self._count("bytes_pushed", result.bytes_sent)
+            self._count("pushes_reserved", int(result.reserved))
             record |= {
                 "chunks": result.chunks_sent,
                 "skipped": result.chunks_skipped,
                 "bytes": result.bytes_sent,
+                "reserved": result.reserved,
             }
         self._trace.write(record | {"start": started, "end": time.time()})
 

@@ -53,6 +53,8 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "pushes": "Requests whose KV the producer pushed to a consumer.",
         "chunks_pushed": "KV chunks the producer wrote to consumers.",
         "chunks_skipped": "KV chunks not sent because the consumer already held them.",
+        "pushes_reserved": "Pushes written into pages the consumer reserved ahead, with no "
+        "allocation round trip.",
         "bytes_pushed": "Bytes of KV the producer wrote to consumers.",
         "push_failures": "Pushes that failed; the consumer recomputes those prompts.",
         "pushes_abandoned": "Requests whose consumer was told their KV will not come.",
@@ -82,6 +84,8 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "every load of that rank is recomputed from then on.",
         # The consumer rank's own counters (its process), as deltas each step.
         "consumer_chunks_landed": "Chunks whose write the consumer saw confirmed.",
+        "consumer_chunks_landed_reserved": "Of those, chunks written into pages reserved "
+        "ahead, with no allocation round trip.",
         "consumer_bytes_landed": "Bytes of chunks the consumer saw confirmed.",
         "consumer_requests_abandoned": "KVAbandoned notices the consumer received.",
         "consumer_refused_dropped": "Pushes refused: their request was let go already.",
@@ -104,6 +108,7 @@ GAUGES: Mapping[str, str] = MappingProxyType(
         "consumer_used_pages": "Pages of the consumer's receive buffer held or being written.",
         "consumer_cached_pages": "Pages keeping a landed chunk nobody holds, for reuse.",
         "consumer_held_requests": "Requests whose chunks the consumer holds.",
+        "consumer_reserved_pages": "Pages reserved ahead for producers, not written yet.",
     }
 )
 
