@@ -265,8 +265,12 @@ def _measure(
                     samples[name].append(gather_s + send_s)
                     if name in send_samples:
                         send_samples[name].append(send_s)
-        stats = consumer.stats()
-    pushes = 1 + 2 * (WARMUP_RUNS + runs)
+        pushes = 1 + 2 * (WARMUP_RUNS + runs)
+        # A push into pages reserved ahead is told to land by its notification alone: the
+        # last may still be on its way.
+        stats = consumer.wait_until(
+            lambda s: s["chunks_landed"] >= pushes * count, RELEASE_TIMEOUT_S, "every push landed"
+        )
     if stats["chunks_landed"] != pushes * count or stats["integrity_failures"]:
         raise RuntimeError(f"consumer saw {stats}, expected {pushes * count} chunks landed")
     nbytes = chunk_bytes * count

@@ -35,8 +35,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from lmcache_pd.allocator import PageAllocator, PageState
-from lmcache_pd.errors import AllocationError, ProtocolError, RequestDropped
+from lmcache_pd.errors import AllocationError, BufferFull, ProtocolError, RequestDropped
 from lmcache_pd.protocol import (
+    BUFFER_FULL_RETRY_AFTER_S,
     DROPPED_MEMORY_S,
     AllocCancel,
     AllocRequest,
@@ -45,6 +46,9 @@ from lmcache_pd.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+
+# At most this share of the pages is reserved ahead for producers at once.
+RESERVE_SHARE = 0.125
 
 # Why a request was let go when nobody said otherwise.
 RELEASED = "released"
@@ -122,6 +126,7 @@ class ChunkStore:
         hold_s: float,
         dropped_memory_s: float = DROPPED_MEMORY_S,
         cache_pages: int = 0,
+        reserve_share: float = RESERVE_SHARE,
     ) -> None:
         if not 0 < claim_s <= hold_s:
             raise ValueError(f"need 0 < claim_s <= hold_s, got {claim_s=} {hold_s=}")
@@ -152,6 +157,7 @@ class ChunkStore:
         # Pages reserved ahead and not written yet, per reservation id, and the way back.
         self._reserved: dict[int, set[int]] = {}
         self._reservation_of: dict[int, int] = {}
+        self._max_reserved = max(1, int(allocator.num_pages * reserve_share))
 
     @property
     def used_pages(self) -> int:
@@ -255,7 +261,14 @@ class ChunkStore:
     def reserve(self, count: int, now: float) -> tuple[int, list[int]]:
         """``count`` pages tied to no chunk, under an allocation's lease, for a producer to
         write a later push into at once; returns (reservation id, pages). Raises
-        ``BufferFull`` (all or nothing, as an allocation)."""
+        ``BufferFull`` (all or nothing, as an allocation), also when reservations would take
+        more than ``reserve_share`` of the buffer: many producers may not starve allocations."""
+        if len(self._reservation_of) + count > self._max_reserved:
+            raise BufferFull(
+                f"{len(self._reservation_of)} pages reserved ahead already, at most "
+                f"{self._max_reserved}",
+                BUFFER_FULL_RETRY_AFTER_S,
+            )
         self._make_room(count, set())
         pages = self._allocator.allocate(count, now)
         reservation_id = next(self._alloc_ids)
@@ -266,9 +279,9 @@ class ChunkStore:
 
     def land_reserved(self, done: ReservedWriteDone, now: float) -> tuple[int, int]:
         """Chunks of ``done.req_id`` landed in reserved pages: each becomes its key's page,
-        held for the request, as if allocated and confirmed; returns the chunks and bytes kept.
-        A chunk already here is held where it is, and one decode does not need or of a request
-        let go is not kept: their pages go back at once.
+        held for the request, as if allocated and confirmed; returns the chunks and bytes that
+        landed. A chunk already here is held where it is, and one decode does not need or of a
+        request let go is not kept: their pages go back at once.
 
         Raises ``ProtocolError`` for pages not (or no longer) in that reservation, keys or pages
         twice, or lists of different lengths.
@@ -299,6 +312,7 @@ class ChunkStore:
             live = self._live_page(chunk.key)
             if hold is not None and live is not None and chunk.key not in skip:
                 self._add_holder(hold, done.req_id, live)
+            nbytes += chunk.nbytes
             if dropped or live is not None or chunk.key in skip:
                 self._allocator.free(page)
                 continue
@@ -306,10 +320,10 @@ class ChunkStore:
             self._pages[page] = PageInfo(chunk.key, chunk.nbytes, done.reservation_id)
             assert hold is not None
             self._add_holder(hold, done.req_id, page)
-            nbytes += self._land(page, None if done.checksums is None else done.checksums[index])
+            self._land(page, None if done.checksums is None else done.checksums[index])
             kept += 1
         self.cache_counts.misses += kept
-        return kept, nbytes
+        return len(done.chunks), nbytes
 
     def _land(self, page: int, checksum: int | None) -> int:
         """The write into leased ``page`` landed: its lease's reference goes to the cache (or

@@ -8,8 +8,8 @@ lease on its pages (stated in the handshake) does.
 
 A push of at most ``reserved_pages`` chunks skips the asking: it writes into pages the consumer
 reserved for us ahead, and its notification says which chunk went where. The next reservation is
-asked for while a write is in flight, so under steady traffic small pushes pay no round trip
-before their bytes move. One owner thread calls ``connect``, ``push``
+asked for while a write is in flight and read at the next push, so under steady traffic small
+pushes pay no round trip at all. One owner thread calls ``connect``, ``push``
 and ``abandon`` (NIXL is not thread-safe); ``staged`` may be called from any thread.
 """
 
@@ -125,6 +125,8 @@ class Producer:
         )
         self._peers: dict[PeerKey, Peer] = {}
         self._reserved: dict[PeerKey, _Reserved] = {}
+        # Peers asked for pages ahead whose answer we have not read yet, and when we asked.
+        self._reserving: dict[PeerKey, float] = {}
         self._closed = False
 
     def staged(self, count: int) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
@@ -202,8 +204,8 @@ class Producer:
         indices of the chunks written and whether reserved pages took them."""
         peer = self.connect(spec)
         key = _peer_key(spec)
-        reserved = self._take_reserved(key, peer, len(specs))
         try:
+            reserved = self._reserved_for(spec, key, peer, len(specs))
             if reserved is None:
                 asked_at = time.monotonic()
                 response = self._allocate(spec, peer, specs)
@@ -414,7 +416,7 @@ class Producer:
         except TransferError as exc:
             self._cancel(spec, peer, write.alloc_id)
             raise TransferError(f"req {spec.req_id}: {exc}") from exc
-        reserve_asked_at = self._ask_reserve(spec, key)
+        self._ask_reserve(spec, key)
         try:
             wait_for_transfer(peer.channel, handle, deadline, f"req {spec.req_id} to {peer.name}")
         except TransferError as exc:
@@ -427,8 +429,19 @@ class Producer:
             peer.channel.release(handle)
             raise
         peer.channel.release(handle)
-        if reserve_asked_at is not None:
-            self._receive_reserved(spec, key, peer, reserve_asked_at)
+
+    def _reserved_for(
+        self, spec: DisaggSpec, key: PeerKey, peer: Peer, count: int
+    ) -> _Reserved | None:
+        """``count`` pages reserved ahead for this push, or None: it asks first. Either way no
+        answer to our ReserveRequest is left on its way (it would be read as the answer to the
+        AllocRequest); asked for during the last write, it is here already, or nearly."""
+        self._collect_reserved(spec, key, peer, wait=False)
+        reserved = self._take_reserved(key, peer, count)
+        if reserved is None:
+            self._collect_reserved(spec, key, peer, wait=True)
+            reserved = self._take_reserved(key, peer, count)
+        return reserved
 
     def _take_reserved(self, key: PeerKey, peer: Peer, count: int) -> _Reserved | None:
         """``count`` pages reserved ahead by ``key``'s consumer, if we have that many and a
@@ -445,36 +458,39 @@ class Producer:
             del self._reserved[key]
         return taken
 
-    def _ask_reserve(self, spec: DisaggSpec, key: PeerKey) -> float | None:
-        """Ask ``key``'s consumer for pages ahead unless we hold enough; returns when we asked
-        (the reply is read by ``_receive_reserved`` once the write is done)."""
+    def _ask_reserve(self, spec: DisaggSpec, key: PeerKey) -> None:
+        """Ask ``key``'s consumer for pages ahead, unless we hold enough or asked already; the
+        answer is read by ``_collect_reserved`` before the next push, not waited for now."""
         want = self.config.reserved_pages
         held = self._reserved.get(key)
-        if want == 0 or (held is not None and len(held.pages) >= want):
-            return None
-        asked_at = time.monotonic()
+        if want == 0 or key in self._reserving or (held is not None and len(held.pages) >= want):
+            return
         request = protocol.ReserveRequest(version=protocol.PROTOCOL_VERSION, pages=want)
         send(self._peers[key].alloc_socket, request, spec.req_id)
-        return asked_at
+        self._reserving[key] = time.monotonic()
 
-    def _receive_reserved(
-        self, spec: DisaggSpec, key: PeerKey, peer: Peer, asked_at: float
-    ) -> None:
-        """Keep the consumer's Reservation, asked for at ``asked_at``. No pages (its buffer is
-        full) only means that the next push asks first; no answer in time makes us forget the
-        peer, so that its late answer is never read as another's."""
-        deadline = time.monotonic() + self.config.alloc_timeout_s
-        try:
+    def _collect_reserved(self, spec: DisaggSpec, key: PeerKey, peer: Peer, *, wait: bool) -> None:
+        """Read the answer to our ReserveRequest if one is due: if it is here already, or, with
+        ``wait``, by ``alloc_timeout_s`` (``PeerTimeout`` after that; the peer is forgotten, so
+        that a late answer is never read as another's). No pages (the consumer's buffer is
+        full) only means that pushes ask first meanwhile."""
+        asked_at = self._reserving.get(key)
+        if asked_at is None:
+            return
+        if wait:
+            deadline = time.monotonic() + self.config.alloc_timeout_s
             reply = receive(
                 peer.alloc_socket, "ReserveRequest", protocol.ALLOC_REPLIES, deadline, spec.req_id
             )
-        except PDError as exc:
-            logger.warning("req %s: %s; shaking hands again next time", spec.req_id, exc)
-            self._forget_peer(spec)
-            return
+        else:
+            try:  # one call, no poll: this is on every small push's path
+                reply = protocol.ALLOC_REPLIES.decode(peer.alloc_socket.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+        del self._reserving[key]
         if isinstance(reply, protocol.Reservation) and reply.agent_name == peer.name:
-            self._reserved[key] = _Reserved(reply.reservation_id, list(reply.pages), asked_at)
             self._check_pages(spec, peer, reply.pages)
+            self._reserved[key] = _Reserved(reply.reservation_id, list(reply.pages), asked_at)
         elif not isinstance(reply, protocol.ErrorReply | protocol.Reservation):
             raise ProtocolError(f"req {spec.req_id}: {type(reply).__name__} to a ReserveRequest")
 
@@ -483,6 +499,8 @@ class Producer:
         pages, which lapse with their lease)."""
         if alloc_id is None:
             return
+        with contextlib.suppress(PDError):  # the socket must hold no answer due to another ask
+            self._collect_reserved(spec, _peer_key(spec), peer, wait=True)
         cancel = protocol.AllocCancel(
             version=protocol.PROTOCOL_VERSION, req_id=spec.req_id, alloc_id=alloc_id
         )
@@ -521,6 +539,7 @@ class Producer:
 
     def _forget_peer_key(self, key: PeerKey) -> None:
         self._reserved.pop(key, None)
+        self._reserving.pop(key, None)
         peer = self._peers.pop(key, None)
         if peer is not None:
             peer.alloc_socket.close(linger=0)

@@ -35,7 +35,7 @@ HOLD_S = 5.0
 DROPPED_MEMORY_S = 3.0
 
 
-def make_store(num_pages: int = 8, cache_pages: int = 0) -> ChunkStore:
+def make_store(num_pages: int = 8, cache_pages: int = 0, reserve_share: float = 1.0) -> ChunkStore:
     allocator = PageAllocator(num_pages=num_pages, page_bytes=PAGE_BYTES, lease_s=LEASE_S)
     return ChunkStore(
         allocator,
@@ -43,6 +43,7 @@ def make_store(num_pages: int = 8, cache_pages: int = 0) -> ChunkStore:
         hold_s=HOLD_S,
         dropped_memory_s=DROPPED_MEMORY_S,
         cache_pages=cache_pages,
+        reserve_share=reserve_share,
     )
 
 
@@ -914,11 +915,11 @@ def test_a_reserved_page_not_needed_goes_back_at_once(case: str | None) -> None:
     elif case == "dropped":
         store.release("a", now=0.0)
     reservation_id, pages = store.reserve(1, now=0.0)
-    kept = store.land_reserved(reserved_done("a", reservation_id, pages, b"k0"), now=0.0)
+    landed = store.land_reserved(reserved_done("a", reservation_id, pages, b"k0"), now=0.0)
+    assert landed == (1, PAGE_BYTES)  # it landed, whether kept or not
     if case is None:  # control: the page is kept as k0's, for a
-        assert kept == (1, PAGE_BYTES) and store.landed(b"k0", "a").page == pages[0]
+        assert store.landed(b"k0", "a").page == pages[0]
         return
-    assert kept == (0, 0)
     assert store._allocator.state(pages[0]) is PageState.FREE and store.reserved_pages == 0
     if case == "held_already":  # a holds the copy that was here first
         assert store.landed(b"k0", "a").page != pages[0]
@@ -963,3 +964,13 @@ def test_reserving_is_all_or_nothing_and_evicts_idle_cached_chunks_for_room() ->
     assert store.reserved_pages == 0 and store.cached_pages == 2
     store.reserve(2, now=0.0)
     assert store.reserved_pages == 2 and store.cached_pages == 0
+
+
+def test_reservations_take_at_most_their_share_of_the_buffer() -> None:
+    store = make_store(num_pages=8, reserve_share=0.25)  # 2 pages
+    store.reserve(1, now=0.0)
+    with pytest.raises(BufferFull, match="at most 2"):
+        store.reserve(2, now=0.0)
+    assert store.reserved_pages == 1
+    store.reserve(1, now=0.0)  # control: within the share
+    assert store.reserved_pages == 2 and store._allocator.free_pages == 6
