@@ -214,7 +214,8 @@ def _measure(
         **settings,
         "receiver_host": consumer_host,
         "page_bytes": chunk_bytes,
-        "buffer_size_bytes": (count + 1) * chunk_bytes,
+        # Room for a request and for pages reserved ahead (at most 1/8 of the buffer, >= 2).
+        "buffer_size_bytes": (count + 16) * chunk_bytes,
         "init_port": init_port,
         "alloc_port": alloc_port,
     }

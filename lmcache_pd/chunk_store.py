@@ -39,6 +39,7 @@ from lmcache_pd.errors import AllocationError, BufferFull, ProtocolError, Reques
 from lmcache_pd.protocol import (
     BUFFER_FULL_RETRY_AFTER_S,
     DROPPED_MEMORY_S,
+    RESERVED_FRESH_S,
     AllocCancel,
     AllocRequest,
     ReservedWriteDone,
@@ -158,6 +159,7 @@ class ChunkStore:
         self._reserved: dict[int, set[int]] = {}
         self._reservation_of: dict[int, int] = {}
         self._max_reserved = max(1, int(allocator.num_pages * reserve_share))
+        self._last_reserved_at = float("-inf")
 
     @property
     def used_pages(self) -> int:
@@ -174,6 +176,14 @@ class ChunkStore:
     def reserved_pages(self) -> int:
         """Pages reserved ahead for producers and not written yet."""
         return len(self._reservation_of)
+
+    def expecting_writes(self, now: float) -> bool:
+        """Whether a write's notification may come soon: an allocation waits for one, or pages
+        were reserved ahead within ``RESERVED_FRESH_S`` (a producer writes into them only that
+        soon)."""
+        return bool(self._pending) or (
+            bool(self._reservation_of) and now - self._last_reserved_at < RESERVED_FRESH_S
+        )
 
     @property
     def pending_writes(self) -> int:
@@ -259,11 +269,12 @@ class ChunkStore:
         return len(pending.pages), nbytes
 
     def reserve(self, count: int, now: float) -> tuple[int, list[int]]:
-        """``count`` pages tied to no chunk, under an allocation's lease, for a producer to
-        write a later push into at once; returns (reservation id, pages). Raises
-        ``BufferFull`` (all or nothing, as an allocation), also when reservations would take
-        more than ``reserve_share`` of the buffer: many producers may not starve allocations."""
-        if len(self._reservation_of) + count > self._max_reserved:
+        """Up to ``count`` pages tied to no chunk, under an allocation's lease, for a producer to
+        write later pushes into at once; returns (reservation id, pages). Fewer when more would
+        take over ``reserve_share`` of the buffer (many producers may not starve allocations);
+        ``BufferFull`` when none can be had."""
+        count = min(count, self._max_reserved - len(self._reservation_of))
+        if count < 1:
             raise BufferFull(
                 f"{len(self._reservation_of)} pages reserved ahead already, at most "
                 f"{self._max_reserved}",
@@ -271,6 +282,7 @@ class ChunkStore:
             )
         self._make_room(count, set())
         pages = self._allocator.allocate(count, now)
+        self._last_reserved_at = now
         reservation_id = next(self._alloc_ids)
         self._reserved[reservation_id] = set(pages)
         for page in pages:

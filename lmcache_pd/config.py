@@ -68,10 +68,10 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     # names every decode rank here), so that no request waits for NIXL's connect.
     warm_peers: list[PeerAddressText] = msgspec.field(default_factory=list)
     max_alloc_retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = protocol.MAX_ALLOC_RETRIES
-    # Producer: pages each consumer rank reserves for it ahead of its pushes (asked for while a
-    # write is in flight); a push of at most this many chunks writes into them at once, with no
-    # allocation round trip, but also writes a chunk the consumer may hold already (larger
-    # pushes ask first and skip those). 0: every push asks first.
+    # Producer: a push of at most this many chunks writes at once into pages its consumer rank
+    # reserved for it ahead (asked for, a few pushes' worth at a time, while a write is in
+    # flight), with no allocation round trip, but also writes a chunk the consumer may hold
+    # already (larger pushes ask first and skip those). 0: every push asks first.
     reserved_pages: Annotated[int, msgspec.Meta(ge=0, le=protocol.MAX_RESERVED_PAGES)] = 1
     load_timeout_s: Seconds = protocol.LOAD_TIMEOUT_S
     integrity_checksums: bool = True

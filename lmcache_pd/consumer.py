@@ -346,14 +346,17 @@ class Consumer:
                 self._stop.wait(ERROR_PAUSE_S)
 
     def _turn(self, poller: zmq.Poller) -> None:
-        """One round: answer queued requests, read landed writes, take back what lapsed."""
-        busy = self._store.pending_writes > 0
+        """One round: read landed writes, answer queued requests, take back what lapsed.
+        Landed writes first: a ReserveRequest sent after its push's write then finds that
+        write's reserved pages handed over already."""
+        with self._lock:
+            busy = self._store.expecting_writes(time.monotonic())
         ready = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+        self._on_notifications()
         if self._init_socket in ready:
             self._drain(self._init_socket, self._on_init)
         if self._alloc_socket in ready:
             self._drain(self._alloc_socket, self._on_alloc)
-        self._on_notifications()
         self._expire()
         if busy and not ready:
             time.sleep(BUSY_POLL_S)

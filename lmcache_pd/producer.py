@@ -56,10 +56,9 @@ logger = logging.getLogger(__name__)
 
 Chunk = tuple[bytes, torch.Tensor]
 PeerKey = tuple[str, int, int]
-# Pages reserved ahead are written into only this soon after we asked for them: sooner than any
-# consumer restarts (a restarted one has other pages, and only an AllocResponse would say so).
-# Under steady traffic each push asks for the next reservation, so it is always this fresh.
-RESERVED_FRESH_S = 1.0
+# Pages asked for at once, in pushes of ``reserved_pages`` chunks: one round trip (off the push's
+# path, but still a send and a receive on its thread) per this many small pushes.
+RESERVE_BATCH = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,12 +443,15 @@ class Producer:
         return reserved
 
     def _take_reserved(self, key: PeerKey, peer: Peer, count: int) -> _Reserved | None:
-        """``count`` pages reserved ahead by ``key``'s consumer, if we have that many and a
-        write into them would still end well within the lease (half the budget left)."""
+        """``count`` pages reserved ahead by ``key``'s consumer, if we have that many and asked
+        for them within ``RESERVED_FRESH_S`` (and half the write budget). Under steady traffic
+        each push asks for the next ones, so they are always that fresh."""
         reserved = self._reserved.get(key)
-        if reserved is None or count > len(reserved.pages):
-            return None
-        if time.monotonic() - reserved.asked_at > min(RESERVED_FRESH_S, peer.write_budget_s / 2):
+        if reserved is None or count > min(len(reserved.pages), self.config.reserved_pages):
+            return None  # a larger push asks first, and is told which chunks not to write
+        if time.monotonic() - reserved.asked_at > min(
+            protocol.RESERVED_FRESH_S, peer.write_budget_s / 2
+        ):
             del self._reserved[key]  # unwritten, the consumer takes them back with the lease
             return None
         taken = _Reserved(reserved.reservation_id, reserved.pages[:count], reserved.asked_at)
@@ -465,7 +467,8 @@ class Producer:
         held = self._reserved.get(key)
         if want == 0 or key in self._reserving or (held is not None and len(held.pages) >= want):
             return
-        request = protocol.ReserveRequest(version=protocol.PROTOCOL_VERSION, pages=want)
+        pages = min(want * RESERVE_BATCH, protocol.MAX_RESERVED_PAGES)
+        request = protocol.ReserveRequest(version=protocol.PROTOCOL_VERSION, pages=pages)
         send(self._peers[key].alloc_socket, request, spec.req_id)
         self._reserving[key] = time.monotonic()
 

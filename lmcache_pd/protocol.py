@@ -93,6 +93,11 @@ def write_budget_s(alloc_lease_s: float) -> float:
     return alloc_lease_s - min(LEASE_MARGIN_S, alloc_lease_s / 4)
 
 
+# Pages reserved ahead are written into only this soon after the producer asked for them:
+# sooner than any consumer restarts (a restarted one has other pages, and only an AllocResponse
+# would say so). The consumer polls for their notifications as for pending writes meanwhile.
+RESERVED_FRESH_S = 1.0
+
 # How long a consumer waits for a request's KV before it recomputes the prompt instead.
 LOAD_TIMEOUT_S = 30.0
 BUFFER_FULL_RETRY_AFTER_S = 0.05

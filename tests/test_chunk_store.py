@@ -968,9 +968,10 @@ def test_reserving_is_all_or_nothing_and_evicts_idle_cached_chunks_for_room() ->
 
 def test_reservations_take_at_most_their_share_of_the_buffer() -> None:
     store = make_store(num_pages=8, reserve_share=0.25)  # 2 pages
-    store.reserve(1, now=0.0)
+    _, pages = store.reserve(1, now=0.0)
+    assert len(pages) == 1  # control: within the share
+    _, pages = store.reserve(4, now=0.0)
+    assert len(pages) == 1  # what the share leaves
     with pytest.raises(BufferFull, match="at most 2"):
-        store.reserve(2, now=0.0)
-    assert store.reserved_pages == 1
-    store.reserve(1, now=0.0)  # control: within the share
+        store.reserve(1, now=0.0)
     assert store.reserved_pages == 2 and store._allocator.free_pages == 6
