@@ -20,10 +20,10 @@ Such idle pages are evicted, least recently used first, only when an allocation 
 or more than ``cache_pages`` of them are idle; a page a request holds or a write still leases is
 never evicted.
 
-A producer may hold pages reserved ahead (``reserve``): tied to no key, under an allocation's
-lease, so that a small push writes at once and says afterwards where each chunk went
-(``land_reserved``). A chunk that turns out to be here already, or not needed, or of a request
-let go, gives its page straight back.
+A producer may hold pages reserved ahead (``reserve``), tied to no key, so that a small push
+writes at once and says afterwards where each chunk went (``land_reserved``). Unwritten, they go
+back ``RESERVED_LEASE_S`` after they were handed out. A chunk that turns out to be here already,
+or not needed, or of a request let go, gives its page straight back.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from lmcache_pd.protocol import (
     BUFFER_FULL_RETRY_AFTER_S,
     DROPPED_MEMORY_S,
     RESERVED_FRESH_S,
+    RESERVED_LEASE_S,
     AllocCancel,
     AllocRequest,
     ReservedWriteDone,
@@ -155,9 +156,11 @@ class ChunkStore:
         self._not_needed: dict[str, frozenset[bytes]] = {}
         self._dropped_until: deque[tuple[float, str]] = deque()
         self._alloc_ids = itertools.count(1)
-        # Pages reserved ahead and not written yet, per reservation id, and the way back.
+        # Pages reserved ahead and not written yet, per reservation id, and the way back; when
+        # each reservation was handed out (in order: they lapse RESERVED_LEASE_S after).
         self._reserved: dict[int, set[int]] = {}
         self._reservation_of: dict[int, int] = {}
+        self._reserved_until: deque[tuple[float, int]] = deque()
         self._max_reserved = max(1, int(allocator.num_pages * reserve_share))
         self._last_reserved_at = float("-inf")
 
@@ -269,10 +272,10 @@ class ChunkStore:
         return len(pending.pages), nbytes
 
     def reserve(self, count: int, now: float) -> tuple[int, list[int]]:
-        """Up to ``count`` pages tied to no chunk, under an allocation's lease, for a producer to
-        write later pushes into at once; returns (reservation id, pages). Fewer when more would
-        take over ``reserve_share`` of the buffer (many producers may not starve allocations);
-        ``BufferFull`` when none can be had."""
+        """Up to ``count`` pages tied to no chunk, for a producer to write later pushes into at
+        once (taken back after ``RESERVED_LEASE_S`` unless written); returns (reservation id,
+        pages). Fewer when more would take over ``reserve_share`` of the buffer (many producers
+        may not starve allocations); ``BufferFull`` when none can be had."""
         count = min(count, self._max_reserved - len(self._reservation_of))
         if count < 1:
             raise BufferFull(
@@ -285,6 +288,7 @@ class ChunkStore:
         self._last_reserved_at = now
         reservation_id = next(self._alloc_ids)
         self._reserved[reservation_id] = set(pages)
+        self._reserved_until.append((now + RESERVED_LEASE_S, reservation_id))
         for page in pages:
             self._reservation_of[page] = reservation_id
         return reservation_id, pages
@@ -337,6 +341,12 @@ class ChunkStore:
         self.cache_counts.misses += kept
         return len(done.chunks), nbytes
 
+    def _unreserve(self, reservation_id: int) -> None:
+        """Free the unwritten pages of a reservation (given back, or lapsed)."""
+        for page in self._reserved.pop(reservation_id, set()):
+            del self._reservation_of[page]
+            self._allocator.free(page)
+
     def _land(self, page: int, checksum: int | None) -> int:
         """The write into leased ``page`` landed: its lease's reference goes to the cache (or
         away); returns the chunk's bytes."""
@@ -353,7 +363,11 @@ class ChunkStore:
 
     def cancel(self, cancel: AllocCancel) -> bool:
         """The write of ``cancel.alloc_id`` will never come: its pages are freed at once and
-        their keys may be sent again. False if nothing was pending."""
+        their keys may be sent again; or, for a reservation, its unwritten pages go back. False
+        if nothing was pending."""
+        if cancel.alloc_id in self._reserved:
+            self._unreserve(cancel.alloc_id)
+            return True
         pending = self._pending.get(cancel.alloc_id)
         if pending is None or pending.req_id != cancel.req_id:
             return False
@@ -471,6 +485,8 @@ class ChunkStore:
             for holder in info.holders:
                 self._holds[holder].pages.discard(page)
             self._forget(page)
+        while self._reserved_until and self._reserved_until[0][0] <= now:
+            self._unreserve(self._reserved_until.popleft()[1])
         lapsed_holds: list[str] = []
         while self._hold_deadlines and self._hold_deadlines[0][0] <= now:
             deadline, req_id = heapq.heappop(self._hold_deadlines)

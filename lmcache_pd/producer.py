@@ -126,6 +126,9 @@ class Producer:
         self._reserved: dict[PeerKey, _Reserved] = {}
         # Peers asked for pages ahead whose answer we have not read yet, and when we asked.
         self._reserving: dict[PeerKey, float] = {}
+        # Reservations no longer used (stale or replaced), and when asked: given back if a push
+        # finds the buffer full before the consumer took them back itself.
+        self._set_aside_ids: dict[PeerKey, list[tuple[int, float]]] = {}
         self._closed = False
 
     def staged(self, count: int) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
@@ -206,7 +209,7 @@ class Producer:
         try:
             reserved = self._reserved_for(spec, key, peer, len(specs))
             if reserved is None:
-                asked_at = time.monotonic()
+                deadline = time.monotonic() + peer.write_budget_s
                 response = self._allocate(spec, peer, specs)
                 to_write = [i for i, page in enumerate(response.pages) if page is not None]
                 pages = [page for page in response.pages if page is not None]
@@ -219,11 +222,11 @@ class Producer:
                 )
                 alloc_id: int | None = response.alloc_id
             else:
-                asked_at, to_write, pages = (
-                    reserved.asked_at,
-                    list(range(len(specs))),
-                    reserved.pages,
-                )
+                # Sooner than an allocation's: the consumer takes reserved pages nobody wrote
+                # back RESERVED_LEASE_S after it handed them out.
+                budget_s = min(peer.write_budget_s, protocol.RESERVED_WRITE_S)
+                deadline = reserved.asked_at + budget_s
+                to_write, pages = list(range(len(specs))), reserved.pages
                 done = protocol.ReservedWriteDone(
                     version=protocol.PROTOCOL_VERSION,
                     req_id=spec.req_id,
@@ -232,10 +235,9 @@ class Producer:
                     pages=pages,
                     checksums=None if checksums is None else list(checksums),
                 )
-                alloc_id = None  # nothing to cancel: unwritten, the pages lapse with the lease
+                alloc_id = None  # nothing to cancel: unwritten, the pages lapse
             if to_write:
                 addresses = [self._staged_address(sources[i], copies.get(i)) for i in to_write]
-                deadline = asked_at + peer.write_budget_s
                 write = _Write(pages, [sizes[i] for i in to_write], addresses, done, alloc_id)
                 try:
                     self._write(spec, key, peer, write, deadline)
@@ -368,6 +370,8 @@ class Producer:
                 return reply
             error = error_from_reply(spec.req_id, reply)
             wait_s = reply.retry_after_s
+            if isinstance(error, BufferFull) and self._give_back_reserved(spec, peer):
+                wait_s = 0.0  # our own reserved pages made room: ask again at once
             if (
                 not isinstance(error, BufferFull)
                 or attempt == self.config.max_alloc_retries
@@ -377,6 +381,33 @@ class Producer:
             logger.info("req %s: consumer buffer full, retry in %.3f s", spec.req_id, wait_s)
             time.sleep(wait_s)
         raise AssertionError("unreachable: the last attempt raises")
+
+    def _set_aside(self, key: PeerKey) -> None:
+        """Stop using ``key``'s current reservation (stale, or replaced by a newer one); its
+        unwritten pages stay the consumer's until their lease or ``_give_back_reserved``."""
+        now = time.monotonic()
+        kept = [
+            (reservation_id, asked_at)
+            for reservation_id, asked_at in self._set_aside_ids.get(key, [])
+            if now - asked_at < protocol.RESERVED_LEASE_S  # else taken back already
+        ]
+        reserved = self._reserved.pop(key, None)
+        if reserved is not None:
+            kept.append((reserved.reservation_id, reserved.asked_at))
+        self._set_aside_ids[key] = kept
+
+    def _give_back_reserved(self, spec: DisaggSpec, peer: Peer) -> bool:
+        """Give back every reservation of ``spec``'s consumer we hold or set aside and it has
+        not taken back yet (an AllocCancel each: we write nothing into them, having one
+        thread), for a push that found its buffer full; True if there were any."""
+        key = _peer_key(spec)
+        self._set_aside(key)
+        ids = [reservation_id for reservation_id, _ in self._set_aside_ids.pop(key, [])]
+        if ids:
+            logger.info("req %s: buffer full, giving back %d reservations", spec.req_id, len(ids))
+        for reservation_id in ids:
+            self._cancel(spec, peer, reservation_id)
+        return bool(ids)
 
     def _check_allocation(
         self, spec: DisaggSpec, peer: Peer, reply: protocol.AllocResponse, count: int
@@ -452,7 +483,7 @@ class Producer:
         if time.monotonic() - reserved.asked_at > min(
             protocol.RESERVED_FRESH_S, peer.write_budget_s / 2
         ):
-            del self._reserved[key]  # unwritten, the consumer takes them back with the lease
+            self._set_aside(key)  # unwritten, the consumer takes them back at their lease
             return None
         taken = _Reserved(reserved.reservation_id, reserved.pages[:count], reserved.asked_at)
         reserved.pages = reserved.pages[count:]
@@ -493,6 +524,7 @@ class Producer:
         del self._reserving[key]
         if isinstance(reply, protocol.Reservation) and reply.agent_name == peer.name:
             self._check_pages(spec, peer, reply.pages)
+            self._set_aside(key)
             self._reserved[key] = _Reserved(reply.reservation_id, list(reply.pages), asked_at)
         elif not isinstance(reply, protocol.ErrorReply | protocol.Reservation):
             raise ProtocolError(f"req {spec.req_id}: {type(reply).__name__} to a ReserveRequest")
@@ -543,6 +575,7 @@ class Producer:
     def _forget_peer_key(self, key: PeerKey) -> None:
         self._reserved.pop(key, None)
         self._reserving.pop(key, None)
+        self._set_aside_ids.pop(key, None)
         peer = self._peers.pop(key, None)
         if peer is not None:
             peer.alloc_socket.close(linger=0)

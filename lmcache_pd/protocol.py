@@ -97,6 +97,12 @@ def write_budget_s(alloc_lease_s: float) -> float:
 # sooner than any consumer restarts (a restarted one has other pages, and only an AllocResponse
 # would say so). The consumer polls for their notifications as for pending writes meanwhile.
 RESERVED_FRESH_S = 1.0
+# A write into reserved pages ends this soon after they were asked for (at the producer's own
+# deadline), and the consumer takes reserved pages nobody wrote back this long after it handed
+# them out (sooner than an allocation's lease: a producer that stops pushing holds little). An
+# AllocCancel naming a reservation gives its unwritten pages back at once.
+RESERVED_WRITE_S = 5.0
+RESERVED_LEASE_S = RESERVED_WRITE_S + LEASE_MARGIN_S
 
 # How long a consumer waits for a request's KV before it recomputes the prompt instead.
 LOAD_TIMEOUT_S = 30.0

@@ -21,6 +21,7 @@ from lmcache_pd.chunk_store import HOLD_LAPSED, RELEASED, ChunkStore, LandedChun
 from lmcache_pd.errors import AllocationError, BufferFull, ProtocolError, RequestDropped
 from lmcache_pd.protocol import (
     PROTOCOL_VERSION,
+    RESERVED_LEASE_S,
     AllocCancel,
     AllocRequest,
     ChunkSpec,
@@ -975,3 +976,25 @@ def test_reservations_take_at_most_their_share_of_the_buffer() -> None:
     with pytest.raises(BufferFull, match="at most 2"):
         store.reserve(1, now=0.0)
     assert store.reserved_pages == 2 and store._allocator.free_pages == 6
+
+
+@pytest.mark.parametrize("how", ["lapsed", "given_back", None])
+def test_unwritten_reserved_pages_go_back_at_their_lease_or_when_given_back(
+    how: str | None,
+) -> None:
+    allocator = PageAllocator(num_pages=8, page_bytes=PAGE_BYTES, lease_s=60.0)
+    store = ChunkStore(allocator, claim_s=CLAIM_S, hold_s=HOLD_S, reserve_share=1.0)
+    reservation_id, pages = store.reserve(2, now=0.0)
+    store.expire(RESERVED_LEASE_S - 0.1)
+    assert store.reserved_pages == 2  # an allocation's lease is longer; this one not over yet
+    if how == "lapsed":
+        store.expire(RESERVED_LEASE_S)
+    elif how == "given_back":
+        assert store.cancel(alloc_cancel("any", reservation_id)) is True
+    done = reserved_done("a", reservation_id, pages, b"k0", b"k1")
+    if how is None:  # control
+        assert store.land_reserved(done, now=RESERVED_LEASE_S - 0.1) == (2, 2 * PAGE_BYTES)
+        return
+    assert store.reserved_pages == 0 and allocator.free_pages == 8
+    with pytest.raises(ProtocolError):  # a write after that is never taken for a chunk
+        store.land_reserved(done, now=RESERVED_LEASE_S)

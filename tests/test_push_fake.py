@@ -186,6 +186,8 @@ def test_chunks_no_decode_claims_are_freed_after_the_claim_timeout(fabric, keyer
             for req_id in ("r-orphan", "r-claimed"):
                 chunks = make_chunks(keyer.chunk_keys([1, 2, len(req_id)]), 6)
                 producer.push(spec_for(consumer.config, req_id), chunks)
+        # A push into pages reserved ahead is the consumer's to count once its note lands.
+        wait_for(lambda: consumer.stats_snapshot()["chunks_landed"] == 2, what="both to land")
         assert consumer.used_pages == 2
         wait_for(lambda: consumer.used_pages == 1, what="the unclaimed hold to lapse")
         time.sleep(0.3)
@@ -412,7 +414,7 @@ def test_a_service_loop_that_stops_turning_is_reported_with_its_stack(
             assert consumer.stats.service_stalls == 1
         # the stuck thread's own frames: the loop's turn, waiting at the lock
         assert "--- thread lmcache-pd-consumer:" in caplog.text
-        assert "in _expire" in caplog.text
+        assert "in _turn" in caplog.text
         wait_for(lambda: "turns again" in caplog.text, 3, "the end of the stall")
     assert consumer.stats.service_stalls == 1  # one stall, reported once
 

@@ -219,7 +219,7 @@ def test_a_small_push_writes_into_pages_reserved_ahead_without_asking(
         "r-res-stale": list(range(9600, 9700)),
     }
     reserved: dict[str, bool] = {}
-    with Producer(producer_config(num_pages=8, reserved_pages=1)) as producer:
+    with Producer(producer_config(num_pages=NUM_PAGES + 8, reserved_pages=1)) as producer:
         for req_id, tokens in pushes.items():
             if req_id == "r-res-stale":
                 time.sleep(protocol.RESERVED_FRESH_S + 0.1)
@@ -244,14 +244,21 @@ def test_a_small_push_writes_into_pages_reserved_ahead_without_asking(
             landed_reserved = after["chunks_landed_reserved"] - before["chunks_landed_reserved"]
             assert landed_reserved == (len(chunks) if result.reserved else 0)
             consumer.process.call("release", req_id=req_id)
+        # A push that finds the buffer full gives the pages reserved for it back and asks again.
+        held = consumer.process.stats()["reserved_pages"]
+        tokens = list(range(20_000, 20_000 + NUM_PAGES * CHUNK_SIZE))
+        assert held > 0 and len(keyer.chunk_keys(tokens)) == NUM_PAGES
+        full = producer.push(consumer.spec("r-res-fills"), make_chunks(keyer.chunk_keys(tokens), 5))
+        assert full.chunks_sent == NUM_PAGES and not full.reserved
+        wait_landed(consumer, tokens)
+        assert consumer.process.stats()["reserved_pages"] == 0
+        consumer.process.call("release", req_id="r-res-fills")
     assert reserved == {
         "r-res-first": False,  # nothing reserved yet
         "r-res-reserved": True,
         "r-res-two-chunks": False,
         "r-res-stale": False,
     }
-    # Unwritten, they go back with the lease, as an allocation's pages do.
-    consumer.process.wait_until(lambda s: s["reserved_pages"] == 0, 5, "reserved pages back")
 
 
 def ask_raw(port: int, frames: list[bytes]) -> protocol.Message:
