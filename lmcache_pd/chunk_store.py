@@ -316,10 +316,7 @@ class ChunkStore:
                 f"{done.reservation_id} (lease expired, or pages, keys and checksums differ)"
             )
         for page in done.pages:
-            reserved.discard(page)
-            del self._reservation_of[page]
-        if not reserved:
-            del self._reserved[done.reservation_id]
+            self._leave_reservation(page)
         dropped = done.req_id in self._dropped
         skip = self._not_needed.get(done.req_id, frozenset())
         hold = None if dropped else self._hold(done.req_id, now)
@@ -340,6 +337,14 @@ class ChunkStore:
             kept += 1
         self.cache_counts.misses += kept
         return len(done.chunks), nbytes
+
+    def _leave_reservation(self, page: int) -> None:
+        """``page`` is no longer reserved ahead (written into, or freed by its lease)."""
+        reservation_id = self._reservation_of.pop(page)
+        reserved = self._reserved[reservation_id]
+        reserved.discard(page)
+        if not reserved:
+            del self._reserved[reservation_id]
 
     def _unreserve(self, reservation_id: int) -> None:
         """Free the unwritten pages of a reservation (given back, or lapsed)."""
@@ -471,12 +476,8 @@ class ChunkStore:
         """
         lapsed_writes: list[str] = []
         for page in self._allocator.expire(now):
-            reservation_id = self._reservation_of.pop(page, None)
-            if reservation_id is not None:  # reserved ahead, never written: just freed
-                reserved = self._reserved[reservation_id]
-                reserved.discard(page)
-                if not reserved:
-                    del self._reserved[reservation_id]
+            if page in self._reservation_of:  # reserved ahead, never written: just freed
+                self._leave_reservation(page)
                 continue
             info = self._pages[page]
             pending = self._pending.pop(info.alloc_id, None)

@@ -76,7 +76,7 @@ class PushResult:
 @dataclass(slots=True)
 class _Reserved:
     """Pages a consumer reserved for us ahead, not written yet, and when we asked for them: a
-    write into them must end within the peer's write budget of that."""
+    write into them must end within ``RESERVED_WRITE_S`` of that."""
 
     reservation_id: int
     pages: list[int]
