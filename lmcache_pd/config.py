@@ -231,6 +231,9 @@ def load_config(
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: top level must be a mapping, got {type(raw).__name__}")
     merged = {**raw, **_env_overrides(environ), **overrides}
+    cpus = merged.get("thread_cpus")
+    if isinstance(cpus, int) and not isinstance(cpus, bool):
+        merged["thread_cpus"] = str(cpus)  # YAML reads one CPU ("thread_cpus: 1") as a number
     try:
         return msgspec.convert(merged, PDConfig)
     except msgspec.ValidationError as exc:

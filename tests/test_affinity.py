@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from lmcache_pd.affinity import parse_cpus, unpin_this_thread
+from lmcache_pd.config import load_config
 from lmcache_pd.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(
@@ -55,3 +56,15 @@ def test_cpu_lists_are_read_as_linux_writes_them(text: str, cpus: set[int]) -> N
 def test_a_bad_cpu_list_is_refused_naming_the_setting(text: str) -> None:
     with pytest.raises(ConfigError, match="thread_cpus"):
         parse_cpus(text)
+
+
+@pytest.mark.parametrize("written", ["thread_cpus: 1", "thread_cpus: '1'"])
+def test_one_cpu_written_bare_in_yaml_is_a_cpu_list(tmp_path, written: str) -> None:
+    """YAML reads ``1`` as a number; the environment's ``LMCACHE_PD_THREAD_CPUS=1`` too."""
+    path = tmp_path / "consumer.yaml"
+    path.write_text(f"kv_role: kv_consumer\n{written}\n")
+    assert load_config(path, environ={}).thread_cpus == "1"
+    from_env = load_config(path, environ={"LMCACHE_PD_THREAD_CPUS": "0"})
+    assert from_env.thread_cpus == "0"
+    with pytest.raises(ConfigError, match="thread_cpus"):  # control: a list still is checked
+        load_config(path, environ={"LMCACHE_PD_THREAD_CPUS": "1,,2"})
