@@ -48,15 +48,26 @@ class LmcachePD:
         self.workdir = workdir
         port = unused_port(set())
         self.url = f"http://127.0.0.1:{port}"
+        # As configs/pools.yaml: the proxy and our own threads on decode's core, so that
+        # prefill's core runs prefill alone (measured: TTFT p50 ~8 ms lower at 1024/32).
         pools = PoolsConfig(
             model=str(model),
-            prefill=[InstanceSpec(config=str(CONFIGS / "producer.yaml"), cpus=PREFILL_CPUS)],
-            decode=[
+            prefill=[
                 InstanceSpec(
-                    config=str(CONFIGS / "consumer.yaml"), cpus=DECODE_CPUS, env=self.consumer_env
+                    config=str(CONFIGS / "producer.yaml"),
+                    cpus=PREFILL_CPUS,
+                    thread_cpus=DECODE_CPUS,
                 )
             ],
-            proxy=ProxySpec(port=port),
+            decode=[
+                InstanceSpec(
+                    config=str(CONFIGS / "consumer.yaml"),
+                    cpus=DECODE_CPUS,
+                    thread_cpus=DECODE_CPUS,
+                    env=self.consumer_env,
+                )
+            ],
+            proxy=ProxySpec(port=port, cpus=DECODE_CPUS),
             vllm_args=vllm_args,
             trace=True,
         )

@@ -115,7 +115,9 @@ def receive_ports(k8s: KubernetesSpec, ranks: int) -> dict[str, int | list[int]]
 def _pool_spec(specs: list[InstanceSpec], pool: str) -> InstanceSpec:
     """The one pod template of a pool: its instances, less what pods do not use, must agree."""
     alike = [
-        msgspec.structs.replace(spec, cpus=None, port=None, ray_resources={}, ray_labels={})
+        msgspec.structs.replace(
+            spec, cpus=None, thread_cpus=None, port=None, ray_resources={}, ray_labels={}
+        )
         for spec in specs
     ]
     for index, spec in enumerate(alike[1:], start=1):
@@ -127,7 +129,8 @@ def _pool_spec(specs: list[InstanceSpec], pool: str) -> InstanceSpec:
             ]
             raise ConfigError(
                 f"{pool}[{index}] differs from {pool}[0] in {', '.join(differ)}: the pods of a "
-                f"StatefulSet are alike (cpus and port may differ; they are not used there)"
+                f"StatefulSet are alike (cpus, thread_cpus and port may differ; they are not used "
+                "there)"
             )
     return alike[0]
 

@@ -22,6 +22,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from lmcache_pd.affinity import unpin_this_thread
 from lmcache_pd.protocol import DisaggSpec
 from lmcache_pd.proxy.app_thread import AppThread
 from lmcache_pd.proxy.client_request import BadRequest, ClientRequest, Endpoint
@@ -468,7 +469,9 @@ def run_proxy(
     members: MemberSource | None = None,
 ) -> None:
     """``serve`` on a fresh event loop until SIGINT or SIGTERM (uvloop when installed: it comes
-    with vLLM)."""
+    with vLLM), on ``config.cpus`` (the threads it starts inherit them)."""
+    if config.cpus is not None:
+        unpin_this_thread(config.cpus, "proxy")
     try:
         import uvloop
     except ImportError:

@@ -12,6 +12,7 @@ from typing import Annotated
 import msgspec
 import yaml
 
+from lmcache_pd.affinity import CPU_LIST
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.protocol import Port, RankPorts
 
@@ -79,6 +80,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A model folder whose tokenizer.json counts text prompts near that threshold (None: such
     # texts are disaggregated).
     tokenizer: str | None = None
+    # CPUs the proxy runs on, e.g. "1" or "4-5" (None: any). On a host it shares with vLLM,
+    # keep it off the prefill instances' cores: its work there delays every first token.
+    cpus: Annotated[str, msgspec.Meta(pattern=f"^{CPU_LIST.pattern}$")] | None = None
 
 
 def proxy_config(raw: object, source: str = "<dict>") -> ProxyConfig:

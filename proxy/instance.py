@@ -12,9 +12,11 @@ from typing import Any, Literal
 import msgspec
 import yaml
 
-from lmcache_pd.config import PDConfig
+from lmcache_pd.config import ENV_PREFIX, PDConfig
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.proxy.pools import InstanceSpec, PoolsConfig
+
+THREAD_CPUS_ENV = f"{ENV_PREFIX}THREAD_CPUS"  # read by the instance's transfer config
 
 Role = Literal["kv_producer", "kv_consumer"]
 
@@ -62,5 +64,7 @@ def instance_args(pools: PoolsConfig, spec: InstanceSpec) -> list[str]:
 
 
 def instance_env(pools: PoolsConfig, spec: InstanceSpec) -> dict[str, str]:
-    """The instance's environment on top of a vLLM server's: the CPU KV cache's size, its own."""
-    return {"VLLM_CPU_KVCACHE_SPACE": str(pools.kv_cache_gib), **spec.env}
+    """The instance's environment on top of a vLLM server's: the CPU KV cache's size, where our
+    threads run, its own."""
+    threads = {} if spec.thread_cpus is None else {THREAD_CPUS_ENV: spec.thread_cpus}
+    return {"VLLM_CPU_KVCACHE_SPACE": str(pools.kv_cache_gib), **threads, **spec.env}

@@ -161,6 +161,7 @@ def proxy_config_for(
         trace_path=str(workdir / "proxy.trace.jsonl") if pools.trace else None,
         tokenizer=pools.model,
         min_disagg_tokens=pools.proxy.min_disagg_tokens,
+        cpus=pools.proxy.cpus,
     )
     (workdir / "proxy.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(proxy)))
     return proxy

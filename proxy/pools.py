@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 import yaml
 
+from lmcache_pd.affinity import CPU_LIST
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.protocol import MAX_TP_RANKS, Port
 from lmcache_pd.proxy.config import MIN_DISAGG_TOKENS
@@ -34,6 +35,9 @@ class InstanceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Ranks of this instance (``--tensor-parallel-size``). A decode instance gets a pair of KV
     # receive ports per rank; each prefill rank pushes its shard to the decode rank of its index.
     tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_RANKS)] = 1
+    # Cores for lmcache-pd's own threads in it (its transfer config's ``thread_cpus``), e.g. a
+    # core outside ``cpus``: on a host without spare cores, decode's rather than prefill's.
+    thread_cpus: Annotated[str, msgspec.Meta(pattern=f"^{CPU_LIST.pattern}$")] | None = None
     port: int | None = None
     env: dict[str, str] = msgspec.field(default_factory=dict)
     # Arguments for this instance only, after the pool-wide ``vllm_args``.
@@ -69,6 +73,8 @@ class ProxySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     decode_read_timeout_s: float = 120.0
     # Prompts shorter than this go to decode alone (0: every prompt is disaggregated).
     min_disagg_tokens: Annotated[int, msgspec.Meta(ge=0)] = MIN_DISAGG_TOKENS
+    # CPUs the proxy runs on (None: any); see ``ProxyConfig.cpus``.
+    cpus: Annotated[str, msgspec.Meta(pattern=f"^{CPU_LIST.pattern}$")] | None = None
 
 
 class RaySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -9,14 +9,19 @@ tested in ``test_proxy_vllm.py``.
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+import yaml
 import zmq
 
 from lmcache_pd import protocol
@@ -566,3 +571,71 @@ def test_a_request_decode_answered_sends_no_drop(stacks, alloc_channel: AllocCha
             list(answer)
     assert alloc_channel.receive(timeout_s=1) == []
     assert stack.metric("lmcache_pd_proxy_kv_drops_total") == 0
+
+
+# ---- placement ----
+
+
+def _loop_thread_cpus(pid: int) -> set[str]:
+    """The allowed CPUs (as Linux lists them) of the threads that serve: the main thread, which
+    runs the event loop, and the loop's workers (a library may have started an idle thread of
+    its own at import, before the proxy chose its CPUs)."""
+    lists = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        if task.name != str(pid) and (task / "comm").read_text().strip() != "libuv-worker":
+            continue
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                lists.add(line.split(":", 1)[1].strip())
+    return lists
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/task").is_dir() or (os.cpu_count() or 1) < 2,
+    reason="needs Linux's /proc and two CPUs to tell a pinned proxy from a free one",
+)
+@pytest.mark.parametrize("cpus", ["0", None])
+def test_the_proxy_runs_on_the_cpus_it_is_given(cpus: str | None, tmp_path: Path) -> None:
+    """``lmcache-pd proxy`` in its own process, in front of a stand-in pair: the threads that
+    serve on ``cpus`` (a pools file keeps it off the prefill cores); None (control): not."""
+    standins = [Standin(), Standin()]
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in standins]
+    port = free_port()
+    config = {
+        "model": MODEL,
+        "port": port,
+        "prefill": [{"url": urls[0]}],
+        "decode": [{"url": urls[1], "receiver_host": "127.0.0.1", "init_port": 1, "alloc_port": 2}],
+        **({"cpus": cpus} if cpus is not None else {}),
+    }
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with ExitStack() as running:
+        for standin, url in zip(standins, urls, strict=True):
+            running.enter_context(AppThread(standin.app(), "127.0.0.1", int(url.rsplit(":")[-1])))
+        proxy = subprocess.Popen(
+            [sys.executable, "-m", "lmcache_pd.cli", "proxy", str(path)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        running.callback(proxy.wait, 10)
+        running.callback(proxy.terminate)
+        wait_for(lambda: _serves(f"http://127.0.0.1:{port}/health"), 30, "the proxy")
+        answer = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        allowed = _loop_thread_cpus(proxy.pid)
+        if cpus is None:
+            assert allowed and "0" not in allowed, allowed  # control: every CPU
+        else:
+            assert allowed == {cpus}, allowed
+
+
+def _serves(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
