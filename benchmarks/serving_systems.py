@@ -3,6 +3,8 @@
 - ``lmcache-pd``: 1 prefill + 1 decode vLLM with our connector (the pool launcher), behind our
   proxy in its own process, every process tracing its per-request phases;
 - ``lmcache-pd-nocache``: the same with the consumer's cache of landed chunks off;
+- ``lmcache-pd-anycore``: the same with our threads on any core (the others keep them on
+  decode's, off prefill's);
 - ``colocated``: one plain vLLM instance doing prefill and decode;
 - ``prefill-cores``: one plain vLLM instance on exactly the prefill instance's cores: what a
   request costs on the hardware lmcache-pd's prompt runs on, so that lmcache-pd's TTFT over its
@@ -32,7 +34,14 @@ from lmcache_pd.vllm_server import VLLMServer, wait_until_healthy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PROXY_START_TIMEOUT_S = 30.0
-SYSTEMS = ("lmcache-pd", "lmcache-pd-nocache", "colocated", "prefill-cores", "nixl")
+SYSTEMS = (
+    "lmcache-pd",
+    "lmcache-pd-nocache",
+    "lmcache-pd-anycore",
+    "colocated",
+    "prefill-cores",
+    "nixl",
+)
 # What ``lmcache-pd bench`` compares unless told otherwise.
 DEFAULT_SYSTEMS = ("lmcache-pd", "colocated", "prefill-cores", "nixl")
 PREFILL_CPUS, DECODE_CPUS = "0", "1"
@@ -43,31 +52,34 @@ class LmcachePD:
 
     name = "lmcache-pd"
     consumer_env: ClassVar[dict[str, str]] = {}
+    # Where our own threads (senders, the consumer's service) run: as configs/pools.yaml, on
+    # decode's core, so that a push does not take prefill's core from the next prefill (None:
+    # wherever the kernel puts them). The proxy runs anywhere: on decode's core it made no
+    # difference beyond the runs' spread.
+    our_cpus: ClassVar[str | None] = DECODE_CPUS
 
     def __init__(self, model: Path, workdir: Path, vllm_args: list[str]) -> None:
         self.workdir = workdir
         port = unused_port(set())
         self.url = f"http://127.0.0.1:{port}"
-        # As configs/pools.yaml: the proxy and our own threads on decode's core, so that
-        # prefill's core runs prefill alone (measured: TTFT p50 ~8 ms lower at 1024/32).
         pools = PoolsConfig(
             model=str(model),
             prefill=[
                 InstanceSpec(
                     config=str(CONFIGS / "producer.yaml"),
                     cpus=PREFILL_CPUS,
-                    thread_cpus=DECODE_CPUS,
+                    thread_cpus=self.our_cpus,
                 )
             ],
             decode=[
                 InstanceSpec(
                     config=str(CONFIGS / "consumer.yaml"),
                     cpus=DECODE_CPUS,
-                    thread_cpus=DECODE_CPUS,
+                    thread_cpus=self.our_cpus,
                     env=self.consumer_env,
                 )
             ],
-            proxy=ProxySpec(port=port, cpus=DECODE_CPUS),
+            proxy=ProxySpec(port=port),
             vllm_args=vllm_args,
             trace=True,
         )
@@ -136,6 +148,14 @@ class LmcachePDNoCache(LmcachePD):
 
     name = "lmcache-pd-nocache"
     consumer_env: ClassVar[dict[str, str]] = {"LMCACHE_PD_CACHE_SHARE": "0"}
+
+
+class LmcachePDAnyCore(LmcachePD):
+    """lmcache-pd with our threads where the kernel puts them: the same run's control for what
+    keeping them off prefill's core buys or costs."""
+
+    name = "lmcache-pd-anycore"
+    our_cpus: ClassVar[str | None] = None
 
 
 class Colocated:
@@ -207,6 +227,7 @@ def make_system(name: str, model: Path, workdir: Path, vllm_args: list[str]):
     kinds = {
         "lmcache-pd": LmcachePD,
         "lmcache-pd-nocache": LmcachePDNoCache,
+        "lmcache-pd-anycore": LmcachePDAnyCore,
         "colocated": Colocated,
         "prefill-cores": PrefillCores,
         "nixl": NixlPD,
