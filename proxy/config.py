@@ -80,8 +80,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A model folder whose tokenizer.json counts text prompts near that threshold (None: such
     # texts are disaggregated).
     tokenizer: str | None = None
-    # CPUs the proxy runs on, e.g. "1" or "4-5" (None: any). On a host it shares with vLLM,
-    # keep it off the prefill instances' cores: its work there delays every first token.
+    # CPUs the proxy runs on, e.g. "1" or "4-5" (None: any), on a host it shares with vLLM.
     cpus: Annotated[str, msgspec.Meta(pattern=f"^{CPU_LIST.pattern}$")] | None = None
 
 
