@@ -261,7 +261,8 @@ def _measure(
         steps: dict[str, Callable[[], tuple[float, float]]] = {
             "ours": lambda: _push(producer, checked, consumer, spec, source),
             "ours_nochecksum": lambda: _push(producer, unchecked, consumer, spec, source),
-            # Runs after the pushes' pages came back: it writes only pages nobody holds.
+            # Runs after the pushes' pages came back: a chunk it overwrites stays cached under a
+            # fresh key nobody asks for again, a page reserved ahead is written again by its push.
             "raw_nixl": lambda: _raw_write(producer, peer, next_segments(), source),
             "memcpy": lambda: (0.0, _memcpy(pages, targets)),
         }
