@@ -23,7 +23,7 @@ from lmcache_pd.config import ENV_PREFIX, PDConfig, load_config
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.k8s import manifests, to_yaml
 from lmcache_pd.proxy.config import ProxyConfig, proxy_config
-from lmcache_pd.proxy.instance import instance_env
+from lmcache_pd.proxy.instance import THREAD_CPUS_ENV, instance_env
 from lmcache_pd.proxy.launcher import peer_text
 from lmcache_pd.proxy.pools import InstanceSpec, KubernetesSpec, PoolsConfig, load_pools
 
@@ -363,11 +363,11 @@ def test_one_hosts_cores_stay_out_of_the_pods() -> None:
     Control: the same instance's environment on that host pins our threads."""
     pools = shipped("pools.yaml")
     assert pools.decode[0].thread_cpus is not None
-    assert instance_env(pools, pools.decode[0])[f"{ENV_PREFIX}THREAD_CPUS"] == "1"
+    assert instance_env(pools, pools.decode[0])[THREAD_CPUS_ENV] == "1"
     for component in ("decode", "prefill"):
         container = container_of(one(manifests(pools), "StatefulSet", component))
         names = {variable["name"] for variable in container["env"]}
-        assert not names & {f"{ENV_PREFIX}THREAD_CPUS", "VLLM_CPU_OMP_THREADS_BIND"}, names
+        assert not names & {THREAD_CPUS_ENV, "VLLM_CPU_OMP_THREADS_BIND"}, names
 
 
 def test_instances_of_a_pool_that_differ_in_their_pods_are_refused() -> None:

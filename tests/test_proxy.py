@@ -30,6 +30,7 @@ from lmcache_pd.proxy.app_thread import AppThread
 from lmcache_pd.proxy.config import proxy_config
 from lmcache_pd.proxy.routing import NoHealthyInstance, Pool, Role, Upstream
 from lmcache_pd.proxy.standin import Fault, Standin, StandinState, next_token
+from lmcache_pd.vllm_server import wait_until_healthy
 from tests.helpers import free_port, wait_for
 
 MODEL = "tiny"
@@ -597,7 +598,7 @@ def _loop_thread_cpus(pid: int) -> set[str]:
 @pytest.mark.parametrize("cpus", ["0", None])
 def test_the_proxy_runs_on_the_cpus_it_is_given(cpus: str | None, tmp_path: Path) -> None:
     """``lmcache-pd proxy`` in its own process, in front of a stand-in pair: the threads that
-    serve on ``cpus`` (a pools file keeps it off the prefill cores); None (control): not."""
+    serve on ``cpus`` (a pools file's ``proxy: {cpus}``); None (control): not."""
     standins = [Standin(), Standin()]
     urls = [f"http://127.0.0.1:{free_port()}" for _ in standins]
     port = free_port()
@@ -620,7 +621,7 @@ def test_the_proxy_runs_on_the_cpus_it_is_given(cpus: str | None, tmp_path: Path
         )
         running.callback(proxy.wait, 10)
         running.callback(proxy.terminate)
-        wait_for(lambda: _serves(f"http://127.0.0.1:{port}/health"), 30, "the proxy")
+        wait_until_healthy(f"http://127.0.0.1:{port}", proxy, 30)
         answer = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4},
@@ -632,10 +633,3 @@ def test_the_proxy_runs_on_the_cpus_it_is_given(cpus: str | None, tmp_path: Path
             assert allowed and "0" not in allowed, allowed  # control: every CPU
         else:
             assert allowed == {cpus}, allowed
-
-
-def _serves(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
