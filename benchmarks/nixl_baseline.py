@@ -233,12 +233,16 @@ class NixlBaseline:
         log_stats: bool = False,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         read_timeout_s: float = READ_TIMEOUT_S,
+        whole_instance_on_its_cpu: bool = False,
     ) -> None:
         """Nothing starts before ``start()`` (or ``with``). ``extra_args`` go to both vLLM
-        instances; ``log_stats`` keeps their Prometheus metrics on."""
+        instances; ``log_stats`` keeps their Prometheus metrics on;
+        ``whole_instance_on_its_cpu`` keeps every process of an instance on its core (vLLM's
+        ``process_cpus``), not its inference threads alone."""
         self.model, self.workdir = model, workdir
         self.extra_args, self.log_stats = list(extra_args), log_stats
         self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
+        self.whole_instance_on_its_cpu = whole_instance_on_its_cpu
         self.prefill: VLLMServer | None = None
         self.decode: VLLMServer | None = None
         self.url = ""
@@ -256,6 +260,7 @@ class NixlBaseline:
                 "kv_buffer_device": "cpu",
             },
             cpu=cpu,
+            process_cpus=str(cpu) if self.whole_instance_on_its_cpu else None,
             env={
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(unused_port(ports)),

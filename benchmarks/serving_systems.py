@@ -5,17 +5,22 @@
 - ``lmcache-pd-nocache``: the same with the consumer's cache of landed chunks off;
 - ``lmcache-pd-anycore``: the same with our threads on any core (the others keep them on
   decode's, off prefill's);
+- ``lmcache-pd-processes-anywhere``: the same with each instance's API server and engine core
+  on any core (the others keep every process of an instance on its core, ``process_cpus``);
 - ``colocated``: one plain vLLM instance doing prefill and decode;
 - ``prefill-cores``: one plain vLLM instance on exactly the prefill instance's cores: what a
   request costs on the hardware lmcache-pd's prompt runs on, so that lmcache-pd's TTFT over its
   TTFT is the cost of disaggregation alone (the colocated instance has both cores, each PD
   instance one);
+- ``prefill-cores-processes-anywhere``: the same with its API server and engine core on any
+  core (the other one idle), as ``prefill-cores`` was until 2026-11-25;
 - ``nixl``: vLLM's own NixlConnector, 1 prefill + 1 decode, behind the small router of
   ``nixl_baseline.py`` that follows vLLM's documented protocol.
 
 All run the same model with the same flags (fp32, eager, the same vLLM arguments, stats on); the
-PD pairs get one core per instance (``PREFILL_CPUS``, ``DECODE_CPUS``) and the colocated instance
-the same two cores. Each names its
+PD pairs get one core per instance (``PREFILL_CPUS``, ``DECODE_CPUS``), every process of an
+instance on it as in configs/pools.yaml (``process_cpus``), and the colocated instance the same
+two cores. Each names its
 ``decode_url``: the instance whose ``vllm:prompt_tokens_by_source_total`` says where decode's
 prompt tokens came from (loaded, its own prefix cache, computed).
 """
@@ -38,8 +43,10 @@ SYSTEMS = (
     "lmcache-pd",
     "lmcache-pd-nocache",
     "lmcache-pd-anycore",
+    "lmcache-pd-processes-anywhere",
     "colocated",
     "prefill-cores",
+    "prefill-cores-processes-anywhere",
     "nixl",
 )
 # What ``lmcache-pd bench`` compares unless told otherwise.
@@ -57,6 +64,9 @@ class LmcachePD:
     # wherever the kernel puts them). The proxy runs anywhere: on decode's core it made no
     # difference beyond the runs' spread.
     our_cpus: ClassVar[str | None] = DECODE_CPUS
+    # Every process of an instance on its core, as configs/pools.yaml: vLLM's engine core spins
+    # between steps, and left anywhere decode's takes prefill's core from its next prompt.
+    processes_on_own_cpus: ClassVar[bool] = True
 
     def __init__(self, model: Path, workdir: Path, vllm_args: list[str]) -> None:
         self.workdir = workdir
@@ -69,6 +79,7 @@ class LmcachePD:
                     config=str(CONFIGS / "producer.yaml"),
                     cpus=PREFILL_CPUS,
                     thread_cpus=self.our_cpus,
+                    process_cpus=PREFILL_CPUS if self.processes_on_own_cpus else None,
                 )
             ],
             decode=[
@@ -76,6 +87,7 @@ class LmcachePD:
                     config=str(CONFIGS / "consumer.yaml"),
                     cpus=DECODE_CPUS,
                     thread_cpus=self.our_cpus,
+                    process_cpus=DECODE_CPUS if self.processes_on_own_cpus else None,
                     env=self.consumer_env,
                 )
             ],
@@ -158,11 +170,20 @@ class LmcachePDAnyCore(LmcachePD):
     our_cpus: ClassVar[str | None] = None
 
 
+class LmcachePDProcessesAnywhere(LmcachePD):
+    """lmcache-pd with each instance's API server and engine core where the kernel puts them:
+    the same run's control for what ``process_cpus`` buys or costs."""
+
+    name = "lmcache-pd-processes-anywhere"
+    processes_on_own_cpus: ClassVar[bool] = False
+
+
 class Colocated:
     """One plain vLLM instance, on the cores the PD pairs use between them."""
 
     name = "colocated"
     cpus = "0-1"  # PREFILL_CPUS and DECODE_CPUS
+    processes_on_own_cpus: ClassVar[bool] = True  # as LmcachePD's
 
     def __init__(self, model: Path, workdir: Path, vllm_args: list[str]):
         self._server = VLLMServer(
@@ -170,6 +191,7 @@ class Colocated:
             unused_port(set()),
             workdir / f"{self.name}.log",
             cpu=self.cpus,
+            process_cpus=self.cpus if self.processes_on_own_cpus else None,
             extra_args=vllm_args,
             log_stats=True,
             wait=False,
@@ -188,11 +210,22 @@ class Colocated:
 
 
 class PrefillCores(Colocated):
-    """One plain vLLM instance on the prefill instance's cores only: lmcache-pd's TTFT over its
-    TTFT is what disaggregation costs, apart from lmcache-pd having two cores to its one."""
+    """One plain vLLM instance on the prefill instance's cores only, every process of it as
+    lmcache-pd's prefill instance (its engine core and API server too: left anywhere they run
+    on the idle other core): lmcache-pd's TTFT over its TTFT is what disaggregation costs,
+    apart from lmcache-pd having two cores to its one."""
 
     name = "prefill-cores"
     cpus = PREFILL_CPUS
+
+
+class PrefillCoresProcessesAnywhere(PrefillCores):
+    """``prefill-cores`` with its API server and engine core on any core: on this 2-core host
+    they then run on the idle one, so its prompts have a core to themselves that lmcache-pd's
+    prefill instance does not."""
+
+    name = "prefill-cores-processes-anywhere"
+    processes_on_own_cpus: ClassVar[bool] = False
 
 
 class NixlPD:
@@ -203,7 +236,9 @@ class NixlPD:
     def __init__(self, model: Path, workdir: Path, vllm_args: list[str]) -> None:
         from lmcache_pd.benchmarks.nixl_baseline import NixlBaseline
 
-        self._baseline = NixlBaseline(model, workdir, extra_args=vllm_args, log_stats=True)
+        self._baseline = NixlBaseline(
+            model, workdir, extra_args=vllm_args, log_stats=True, whole_instance_on_its_cpu=True
+        )
         self.url = self.decode_url = ""
 
     def __enter__(self) -> NixlPD:
@@ -228,8 +263,10 @@ def make_system(name: str, model: Path, workdir: Path, vllm_args: list[str]):
         "lmcache-pd": LmcachePD,
         "lmcache-pd-nocache": LmcachePDNoCache,
         "lmcache-pd-anycore": LmcachePDAnyCore,
+        "lmcache-pd-processes-anywhere": LmcachePDProcessesAnywhere,
         "colocated": Colocated,
         "prefill-cores": PrefillCores,
+        "prefill-cores-processes-anywhere": PrefillCoresProcessesAnywhere,
         "nixl": NixlPD,
     }
     if name not in kinds:

@@ -21,16 +21,17 @@ logger = logging.getLogger(__name__)
 CPU_LIST = re.compile(r"[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*")
 
 
-def parse_cpus(text: str) -> set[int]:
-    """``"0-3,6"`` -> ``{0, 1, 2, 3, 6}``; raises ``ConfigError`` naming what is wrong."""
+def parse_cpus(text: str, setting: str = "thread_cpus") -> set[int]:
+    """``"0-3,6"`` -> ``{0, 1, 2, 3, 6}``; raises ``ConfigError`` naming ``setting`` and what
+    is wrong."""
     if not CPU_LIST.fullmatch(text):
-        raise ConfigError(f"thread_cpus {text!r}: not a CPU list like '0-3,6'")
+        raise ConfigError(f"{setting} {text!r}: not a CPU list like '0-3,6'")
     cpus: set[int] = set()
     for part in text.split(","):
         first, _, last = part.partition("-")
         cpus.update(range(int(first), int(last or first) + 1))
     if not cpus:
-        raise ConfigError(f"thread_cpus {text!r} names no CPU (a range runs low to high)")
+        raise ConfigError(f"{setting} {text!r} names no CPU (a range runs low to high)")
     return cpus
 
 

@@ -13,10 +13,11 @@ start, as objects a cluster runs, each a plain dict ready for YAML.
 - The proxy: a Deployment of ``lmcache-pd proxy`` with a Service in front.
 - The transfer YAMLs and the proxy's YAML: ConfigMaps, mounted read-only at /etc/lmcache-pd.
 
-A StatefulSet's pods are alike, so every instance of a pool must be, except in ``cpus`` and
-``port``, which are not used: they name one host's cores and ports, while the kubelet places
-pods and each pod has a network of its own. Replicas are the pool's instance count, and the
-proxy's list is the pods named then: to scale, edit the pools file and generate again.
+A StatefulSet's pods are alike, so every instance of a pool must be, except in its cores
+(``cpus``, ``thread_cpus``, ``process_cpus``) and ``port``, which are not used: they name one
+host's cores and ports, while the kubelet places pods and each pod has a network of its own.
+Replicas are the pool's instance count, and the proxy's list is the pods named then: to scale,
+edit the pools file and generate again.
 """
 
 from __future__ import annotations
@@ -116,7 +117,13 @@ def _pool_spec(specs: list[InstanceSpec], pool: str) -> InstanceSpec:
     """The one pod template of a pool: its instances, less what pods do not use, must agree."""
     alike = [
         msgspec.structs.replace(
-            spec, cpus=None, thread_cpus=None, port=None, ray_resources={}, ray_labels={}
+            spec,
+            cpus=None,
+            thread_cpus=None,
+            process_cpus=None,
+            port=None,
+            ray_resources={},
+            ray_labels={},
         )
         for spec in specs
     ]
@@ -129,8 +136,8 @@ def _pool_spec(specs: list[InstanceSpec], pool: str) -> InstanceSpec:
             ]
             raise ConfigError(
                 f"{pool}[{index}] differs from {pool}[0] in {', '.join(differ)}: the pods of a "
-                f"StatefulSet are alike (cpus, thread_cpus and port may differ; they are not used "
-                "there)"
+                f"StatefulSet are alike (cpus, thread_cpus, process_cpus and port may differ; they "
+                "are not used there)"
             )
     return alike[0]
 

@@ -127,7 +127,7 @@ def _vllm_container(
 ) -> Manifest:
     """The vLLM server of a pod: the command ``serve`` would run (``vllm_command``), its
     environment less ``cpus``'s pinning, which names one host's cores (the pool's pod template
-    ``spec`` has no ``cpus`` nor ``thread_cpus``)."""
+    ``spec`` has no ``cpus``, ``thread_cpus`` nor ``process_cpus``)."""
     k8s = pools.kubernetes
     role: Role = "kv_consumer" if component == "decode" else "kv_producer"
     command = vllm_command(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import signal
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from lmcache_pd.affinity import parse_cpus
 
 START_TIMEOUT_S = 240.0
 # Engine arguments that suit the project's tiny model: fp32 so that greedy output is bit-identical
@@ -46,12 +49,15 @@ WARM_UP_BATCHES = (1, 2)
 WARM_UP_TIMEOUT_S = 180.0
 
 
-def _die_with_parent() -> None:
+def _prepare_child(cpus: frozenset[int] | None) -> None:
     """In the child before exec: SIGTERM it when its parent dies, so that a launcher or test
     killed without a chance to clean up leaves no vLLM behind (vLLM then stops its own
-    children). Linux only; elsewhere the parent's own stop() is the only guard."""
+    children); and, with ``cpus``, keep it and every process it starts on those CPUs. Linux
+    only; elsewhere the parent's own stop() is the only guard and processes run anywhere."""
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
 
 
 def wait_until_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
@@ -148,15 +154,20 @@ class VLLMServer:
         wait: bool = True,
         host: str = "127.0.0.1",
         wrap: Sequence[str] = (),
+        process_cpus: str | None = None,
     ) -> None:
         """Start the server; with ``wait`` (else call ``wait_until_healthy``, e.g. after starting
         a second one so that both start at once) block until it answers /health.
 
         ``cpu`` pins vLLM's CPU threads (``VLLM_CPU_OMP_THREADS_BIND``: a core, or a list like
-        "2-3"); None leaves vLLM's own choice. ``engine_args`` come first, then ``extra_args``.
-        ``log_stats`` keeps vLLM's Prometheus metrics. ``wrap`` runs it inside another command
-        (``ip netns exec NS``: then ``url`` is reachable only from that namespace, so call
-        ``wait_until_healthy`` and every request from there, e.g. with ``netns.Side.call``)."""
+        "2-3"); None leaves vLLM's own choice. ``process_cpus`` (a CPU list) keeps every process
+        of the server there, its API server and engine core too, which otherwise run anywhere;
+        vLLM binds its workers' threads to ``cpu`` within it. ``engine_args`` come first, then
+        ``extra_args``. ``log_stats`` keeps vLLM's Prometheus metrics. ``wrap`` runs it inside
+        another command (``ip netns exec NS``: then ``url`` is reachable only from that
+        namespace, so call ``wait_until_healthy`` and every request from there, e.g. with
+        ``netns.Side.call``)."""
+        cpus = None if process_cpus is None else frozenset(parse_cpus(process_cpus, "process_cpus"))
         command = [
             *wrap,
             *vllm_command(
@@ -182,7 +193,7 @@ class VLLMServer:
             # cores an instance's autogroup was seen frozen 20-30 s, vLLM's API server and our
             # consumer services with it, while TP-2 workers spun beside it.
             process_group=0,
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(_prepare_child, cpus),
             env={**os.environ, **server_env(cpu=cpu, env=env)},
         )
         if wait:

@@ -132,6 +132,7 @@ def start_instance(
         log_path,
         kv_transfer_config=connector_config(role, str(config_path)),
         cpu=spec.cpus,
+        process_cpus=spec.process_cpus,
         env=instance_env(pools, spec),
         engine_args=pools.engine_args,
         extra_args=instance_args(pools, spec),

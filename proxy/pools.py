@@ -38,6 +38,10 @@ class InstanceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Cores for lmcache-pd's own threads in it (its transfer config's ``thread_cpus``), e.g. a
     # core outside ``cpus``: on a host without spare cores, decode's rather than prefill's.
     thread_cpus: Annotated[str, msgspec.Meta(pattern=f"^{CPU_LIST.pattern}$")] | None = None
+    # Cores for every process of it (None: any), its API server and engine core too: vLLM's
+    # engine core spins between steps, and on a host without spare cores, left anywhere, it
+    # takes time from the other instance's inference (``cpus``, within these, stays vLLM's).
+    process_cpus: Annotated[str, msgspec.Meta(pattern=f"^{CPU_LIST.pattern}$")] | None = None
     port: int | None = None
     env: dict[str, str] = msgspec.field(default_factory=dict)
     # Arguments for this instance only, after the pool-wide ``vllm_args``.

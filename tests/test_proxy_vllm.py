@@ -76,7 +76,7 @@ class Served:
             "model": str(model),
             "proxy": {"host": "127.0.0.1", "port": self.port},
             "vllm_args": SERVER_ARGS,
-            "prefill": [{"config": "configs/producer.yaml", "cpus": "0"}],
+            "prefill": [{"config": "configs/producer.yaml", "cpus": "0", "process_cpus": "0"}],
             "decode": [{"config": "configs/consumer.yaml", "cpus": "1"}],
         }
         path = workdir / "pools.yaml"
@@ -470,6 +470,28 @@ def test_vllm_benchmark_client_runs_against_the_proxy(served: Served, tmp_path: 
     result = json.loads((tmp_path / result_file).read_text())
     assert (result["completed"], result["failed"]) == (4, 0)
     assert result["total_output_tokens"] == 4 * 8
+
+
+def test_process_cpus_keep_every_process_of_an_instance_there(served: Served) -> None:
+    """prefill-0 has ``process_cpus: "0"``: its API server, engine core and worker run on core
+    0 alone; decode-0 has none (control): its API server and engine core run anywhere."""
+    config = served.proxy_config()
+    every_cpu = os.sched_getaffinity(0)
+    assert len(every_cpu) >= 2  # else the control tells nothing
+    for role, wanted in (("prefill", {0}), ("decode", every_cpu)):
+        port = config[role][0]["url"].rsplit(":", 1)[1]
+        server = next(
+            pid
+            for pid in _descendants(served.process.pid)
+            if f"\0--port\0{port}\0" in Path(f"/proc/{pid}/cmdline").read_text()
+        )
+        processes = [server, *_descendants(server)]
+        assert len(processes) >= 3, processes  # API server, engine core, worker
+        placed = {pid: os.sched_getaffinity(pid) for pid in processes}
+        if role == "decode":
+            assert placed[server] == wanted, placed
+        else:
+            assert all(cpus == wanted for cpus in placed.values()), placed
 
 
 def test_sigterm_stops_every_process_and_frees_every_port(served: Served) -> None:
