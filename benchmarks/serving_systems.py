@@ -61,12 +61,14 @@ class LmcachePD:
     consumer_env: ClassVar[dict[str, str]] = {}
     # Where our own threads (senders, the consumer's service) run: as configs/pools.yaml, on
     # decode's core, so that a push does not take prefill's core from the next prefill (None:
-    # wherever the kernel puts them). The proxy runs anywhere: on decode's core it made no
-    # difference beyond the runs' spread.
+    # wherever the kernel puts them).
     our_cpus: ClassVar[str | None] = DECODE_CPUS
     # Every process of an instance on its core, as configs/pools.yaml: vLLM's engine core spins
     # between steps, and left anywhere decode's takes prefill's core from its next prompt.
     processes_on_own_cpus: ClassVar[bool] = True
+    # The proxy on decode's core too, as configs/pools.yaml: on prefill's, or anywhere, it
+    # takes time from the prompt whose first token it waits for.
+    proxy_cpus: ClassVar[str | None] = DECODE_CPUS
 
     def __init__(self, model: Path, workdir: Path, vllm_args: list[str]) -> None:
         self.workdir = workdir
@@ -91,7 +93,7 @@ class LmcachePD:
                     env=self.consumer_env,
                 )
             ],
-            proxy=ProxySpec(port=port),
+            proxy=ProxySpec(port=port, cpus=self.proxy_cpus),
             vllm_args=vllm_args,
             trace=True,
         )
