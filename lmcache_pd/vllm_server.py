@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from lmcache_pd.affinity import parse_cpus
+from lmcache_pd.errors import ConfigError
 
 START_TIMEOUT_S = 240.0
 # Engine arguments that suit the project's tiny model: fp32 so that greedy output is bit-identical
@@ -58,6 +59,19 @@ def _prepare_child(cpus: frozenset[int] | None) -> None:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if cpus is not None:
             os.sched_setaffinity(0, cpus)
+
+
+def _usable_cpus(text: str) -> frozenset[int]:
+    """``process_cpus`` as a set, checked here: a CPU this process may not use would otherwise
+    fail the child before exec with nothing but "Exception occurred in preexec_fn"."""
+    cpus = frozenset(parse_cpus(text, "process_cpus"))
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else cpus
+    if not cpus <= usable:
+        raise ConfigError(
+            f"process_cpus {text!r}: CPUs {sorted(cpus - usable)} are not among the ones this "
+            f"host lets it use ({sorted(usable)})"
+        )
+    return cpus
 
 
 def wait_until_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
@@ -167,7 +181,7 @@ class VLLMServer:
         another command (``ip netns exec NS``: then ``url`` is reachable only from that
         namespace, so call ``wait_until_healthy`` and every request from there, e.g. with
         ``netns.Side.call``)."""
-        cpus = None if process_cpus is None else frozenset(parse_cpus(process_cpus, "process_cpus"))
+        cpus = None if process_cpus is None else _usable_cpus(process_cpus)
         command = [
             *wrap,
             *vllm_command(

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
 
 from lmcache_pd.affinity import parse_cpus, unpin_this_thread
 from lmcache_pd.config import load_config
 from lmcache_pd.errors import ConfigError
+from lmcache_pd.vllm_server import VLLMServer
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux-only"
@@ -68,3 +70,20 @@ def test_one_cpu_written_bare_in_yaml_is_a_cpu_list(tmp_path, written: str) -> N
     assert from_env.thread_cpus == "0"
     with pytest.raises(ConfigError, match="thread_cpus"):  # control: a list still is checked
         load_config(path, environ={"LMCACHE_PD_THREAD_CPUS": "1,,2"})
+
+
+def test_process_cpus_the_host_lacks_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    """A CPU outside this process's affinity fails at once with the setting named; a CPU it
+    has (control) gets past the check, to the server's start (here: a command that exits)."""
+    missing = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(ConfigError, match=rf"process_cpus '{missing}'.*\[{missing}\]"):
+        VLLMServer(Path("no-model"), 1, tmp_path / "a.log", process_cpus=str(missing))
+    assert not (tmp_path / "a.log").exists()
+    with pytest.raises(RuntimeError, match="exited"):
+        VLLMServer(
+            Path("no-model"),
+            1,
+            tmp_path / "b.log",
+            process_cpus=str(min(os.sched_getaffinity(0))),
+            wrap=["true"],
+        )
