@@ -42,6 +42,7 @@ PROXY_START_TIMEOUT_S = 30.0
 SYSTEMS = (
     "lmcache-pd",
     "lmcache-pd-nocache",
+    "lmcache-pd-async-loads",
     "lmcache-pd-anycore",
     "lmcache-pd-processes-anywhere",
     "colocated",
@@ -164,6 +165,14 @@ class LmcachePDNoCache(LmcachePD):
     consumer_env: ClassVar[dict[str, str]] = {"LMCACHE_PD_CACHE_SHARE": "0"}
 
 
+class LmcachePDAsyncLoads(LmcachePD):
+    """lmcache-pd with every load asynchronous (``sync_loads: false``): the same run's control
+    for what loading landed KV before the request's first step buys or costs."""
+
+    name = "lmcache-pd-async-loads"
+    consumer_env: ClassVar[dict[str, str]] = {"LMCACHE_PD_SYNC_LOADS": "false"}
+
+
 class LmcachePDAnyCore(LmcachePD):
     """lmcache-pd with our threads where the kernel puts them: the same run's control for what
     keeping them off prefill's core buys or costs."""
@@ -264,6 +273,7 @@ def make_system(name: str, model: Path, workdir: Path, vllm_args: list[str]):
     kinds = {
         "lmcache-pd": LmcachePD,
         "lmcache-pd-nocache": LmcachePDNoCache,
+        "lmcache-pd-async-loads": LmcachePDAsyncLoads,
         "lmcache-pd-anycore": LmcachePDAnyCore,
         "lmcache-pd-processes-anywhere": LmcachePDProcessesAnywhere,
         "colocated": Colocated,

@@ -398,6 +398,15 @@ class ChunkStore:
             self._allocator.free(page)
             self._forget(page)
 
+    def unclaimed_landed(self) -> dict[str, int]:
+        """Per request no decode has claimed yet, how many of the chunks it holds have landed:
+        once that is all of its prompt's, its decode can load it before its first step."""
+        return {
+            req_id: sum(self._allocator.state(page) is PageState.LIVE for page in hold.pages)
+            for req_id, hold in self._holds.items()
+            if req_id not in self._claimed
+        }
+
     def landed(self, key: bytes, holder: str | None = None) -> LandedChunk | None:
         """The chunk with ``key`` if a write of it was confirmed, else None. With ``holder``,
         only a page that request holds: a load must read bytes whose page cannot be freed and

@@ -74,6 +74,10 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     # already (larger pushes ask first and skip those). 0: every push asks first.
     reserved_pages: Annotated[int, msgspec.Meta(ge=0, le=protocol.MAX_RESERVED_PAGES)] = 1
     load_timeout_s: Seconds = protocol.LOAD_TIMEOUT_S
+    # Consumer: load a request whose KV has landed on every rank before the step that computes
+    # its last token (vLLM's synchronous load), not in a step of its own first: its second token
+    # comes a step sooner. False: every load asynchronous.
+    sync_loads: bool = True
     integrity_checksums: bool = True
     # Where a vLLM worker's connector appends one JSON line per push or load (None: nowhere).
     trace_path: str | None = None

@@ -236,6 +236,11 @@ class Consumer:
         with self._lock:
             return self._store.held_requests
 
+    def unclaimed_landed(self) -> dict[str, int]:
+        """Chunks landed per request no decode has claimed yet (``ChunkStore.unclaimed_landed``)."""
+        with self._lock:
+            return self._store.unclaimed_landed()
+
     def lookup(self, tokens: Sequence[int] | np.ndarray) -> int:
         """How many leading tokens of ``tokens`` have landed here, whole chunks at a time."""
         keys = self.keyer.chunk_keys(tokens)

@@ -11,9 +11,13 @@ GPU memory, opened by CUDA IPC: ``cuda_ipc.py``): the service registers it with 
 chunks in it; the worker scatters from it, and reads only pages its request holds (they keep
 their bytes until it releases them). Control is msgpack over a socketpair: ``claim`` and
 ``release`` are one-way, and the worker's one question per engine step, ``Progress``, asks how
-far every pending load got and gets the consumer's counters with the answer. The worker waits
+far every pending load got and gets the consumer's counters with the answer, and how many chunks
+have landed for each request no decode has claimed yet (which vLLM's scheduler uses to load a
+request's KV before its first step rather than during a step of its own). The worker waits
 for that answer only briefly (``REPLY_WAIT_S``) and otherwise reads it at its next step, so a
-service that is slow to be scheduled delays loads by a step, never vLLM's model thread.
+service that is slow to be scheduled delays loads by a step, never vLLM's model thread. The one
+question the worker waits for is ``LoadNow``, for a request whose KV had all landed when vLLM
+scheduled it: it is loaded before the step's forward pass, and the wait has a deadline.
 
 The service exits when its worker does: on end of file from the socketpair, or when its parent
 process changes (checked every ``PARENT_CHECK_S``).
@@ -27,6 +31,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import TypeVar
@@ -92,11 +97,19 @@ class Progress(msgspec.Struct, frozen=True, tag=True, array_like=True):
     loads: list[LoadQuery]
 
 
+class LoadNow(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Claim ``req_id`` (as ``Claim``) and say where ``keys`` landed, at once."""
+
+    req_id: str
+    not_needed: list[bytes]
+    keys: list[bytes]
+
+
 class Stop(msgspec.Struct, frozen=True, tag=True, array_like=True):
     pass
 
 
-Command = Claim | Release | Progress | Stop
+Command = Claim | Release | Progress | LoadNow | Stop
 
 
 class LoadState(msgspec.Struct, frozen=True, array_like=True):
@@ -108,9 +121,18 @@ class LoadState(msgspec.Struct, frozen=True, array_like=True):
     landed: list[LandedChunk]
 
 
-class ProgressReply(msgspec.Struct, frozen=True, array_like=True):
+class ProgressReply(msgspec.Struct, frozen=True, tag=True, array_like=True):
     loads: list[LoadState]
     stats: dict[str, int]
+    # Chunks landed per request no decode has claimed yet.
+    unclaimed: dict[str, int]
+
+
+class LoadNowReply(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    state: LoadState
+
+
+Answer = ProgressReply | LoadNowReply
 
 
 class ConsumerServiceDown(PDError):
@@ -131,8 +153,13 @@ class ConsumerService:
         a GPU to hold the receive buffer (``buffer_device: cuda``; shared with the process by
         CUDA IPC), else it is a memfd both map."""
         self.page_bytes = config.page_bytes
+        # Loads may be synchronous: every step waits briefly for its answer, so that the
+        # scheduler hears of landed KV a step sooner (see ``progress``).
+        self._fresh_news = config.sync_loads
         self.stats: dict[str, int] = {}
         self._awaiting = False
+        # The answer to the last progress question, read while waiting for a LoadNowReply.
+        self._answered: ProgressReply | None = None
         self._down: str | None = None
         size = receive_buffer_bytes(config)
         memory = os.memfd_create("lmcache-pd-receive-buffer", os.MFD_CLOEXEC)
@@ -177,16 +204,42 @@ class ConsumerService:
 
     def progress(self, loads: Sequence[LoadQuery]) -> ProgressReply | None:
         """The answer to the last progress question, asking ``loads`` if none is out; None if
-        it has not come yet (ask again next step). Raises ``ConsumerServiceDown``."""
-        if not self._awaiting:
-            self._send(Progress(list(loads)))
-            self._awaiting = True
-        if self._down is None and not self._connection.poll(REPLY_WAIT_S if loads else 0):
-            return None
-        reply = self._receive(0, ProgressReply, "progress")
-        self._awaiting = False
-        self.stats = reply.stats
+        it has not come yet (ask again next step). It is waited for briefly (``REPLY_WAIT_S``)
+        while loads are pending or while loads may be synchronous (the scheduler then hears
+        within a step that a request's KV landed), else only read if there. Raises
+        ``ConsumerServiceDown``."""
+        if self._answered is None:
+            if not self._awaiting:
+                self._send(Progress(list(loads)))
+                self._awaiting = True
+            wait_s = REPLY_WAIT_S if loads or self._fresh_news else 0.0
+            while self._answered is None and self._answer_ready(wait_s):
+                self._take(self._receive(0, Answer, "progress"))
+        reply, self._answered = self._answered, None
         return reply
+
+    def load_now(
+        self, req_id: str, not_needed: frozenset[bytes], keys: list[bytes], timeout_s: float
+    ) -> LoadState:
+        """Claim ``req_id`` and say where ``keys`` landed, within ``timeout_s``. Raises
+        ``PeerTimeout`` past it (a late answer is dropped then) or ``ConsumerServiceDown``."""
+        self._send(LoadNow(req_id, sorted(not_needed), keys))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            answer = self._receive(max(0.0, deadline - time.monotonic()), Answer, "load now")
+            if isinstance(answer, LoadNowReply) and answer.state.req_id == req_id:
+                return answer.state
+            self._take(answer)
+
+    def _answer_ready(self, wait_s: float) -> bool:
+        return self._down is not None or self._connection.poll(wait_s)
+
+    def _take(self, answer: Answer) -> None:
+        """Keep a progress answer for ``progress``; a LoadNow answer that comes after its wait
+        ended is dropped (that load failed by then)."""
+        if isinstance(answer, ProgressReply):
+            self._answered, self._awaiting = answer, False
+            self.stats = answer.stats
 
     def chunk(self, landed: LandedChunk) -> torch.Tensor:
         """A landed chunk's bytes, unchecked: the worker checks them in the pass that scatters
@@ -228,7 +281,7 @@ class ConsumerService:
             except (EOFError, OSError) as exc:
                 self._went_down(f"its connection ended ({exc or 'end of file'})")
             except msgspec.DecodeError as exc:  # a bug of ours: the channel cannot be trusted
-                self._went_down(f"it answered what is not a {kind.__name__}: {exc}")
+                self._went_down(f"its answer to {what} is not one: {exc}")
         raise ConsumerServiceDown(f"consumer service {self.pid} is down: {self._down}")
 
     def _went_down(self, why: str) -> None:
@@ -280,14 +333,20 @@ def _serve(memory: int, connection: Connection) -> None:
 
 
 def _answer(consumer: Consumer, connection: Connection, command: Command) -> None:
-    """Carry out one command; a progress question is answered even if carrying it out failed
-    (with no loads), since the worker asks no other until it is."""
+    """Carry out one command; a question is answered even if carrying it out failed (with no
+    loads, or the load let go), since the worker waits for the answer."""
     loads: list[LoadState] = []
     try:
         if isinstance(command, Claim):
             consumer.claim(command.req_id, frozenset(command.not_needed))
         elif isinstance(command, Release):
             consumer.release(command.req_id)
+        elif isinstance(command, LoadNow):
+            dropped = consumer.claim(command.req_id, frozenset(command.not_needed))
+            landed: list[LandedChunk] = []
+            if dropped is None:
+                dropped, landed = consumer.load_progress(command.req_id, command.keys)
+            loads.append(LoadState(command.req_id, 0, dropped, landed))
         else:
             for query in command.loads:
                 dropped, landed = consumer.load_progress(query.req_id, query.keys)
@@ -297,8 +356,11 @@ def _answer(consumer: Consumer, connection: Connection, command: Command) -> Non
         logger.exception("consumer service: %s failed, serving on", type(command).__name__)
         loads = []
     if isinstance(command, Progress):
-        reply = ProgressReply(loads, consumer.stats_snapshot())
+        reply = ProgressReply(loads, consumer.stats_snapshot(), consumer.unclaimed_landed())
         connection.send_bytes(msgspec.msgpack.encode(reply))
+    elif isinstance(command, LoadNow):
+        state = loads[0] if loads else LoadState(command.req_id, 0, "internal error", [])
+        connection.send_bytes(msgspec.msgpack.encode(LoadNowReply(state)))
 
 
 if __name__ == "__main__":

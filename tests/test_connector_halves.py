@@ -16,7 +16,12 @@ import zmq
 
 from lmcache_pd.config import load_config
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
-from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata, SaveRequest
+from lmcache_pd.connector.metadata import (
+    LandedChunks,
+    LoadRequest,
+    PDConnectorMetadata,
+    SaveRequest,
+)
 from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler
 from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.connector.worker import ProducerWorker
@@ -573,3 +578,96 @@ def test_a_consumer_process_that_dies_fails_the_pending_loads_at_once(workers: W
     assert time.monotonic() - started < 1.0  # the load deadline is 2 s
     totals = workers.consumer_stats.totals()
     assert (totals["loads_abandoned"], totals["consumer_process_down"]) == (2, 1)
+
+
+def landed(by_rank: dict[int, dict[str, int]]) -> SimpleNamespace:
+    """A stand-in KVConnectorOutput carrying the workers' report of landed chunks."""
+    return SimpleNamespace(kv_connector_worker_meta=LandedChunks(by_rank))
+
+
+@pytest.mark.parametrize("sync_loads", [True, False])
+def test_the_scheduler_loads_synchronously_only_kv_landed_on_every_rank(sync_loads: bool) -> None:
+    """A request is loaded before its first step only once both ranks reported all of its
+    prompt's chunks landed (200 tokens of KV: 4 chunks of 64); before that, or with
+    ``sync_loads`` off (the control), its load is asynchronous."""
+    scheduler = ConsumerScheduler(chunk_size=CHUNK, ranks=2, sync_loads=sync_loads)
+    req = request("c", list(range(201)), {"disagg_spec": SPEC})
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)  # nothing heard yet
+    scheduler.update_connector_output(landed({0: {"d-1": 4}, 1: {"d-1": 3}}))
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)  # rank 1 lacks one
+    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None))
+    scheduler.update_connector_output(landed({1: {"d-1": 4, "other": 1}}))
+    assert scheduler.get_num_new_matched_tokens(req, 64) == (136, not sync_loads)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([3, 1, 4, 1],))
+    scheduler.update_state_after_alloc(req, blocks, 136)
+    [load] = scheduler.build_connector_meta(step()).loads
+    assert (load.start, load.sync) == (64, sync_loads)
+
+
+def wait_landed(workers: Workers, chunks: int) -> None:
+    """Until the consumer's worker has heard that ``chunks`` landed for d-1, unclaimed."""
+
+    def heard() -> bool:
+        workers.consumer.finished_loads()
+        report = workers.consumer.progress()
+        return report is not None and report.by_rank == {0: {"d-1": chunks}}
+
+    wait_for(heard, what="landed chunks reported")
+
+
+@pytest.mark.parametrize("corrupted", [False, True])
+def test_a_synchronous_load_is_done_before_the_forward_pass(
+    workers: Workers, corrupted: bool
+) -> None:
+    """Its KV landed, the request is loaded within ``start_load_kv`` and never reported at a
+    later step; a chunk that fails its checksum there reports the load's blocks invalid
+    instead (vLLM recomputes them and drops what the step computed from them)."""
+    prompt = list(range(5000, 5150))
+    src_blocks, dst_blocks = [7, 3, 12, 20, 5], [1, 30, 2, 9, 11]
+    workers.producer.wait_for_save(save("p", workers.spec, prompt, src_blocks, 150))
+    wait_landed(workers, 3)
+    if corrupted:
+        service = workers.consumer._service
+        service.buffer[: -PROBE_AREA_BYTES : service.page_bytes] ^= 1
+    sync = LoadRequest("c", "d-1", prompt, dst_blocks, BLOCK, sync=True)
+    workers.consumer.start_load_kv(PDConnectorMetadata(loads=[sync]))
+    assert workers.consumer.load_errors() == (set(dst_blocks[1:]) if corrupted else set())
+    if not corrupted:
+        for name in workers.source:
+            assert torch.equal(
+                workers.source[name][src_blocks[1:]], workers.target[name][dst_blocks[1:]]
+            )
+    assert workers.consumer.finished_loads() == (set(), set())
+    totals = workers.consumer_stats.totals()
+    assert totals["loads_sync"] == 1
+    assert totals.get("sync_load_failures", 0) == int(corrupted)
+    assert totals.get("tokens_loaded", 0) == (0 if corrupted else 150 - BLOCK)
+    wait_for(lambda: workers.consumer_used_pages() == 0, what="pages back")
+
+
+def test_a_synchronous_load_whose_kv_is_gone_or_unanswered_fails_within_its_bound(
+    workers: Workers,
+) -> None:
+    """KV that is not there (never pushed) and a consumer process that does not answer (stopped)
+    each fail the load at once with its blocks reported invalid; once the process answers again,
+    its late answer confuses nothing: the next load completes."""
+    prompt = list(range(6000, 6150))
+    workers.consumer.start_load_kv(
+        PDConnectorMetadata(loads=[LoadRequest("c", "d-1", prompt, [1, 2, 3, 4, 5], 0, True)])
+    )
+    assert workers.consumer.load_errors() == {1, 2, 3, 4, 5}
+    os.kill(workers.consumer._service.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        workers.consumer.start_load_kv(
+            PDConnectorMetadata(loads=[LoadRequest("c2", "d-2", prompt, [6, 7, 8, 9, 10], 0, True)])
+        )
+        assert time.monotonic() - started < 0.5
+        assert workers.consumer.load_errors() == {6, 7, 8, 9, 10}
+    finally:
+        os.kill(workers.consumer._service.pid, signal.SIGCONT)
+    assert workers.consumer_stats.totals()["sync_load_failures"] == 2
+    spec = msgspec.structs.replace(workers.spec, req_id="d-3")
+    workers.producer.wait_for_save(save("p3", spec, prompt, [7, 3, 12, 20, 5], 150))
+    workers.consumer.start_load_kv(load("c3", "d-3", prompt, [11, 12, 13, 14, 15]))
+    assert finish(workers.consumer) == ({"c3"}, set())

@@ -8,7 +8,9 @@ counters, so a run that silently recomputed instead of loading fails.
 
 from __future__ import annotations
 
+import contextlib
 import random
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -76,8 +78,11 @@ PROMPTS |= {f"chat-{turn}": tokens for turn, tokens in enumerate(CHAT, 1)}
 # computed from its own prefix cache and never reach the checks under test.
 PROMPTS |= {
     f"rogue-{kind}": prompt(1000, seed)
-    for kind, seed in (("bad-sum", 31), ("bad-kv", 32), ("dies", 33))
+    for kind, seed in (("bad-sum", 31), ("bad-kv", 32), ("dies", 33), ("sync-bad-sum", 34))
 }
+# Served while decode is busy with another request, so that it steps (and hears that the KV
+# landed) between prefill's answer and its own request.
+PROMPTS["while-busy"] = prompt(900, 35)
 
 
 def body(model: Path, tokens: list[int], max_tokens: int, params: dict | None = None) -> dict:
@@ -205,13 +210,17 @@ class PDPair:
         """vLLM's own record of where decode's prompt tokens came from."""
         return defaultdict(float, prompt_tokens_by_source(self.consumer.url))
 
-    def disaggregated(self, name: str, tokens: list[int]) -> tuple[list[str], list[float]]:
-        """Prefill on the producer (one token), then decode on the consumer, as the proxy will."""
+    def disaggregated(
+        self, name: str, tokens: list[int], pause_s: float = 0.0
+    ) -> tuple[list[str], list[float]]:
+        """Prefill on the producer (one token), then decode on the consumer, as the proxy will
+        (``pause_s`` after prefill's answer)."""
         spec = self.spec(f"{name}-{time.monotonic_ns()}")
         first = self.producer.complete(
             body(self.model, tokens, 1, {"ret_first_tok": True, "disagg_spec": spec})
         )
         first_tok = first["kv_transfer_params"]["first_tok"]
+        time.sleep(pause_s)
         rest = self.consumer.complete(
             body(self.model, [*tokens, first_tok], OUTPUT_TOKENS - 1, {"disagg_spec": spec})
         )
@@ -501,6 +510,81 @@ def decode_after_rogue_push(pair: PDPair, name: str) -> tuple[list, list]:
     req_id, first = prefill_pushing_nowhere(pair, name)
     RogueProducer(pair).push(req_id, tokens)
     return decode_rest(pair, tokens, first, req_id)
+
+
+@contextlib.contextmanager
+def decode_busy(pair: PDPair) -> Iterator[None]:
+    """Decode streams a long answer of its own meanwhile, so that its engine steps; the stream
+    is closed at the end (vLLM then aborts that request)."""
+    request = {
+        "model": str(pair.model),
+        "prompt": prompt(20, 36),
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    stop, ended_early = threading.Event(), threading.Event()
+
+    def generate() -> None:
+        url = f"{pair.consumer.url}/v1/completions"
+        with httpx.stream("POST", url, json=request, timeout=120.0) as response:
+            for _ in response.iter_lines():
+                if stop.is_set():
+                    return
+        ended_early.set()
+
+    with ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(generate)
+        time.sleep(0.5)  # its prompt is computed: decode is stepping
+        try:
+            yield
+        finally:
+            stop.set()
+            busy.result(timeout=30)
+    assert not ended_early.is_set(), "decode's own request ended before the test did"
+
+
+def test_kv_landed_before_decode_steps_to_its_request_is_loaded_before_that_step(
+    pair: PDPair, reference: dict
+) -> None:
+    """Decode, busy, hears that the request's KV landed before the request reaches it: it is
+    loaded synchronously (before the step that computes its last token, not in a step of its
+    own), and the answer is still the reference's."""
+    before, sources = pair.stats(), pair.tokens_by_source()
+    with decode_busy(pair):
+        got = pair.disaggregated("while-busy", PROMPTS["while-busy"], pause_s=0.2)
+    assert_close_answer(got, reference["while-busy"])  # batched with the busy request
+    after = pair.stats()
+    assert after["loads_sync"] - before["loads_sync"] == 1
+    assert after["sync_load_failures"] == before["sync_load_failures"]
+    assert after["tokens_loaded"] - before["tokens_loaded"] == len(PROMPTS["while-busy"])
+    tokens = moved(sources, pair.tokens_by_source())
+    assert tokens["external_kv_transfer"] == len(PROMPTS["while-busy"])
+
+
+def test_a_corrupted_chunk_loaded_before_the_step_is_caught_and_recomputed(
+    pair: PDPair, reference: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The synchronous load's failure path: a chunk whose checksum does not match is found in
+    the pass that scatters it, its blocks are reported invalid, vLLM drops what the step
+    computed from them and recomputes the prompt; the answer is still the reference's."""
+    import lmcache_pd.producer
+
+    real = lmcache_pd.producer.checksum
+    monkeypatch.setattr(lmcache_pd.producer, "checksum", lambda data: real(data) ^ 1)
+    name = "rogue-sync-bad-sum"
+    before = pair.stats()
+    with decode_busy(pair):
+        req_id, first = prefill_pushing_nowhere(pair, name)
+        RogueProducer(pair).push(req_id, PROMPTS[name])
+        time.sleep(0.2)
+        got = decode_rest(pair, PROMPTS[name], first, req_id)
+    assert_close_answer(got, reference[name])
+    after = pair.stats()
+    assert after["loads_sync"] - before["loads_sync"] == 1
+    assert after["sync_load_failures"] - before["sync_load_failures"] == 1
+    assert after["integrity_failures"] - before["integrity_failures"] == 1
+    assert after["tokens_loaded"] == before["tokens_loaded"]
 
 
 def test_chunk_corrupted_in_flight_is_caught_and_the_prompt_recomputed(

@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import CONFIG_PATH_ENV, PDConfig, load_config
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
-from lmcache_pd.connector.metadata import PDConnectorMetadata, PushProgress
+from lmcache_pd.connector.metadata import LandedChunks, PDConnectorMetadata, PushProgress
 from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler, SchedulerHalf
 from lmcache_pd.connector.stats import PDConnectorStats, PDPromMetrics, StatsRecorder
 from lmcache_pd.connector.worker import CacheFacts, ProducerWorker, WorkerHalf
@@ -164,7 +164,14 @@ class LMCachePDConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._stats = StatsRecorder("scheduler")
             self._scheduler = (
-                ProducerScheduler() if producer else ConsumerScheduler(self._stats.add)
+                ProducerScheduler()
+                if producer
+                else ConsumerScheduler(
+                    self._stats.add,
+                    chunk_size=self._config.chunk_size,
+                    ranks=vllm_config.parallel_config.world_size,
+                    sync_loads=self._config.sync_loads,
+                )
             )
         else:
             from vllm.distributed.parallel_state import get_world_group
@@ -188,11 +195,18 @@ class LMCachePDConnector(KVConnectorBase_V1):
         self._worker = half(self._config, keyer, kv_caches, self._stats, profile, self._rank, facts)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Consumer: queue this step's loads; they complete as their chunks land."""
+        """Consumer: do this step's synchronous loads (their KV has landed) and queue the
+        others; they complete as their chunks land."""
         self._worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are whole-request and asynchronous; nothing waits per layer."""
+        """Loads are whole-request, done in ``start_load_kv`` or asynchronously; nothing
+        waits per layer."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Consumer: blocks of this step's synchronous loads that failed; vLLM recomputes
+        them (and drops what this step computed from them)."""
+        return self._worker.load_errors()
 
     def save_kv_layer(
         self,
@@ -258,7 +272,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
         """Producer: pushes still running; vLLM keeps stepping (their counters flush)."""
         return self._scheduler.has_pending_push_work()
 
-    def build_connector_worker_meta(self) -> PushProgress | None:
+    def build_connector_worker_meta(self) -> PushProgress | LandedChunks | None:
         return self._worker.progress()
 
     # ---- metrics (API-server process) ----

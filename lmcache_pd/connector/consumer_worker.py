@@ -7,6 +7,13 @@ chunks have all landed in the buffer both processes map is scattered into its bl
 as received; one whose KV was abandoned, not complete by its deadline, or with a chunk that fails
 its checksum, is reported as failed and vLLM recomputes the prompt.
 
+A load vLLM scheduled synchronously (its chunks had all landed on every rank, as this half told
+the scheduler through ``LandedChunks``) is done in ``start_load_kv``, before the step's forward
+pass computes the request's last token, saving the step an asynchronous load costs. Its one
+round trip has a deadline (``SYNC_LOAD_WAIT_S``); if it fails all the same, its blocks are
+reported invalid (``load_errors``) and vLLM recomputes them
+(``kv_load_failure_policy: recompute``), discarding what the step computed from them.
+
 A chunk's checksum is checked in the pass that scatters it (``CpuKVCache.scatter(hashed=True)``),
 so its bytes are read once; a chunk that fails it has already been written into the request's
 blocks by then. That is safe because the load is reported failed: vLLM's scheduler then counts
@@ -28,7 +35,7 @@ import torch
 from lmcache_pd.chunk_store import LandedChunk
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig, replace
-from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata
+from lmcache_pd.connector.metadata import LandedChunks, LoadRequest, PDConnectorMetadata
 from lmcache_pd.connector.paged_kv import COPIED, Copy
 from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.connector.worker import (
@@ -45,13 +52,17 @@ from lmcache_pd.consumer_service import (
     LoadQuery,
     LoadState,
 )
-from lmcache_pd.errors import IntegrityError, TransferError
+from lmcache_pd.errors import IntegrityError, PeerTimeout, TransferError
 from lmcache_pd.integrity import checksum
 from lmcache_pd.keys import ChunkKey, ChunkKeyer
 from lmcache_pd.protocol import DEVICE_COPY_TIMEOUT_S
 from lmcache_pd.trace import TraceFile
 
 logger = logging.getLogger(__name__)
+
+# How long a synchronous load waits for its consumer's process to say where its chunks are (they
+# have landed by then; the answer takes well under a millisecond): the step waits meanwhile.
+SYNC_LOAD_WAIT_S = 0.05
 
 # Counters of ``ConsumerStats`` that reach /metrics as ``lmcache_pd_consumer_<name>_total``.
 CONSUMER_COUNTERS = (
@@ -123,6 +134,9 @@ class ConsumerWorker(WorkerHalf):
         self._aborted: set[str] = set()
         self._consumer_counts: dict[str, int] = {}
         self._service_down = False
+        self._load_errors: set[int] = set()
+        # This step's news for the scheduler: chunks landed per request not claimed yet.
+        self._landed: LandedChunks | None = None
 
     def start_load_kv(self, meta: PDConnectorMetadata) -> None:
         deadline = time.monotonic() + self._config.load_timeout_s
@@ -133,9 +147,13 @@ class ConsumerWorker(WorkerHalf):
             every = self._keyer.chunk_keys(load.prompt)
             keys = [k for k in every if k.end > load.start]
             not_needed = frozenset(k.key for k in every if k.end <= load.start)
+            pending = _PendingLoad(load, keys, deadline, now)
+            if load.sync:
+                self._load_now(pending, not_needed)
+                continue
             # Claimed at once: its pages stay past the claim timeout while it waits.
             self._send(self._service.claim, load.disagg_req_id, not_needed)
-            self._pending.append(_PendingLoad(load, keys, deadline, now))
+            self._pending.append(pending)
         for disagg_req_id in meta.unneeded:
             self._release(disagg_req_id)
             self._stats.add("loads_unneeded")
@@ -145,6 +163,40 @@ class ConsumerWorker(WorkerHalf):
             )
         if meta.finished:
             self._drop_aborted(meta.finished)
+
+    def _load_now(self, pending: _PendingLoad, not_needed: frozenset[bytes]) -> None:
+        """Claim and load a request whose chunks had all landed, before the forward pass; if
+        that fails, its blocks are reported invalid and vLLM recomputes them."""
+        load = pending.load
+        self._stats.add("loads_sync")
+        try:
+            state = self._service.load_now(
+                load.disagg_req_id, not_needed, [k.key for k in pending.keys], SYNC_LOAD_WAIT_S
+            )
+            if state.dropped is None and len(state.landed) < len(pending.keys):
+                # Never expected: the scheduler saw them all landed and held for this request.
+                loaded = self._failed(pending, "missing", None, "its KV is no longer all there")
+            else:
+                loaded = self._try_load(pending, state)
+        except (PeerTimeout, ConsumerServiceDown) as exc:
+            loaded = self._failed(pending, "unanswered", None, f"consumer process: {exc}")
+        except Exception:
+            self._stats.add("thread_errors")
+            loaded = self._failed(pending, "error", None, "loading failed unexpectedly")
+            logger.exception("req %s: synchronous load failed", load.req_id)
+        if not loaded:
+            self._stats.add("sync_load_failures")
+            block_size = self._cache.block_size
+            first, end = load.start // block_size, -(-len(load.prompt) // block_size)
+            self._load_errors.update(load.block_ids[first:end])
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def progress(self) -> LandedChunks | None:
+        landed, self._landed = self._landed, None
+        return landed
 
     def _drop_aborted(self, finished: set[str]) -> None:
         """Requests that ended (client gone) while their KV was awaited: their pages go back now,
@@ -204,7 +256,10 @@ class ConsumerWorker(WorkerHalf):
                 self._stats.add("consumer_process_down")
             down = LoadState("", 0, str(exc), [])
             return {pending.load.disagg_req_id: down for pending in self._pending}
-        return {} if reply is None else {state.req_id: state for state in reply.loads}
+        if reply is None:
+            return {}
+        self._landed = LandedChunks({self._rank: reply.unclaimed})
+        return {state.req_id: state for state in reply.loads}
 
     def _send(self, action: Callable[..., None], *args: object) -> None:
         """A one-way message to the consumer's process. If it is down, the loads concerned
@@ -261,6 +316,7 @@ class ConsumerWorker(WorkerHalf):
                 "outcome": outcome,
                 "tokens": tokens,
                 "rank": self._rank,
+                "sync": pending.load.sync,
             }
         )
 
@@ -310,7 +366,13 @@ class ConsumerWorker(WorkerHalf):
         self._traced(pending, "loaded", tokens)
         self._stats.add("loads_completed")
         self._stats.add("tokens_loaded", tokens)
-        logger.info("req %s: rank %d loaded %d prompt tokens", load.req_id, self._rank, tokens)
+        logger.info(
+            "req %s: rank %d loaded %d prompt tokens%s",
+            load.req_id,
+            self._rank,
+            tokens,
+            " before its first step" if load.sync else "",
+        )
         return True
 
     def _failed(self, pending: _PendingLoad, outcome: str, counter: str | None, why: str) -> bool:

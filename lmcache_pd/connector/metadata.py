@@ -36,13 +36,17 @@ class LoadRequest:
     """Consumer: fill ``block_ids`` with the KV of ``prompt[start:]``, pushed under
     ``disagg_req_id``, then report ``req_id`` as received. ``start`` is where decode's own
     prefix-cache hit ends: a block boundary, not necessarily a chunk boundary (the blocks of
-    the prompt before it are decode's, shared with other requests, and never written)."""
+    the prompt before it are decode's, shared with other requests, and never written).
+    ``sync``: its chunks had all landed on every rank when vLLM scheduled it, so it is loaded
+    before this step's forward pass, which computes its last token (vLLM's synchronous load),
+    instead of in a step of its own."""
 
     req_id: str
     disagg_req_id: str
     prompt: list[int]
     block_ids: list[int]
     start: int
+    sync: bool = False
 
 
 @dataclass
@@ -70,3 +74,16 @@ class PushProgress(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> PushProgress:
         assert isinstance(other, PushProgress)
         return PushProgress(self.outstanding + other.outstanding)
+
+
+@dataclass
+class LandedChunks(KVConnectorWorkerMetadata):
+    """Consumer workers -> scheduler, each step a worker heard from its consumer's process: per
+    rank, how many chunks have landed for each request no decode has claimed yet. A request
+    whose prompt's chunks have all landed on every rank can be loaded synchronously."""
+
+    by_rank: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> LandedChunks:
+        assert isinstance(other, LandedChunks)
+        return LandedChunks(self.by_rank | other.by_rank)

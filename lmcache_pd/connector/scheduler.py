@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lmcache_pd.connector.metadata import (
+    LandedChunks,
     LoadRequest,
     PDConnectorMetadata,
     PushProgress,
@@ -162,11 +163,27 @@ class ProducerScheduler(SchedulerHalf):
 
 class ConsumerScheduler(SchedulerHalf):
     """Announces a disaggregated request's prompt KV, past decode's own prefix-cache hit, as an
-    asynchronous external hit."""
+    external hit: synchronous if its chunks have all landed on every rank already (it is then
+    loaded before the step that computes its last token), else asynchronous (vLLM schedules it
+    once its load is done, a step later at least)."""
 
-    def __init__(self, count: Callable[[str], None] = lambda _: None) -> None:
-        """``count`` takes the name of a counter to bump (``StatsRecorder.add``)."""
+    def __init__(
+        self,
+        count: Callable[[str], None] = lambda _: None,
+        *,
+        chunk_size: int = 256,
+        ranks: int = 1,
+        sync_loads: bool = True,
+    ) -> None:
+        """``count`` takes the name of a counter to bump (``StatsRecorder.add``); ``ranks``:
+        the consumer ranks (vLLM's world size), each of which must have a request's chunks
+        before it is loaded synchronously; ``sync_loads`` False: every load asynchronous."""
         self._count = count
+        self._chunk_size = chunk_size
+        self._ranks = ranks
+        self._sync_loads = sync_loads
+        # Per rank, chunks landed per request not claimed yet, as its worker last heard.
+        self._landed: dict[int, dict[str, int]] = {}
         self._loads: list[LoadRequest] = []
         self._unneeded: set[str] = set()
         # Requests whose KV was loaded once (or failed to load, or was not needed): vLLM asks
@@ -192,7 +209,25 @@ class ConsumerScheduler(SchedulerHalf):
                 )
             return 0, False
         external = len(request.prompt_token_ids or []) - 1 - num_computed
-        return (external, True) if external > 0 else (0, False)
+        if external <= 0:
+            return 0, False
+        return external, not self._all_landed(spec.req_id, len(request.prompt_token_ids or []))
+
+    def _all_landed(self, disagg_req_id: str, prompt_length: int) -> bool:
+        """Whether every rank has every chunk the producer pushes for this prompt (all but its
+        last token, the producer's first output), as of the workers' last reports."""
+        if not self._sync_loads:
+            return False
+        chunks = -(-(prompt_length - 1) // self._chunk_size)
+        return all(
+            self._landed.get(rank, {}).get(disagg_req_id, 0) >= chunks
+            for rank in range(self._ranks)
+        )
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        landed = output.kv_connector_worker_meta
+        if isinstance(landed, LandedChunks):
+            self._landed |= landed.by_rank
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -208,10 +243,11 @@ class ConsumerScheduler(SchedulerHalf):
             return
         prompt = list(request.prompt_token_ids or [])[:-1]
         start = len(prompt) - num_external_tokens
+        # What get_num_new_matched_tokens answered in this same scheduling pass.
+        sync = self._all_landed(spec.req_id, len(prompt) + 1)
+        block_ids = list(blocks.get_block_ids()[0])
         self._loads.append(
-            LoadRequest(
-                request.request_id, spec.req_id, prompt, list(blocks.get_block_ids()[0]), start
-            )
+            LoadRequest(request.request_id, spec.req_id, prompt, block_ids, start, sync)
         )
 
     def build_connector_meta(self, output: SchedulerOutput) -> PDConnectorMetadata:

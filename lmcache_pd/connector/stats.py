@@ -63,6 +63,10 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "pushes_without_rank": "Requests whose DisaggSpec named no consumer rank for this "
         "producer rank (tensor-parallel sizes differ): not pushed by it.",
         "loads_completed": "Requests whose KV the consumer loaded into vLLM's blocks.",
+        "loads_sync": "Loads done before the step that computes the request's last token "
+        "(its KV had landed on every rank when vLLM scheduled it).",
+        "sync_load_failures": "Of those, loads that failed (also in loads_failed): vLLM "
+        "recomputes their blocks.",
         "tokens_loaded": "Prompt tokens loaded from a producer instead of computed.",
         "loads_failed": "Loads reported failed to vLLM, which recomputes the prompt.",
         "loads_aborted": "Loads dropped because vLLM aborted the request.",

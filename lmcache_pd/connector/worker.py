@@ -25,6 +25,7 @@ import torch
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig, replace
 from lmcache_pd.connector.metadata import (
+    LandedChunks,
     PDConnectorMetadata,
     PushProgress,
     SaveRequest,
@@ -113,8 +114,13 @@ class WorkerHalf:
         """(received, failed) request ids since the last step."""
         return set(), set()
 
-    def progress(self) -> PushProgress | None:
-        """What the scheduler half should know of this step (pushes still running)."""
+    def load_errors(self) -> set[int]:
+        """Blocks whose synchronous load failed this step; vLLM recomputes them."""
+        return set()
+
+    def progress(self) -> PushProgress | LandedChunks | None:
+        """What the scheduler half should know of this step (pushes still running, KV landed
+        for requests not yet scheduled)."""
         return None
 
     def close(self) -> None:
