@@ -36,6 +36,7 @@ METRICS = (
     "itl_ms_p50",
     "itl_ms_p90",
     "itl_ms_p99",
+    "first_gap_ms_p50",
     "e2e_ms_p50",
 )
 

@@ -15,12 +15,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 import zmq
 
-from lmcache_pd import protocol
+from lmcache_pd import landed_board, protocol
 from lmcache_pd.affinity import unpin_this_thread
 from lmcache_pd.allocator import PageAllocator
 from lmcache_pd.channel import Channel, NixlChannel
@@ -143,13 +144,15 @@ class Consumer:
         channel: Channel | None = None,
         profile: KVProfile | None = None,
         buffer: torch.Tensor | None = None,
+        board: Path | None = None,
     ) -> None:
         """``profile``: what the vLLM connector knows of its KV format (compared with every
         producer's at handshake); by default only the config's chunk size and page bytes.
         A Consumer is one rank: ports listed per rank are rank 0's unless the caller gives
         ``config.for_rank(rank)`` (the connector does). ``buffer``: where chunks land, of
         ``receive_buffer_bytes(config)`` bytes (memory shared with another process); by default
-        a buffer of its own."""
+        a buffer of its own. ``board``: where to post chunks landed per unclaimed request
+        for decode's scheduler (``landed_board.py``); None: nowhere."""
         if config.kv_role != "kv_consumer":
             raise ConfigError(f"a Consumer needs kv_role kv_consumer, got {config.kv_role}")
         config = config.for_rank(0)
@@ -160,6 +163,9 @@ class Consumer:
             chunk_size=config.chunk_size, page_bytes=config.page_bytes
         )
         self._stack = stack_identity()
+        self._board = board
+        # Chunks landed (or were found held) since the last post: the service thread's alone.
+        self._landed_changed = False
         self._probes = _Probes()
         self._lock = threading.Lock()
         allocator = PageAllocator(
@@ -235,11 +241,6 @@ class Consumer:
     def held_requests(self) -> int:
         with self._lock:
             return self._store.held_requests
-
-    def unclaimed_landed(self) -> dict[str, int]:
-        """Chunks landed per request no decode has claimed yet (``ChunkStore.unclaimed_landed``)."""
-        with self._lock:
-            return self._store.unclaimed_landed()
 
     def lookup(self, tokens: Sequence[int] | np.ndarray) -> int:
         """How many leading tokens of ``tokens`` have landed here, whole chunks at a time."""
@@ -326,6 +327,8 @@ class Consumer:
             )
             return
         self._close_resources()
+        if self._board is not None:
+            landed_board.remove(self._board)
 
     def __enter__(self) -> Consumer:
         return self
@@ -363,8 +366,17 @@ class Consumer:
         if self._alloc_socket in ready:
             self._drain(self._alloc_socket, self._on_alloc)
         self._expire()
+        if self._landed_changed:
+            self._post_landed()
         if busy and not ready:
             time.sleep(BUSY_POLL_S)
+
+    def _post_landed(self) -> None:
+        self._landed_changed = False
+        if self._board is not None:
+            with self._lock:
+                landed = self._store.unclaimed_landed()
+            landed_board.post(self._board, landed)
 
     def _drain(self, socket: zmq.Socket, handler: Callable[[bytes], protocol.Message]) -> None:
         """Answer up to MAX_MESSAGES_PER_TURN queued requests, each exactly once."""
@@ -517,6 +529,7 @@ class Consumer:
                 return self._refuse(ErrorCode.BAD_REQUEST, str(exc), req_id)
             self.stats.chunks_allocated += allocation.new_pages
             self.stats.chunks_already_held += len(allocation.pages) - allocation.new_pages
+        self._landed_changed |= allocation.new_pages < len(allocation.pages)
         logger.debug(
             "req %s: alloc %d, %d chunks to write, %d already held",
             req_id,
@@ -599,6 +612,7 @@ class Consumer:
                         landed, nbytes = self._store.confirm(done)
                     self.stats.chunks_landed += landed
                     self.stats.bytes_landed += nbytes
+                self._landed_changed |= landed > 0
             except ProtocolError as exc:
                 with self._lock:
                     self.stats.unknown_notifications += 1

@@ -11,13 +11,12 @@ GPU memory, opened by CUDA IPC: ``cuda_ipc.py``): the service registers it with 
 chunks in it; the worker scatters from it, and reads only pages its request holds (they keep
 their bytes until it releases them). Control is msgpack over a socketpair: ``claim`` and
 ``release`` are one-way, and the worker's one question per engine step, ``Progress``, asks how
-far every pending load got and gets the consumer's counters with the answer, and how many chunks
-have landed for each request no decode has claimed yet (which vLLM's scheduler uses to load a
-request's KV before its first step rather than during a step of its own). The worker waits
+far every pending load got and gets the consumer's counters with the answer. The worker waits
 for that answer only briefly (``REPLY_WAIT_S``) and otherwise reads it at its next step, so a
 service that is slow to be scheduled delays loads by a step, never vLLM's model thread. The one
 question the worker waits for is ``LoadNow``, for a request whose KV had all landed when vLLM
-scheduled it: it is loaded before the step's forward pass, and the wait has a deadline.
+scheduled it (as the service posted on its ``landed_board``): it is loaded before the step's
+forward pass, and the wait has a deadline.
 
 The service exits when its worker does: on end of file from the socketpair, or when its parent
 process changes (checked every ``PARENT_CHECK_S``).
@@ -34,6 +33,7 @@ import sys
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import TypeVar
 
 import msgspec
@@ -69,6 +69,8 @@ class Setup(msgspec.Struct, frozen=True):
     profile: KVProfile | None
     # With buffer_device cuda: the worker's GPU receive buffer (the memfd is then unused).
     cuda_buffer: CudaBufferHandle | None = None
+    # Where to post chunks landed per unclaimed request (``landed_board.py``); None: nowhere.
+    board: str | None = None
 
 
 class Ready(msgspec.Struct, frozen=True):
@@ -124,8 +126,6 @@ class LoadState(msgspec.Struct, frozen=True, array_like=True):
 class ProgressReply(msgspec.Struct, frozen=True, tag=True, array_like=True):
     loads: list[LoadState]
     stats: dict[str, int]
-    # Chunks landed per request no decode has claimed yet.
-    unclaimed: dict[str, int]
 
 
 class LoadNowReply(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -148,14 +148,13 @@ class ConsumerService:
         keyer: ChunkKeyer,
         profile: KVProfile | None = None,
         device: torch.device | None = None,
+        board: Path | None = None,
     ) -> None:
         """``config``: the rank's own (``PDConfig.for_rank``), with its page size. ``device``:
         a GPU to hold the receive buffer (``buffer_device: cuda``; shared with the process by
-        CUDA IPC), else it is a memfd both map."""
+        CUDA IPC), else it is a memfd both map. ``board``: where the process posts landed
+        chunks for decode's scheduler."""
         self.page_bytes = config.page_bytes
-        # Loads may be synchronous: every step waits briefly for its answer, so that the
-        # scheduler hears of landed KV a step sooner (see ``progress``).
-        self._fresh_news = config.sync_loads
         self.stats: dict[str, int] = {}
         self._awaiting = False
         # The answer to the last progress question, read while waiting for a LoadNowReply.
@@ -181,7 +180,11 @@ class ConsumerService:
                 )
             self._connection = Connection(ours.detach())
             try:
-                self._send(Setup(config, keyer.params, profile, shared))
+                self._send(
+                    Setup(
+                        config, keyer.params, profile, shared, None if board is None else str(board)
+                    )
+                )
                 ready = self._receive(READY_TIMEOUT_S, Ready, "start")
             except BaseException:
                 self._kill()
@@ -204,15 +207,12 @@ class ConsumerService:
 
     def progress(self, loads: Sequence[LoadQuery]) -> ProgressReply | None:
         """The answer to the last progress question, asking ``loads`` if none is out; None if
-        it has not come yet (ask again next step). It is waited for briefly (``REPLY_WAIT_S``)
-        while loads are pending or while loads may be synchronous (the scheduler then hears
-        within a step that a request's KV landed), else only read if there. Raises
-        ``ConsumerServiceDown``."""
+        it has not come yet (ask again next step). Raises ``ConsumerServiceDown``."""
         if self._answered is None:
             if not self._awaiting:
                 self._send(Progress(list(loads)))
                 self._awaiting = True
-            wait_s = REPLY_WAIT_S if loads or self._fresh_news else 0.0
+            wait_s = REPLY_WAIT_S if loads else 0.0
             while self._answered is None and self._answer_ready(wait_s):
                 self._take(self._receive(0, Answer, "progress"))
         reply, self._answered = self._answered, None
@@ -312,8 +312,9 @@ def _serve(memory: int, connection: Connection) -> None:
         buffer = _map(memory, receive_buffer_bytes(setup.config))
     os.close(memory)
     commands = msgspec.msgpack.Decoder(Command)
+    board = None if setup.board is None else Path(setup.board)
     with Consumer(
-        setup.config, ChunkKeyer(**setup.keyer), profile=setup.profile, buffer=buffer
+        setup.config, ChunkKeyer(**setup.keyer), profile=setup.profile, buffer=buffer, board=board
     ) as consumer:
         connection.send_bytes(msgspec.msgpack.encode(Ready(os.getpid())))
         while True:
@@ -356,7 +357,7 @@ def _answer(consumer: Consumer, connection: Connection, command: Command) -> Non
         logger.exception("consumer service: %s failed, serving on", type(command).__name__)
         loads = []
     if isinstance(command, Progress):
-        reply = ProgressReply(loads, consumer.stats_snapshot(), consumer.unclaimed_landed())
+        reply = ProgressReply(loads, consumer.stats_snapshot())
         connection.send_bytes(msgspec.msgpack.encode(reply))
     elif isinstance(command, LoadNow):
         state = loads[0] if loads else LoadState(command.req_id, 0, "internal error", [])

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import msgspec
@@ -14,10 +15,10 @@ import pytest
 import torch
 import zmq
 
+from lmcache_pd import landed_board
 from lmcache_pd.config import load_config
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
 from lmcache_pd.connector.metadata import (
-    LandedChunks,
     LoadRequest,
     PDConnectorMetadata,
     SaveRequest,
@@ -182,6 +183,7 @@ class Workers:
     consumer_stats: StatsRecorder
     keyer: ChunkKeyer
     common: dict
+    board: Path
 
     def consumer_total(self, name: str) -> float:
         """A counter or gauge of the consumer rank, as the next step exports it (its process
@@ -207,7 +209,7 @@ class Workers:
 
 
 @pytest.fixture
-def workers():
+def workers(tmp_path: Path):
     init_port, alloc_port = free_port(), free_port()
     keyer = ChunkKeyer(
         model_name="m", world_size=1, worker_id=0, kv_dtype="float32", chunk_size=CHUNK
@@ -226,6 +228,7 @@ def workers():
         keyer,
         target,
         consumer_stats,
+        board=tmp_path / "landed",
     )
     producer = ProducerWorker(
         load_config(None, environ={}, kv_role="kv_producer", **common),
@@ -235,7 +238,16 @@ def workers():
     )
     spec = DisaggSpec("d-1", "127.0.0.1", init_port, alloc_port)
     pair = Workers(
-        producer, consumer, source, target, spec, producer_stats, consumer_stats, keyer, common
+        producer,
+        consumer,
+        source,
+        target,
+        spec,
+        producer_stats,
+        consumer_stats,
+        keyer,
+        common,
+        tmp_path / "landed",
     )
     yield pair
     pair.producer.close()
@@ -580,39 +592,38 @@ def test_a_consumer_process_that_dies_fails_the_pending_loads_at_once(workers: W
     assert (totals["loads_abandoned"], totals["consumer_process_down"]) == (2, 1)
 
 
-def landed(by_rank: dict[int, dict[str, int]]) -> SimpleNamespace:
-    """A stand-in KVConnectorOutput carrying the workers' report of landed chunks."""
-    return SimpleNamespace(kv_connector_worker_meta=LandedChunks(by_rank))
+def board_with(path: Path, landed: dict[str, int]) -> Path:
+    landed_board.post(path, landed)
+    return path
 
 
-@pytest.mark.parametrize("sync_loads", [True, False])
-def test_the_scheduler_loads_synchronously_only_kv_landed_on_every_rank(sync_loads: bool) -> None:
-    """A request is loaded before its first step only once both ranks reported all of its
-    prompt's chunks landed (200 tokens of KV: 4 chunks of 64); before that, or with
-    ``sync_loads`` off (the control), its load is asynchronous."""
-    scheduler = ConsumerScheduler(chunk_size=CHUNK, ranks=2, sync_loads=sync_loads)
+def test_the_scheduler_loads_synchronously_only_kv_landed_on_every_rank(tmp_path: Path) -> None:
+    """A request is loaded before its first step only once both ranks posted all of its
+    prompt's chunks landed (200 tokens of KV: 4 chunks of 64); before that, or with no boards
+    (``sync_loads`` off: the control), its load is asynchronous."""
+    boards = [board_with(tmp_path / "rank0", {"d-1": 4}), tmp_path / "rank1"]
+    scheduler = ConsumerScheduler(chunk_size=CHUNK, boards=boards)
     req = request("c", list(range(201)), {"disagg_spec": SPEC})
-    assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)  # nothing heard yet
-    scheduler.update_connector_output(landed({0: {"d-1": 4}, 1: {"d-1": 3}}))
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)  # rank 1 posted nothing
+    board_with(boards[1], {"d-1": 3, "other": 4})
     assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)  # rank 1 lacks one
-    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None))
-    scheduler.update_connector_output(landed({1: {"d-1": 4, "other": 1}}))
-    assert scheduler.get_num_new_matched_tokens(req, 64) == (136, not sync_loads)
+    board_with(boards[1], {"d-1": 4})
+    assert scheduler.get_num_new_matched_tokens(req, 64) == (136, False)
+    board_with(boards[1], {})  # claimed meanwhile: what was answered stands
     blocks = SimpleNamespace(get_block_ids=lambda: ([3, 1, 4, 1],))
     scheduler.update_state_after_alloc(req, blocks, 136)
     [load] = scheduler.build_connector_meta(step()).loads
-    assert (load.start, load.sync) == (64, sync_loads)
+    assert (load.start, load.sync) == (64, True)
+    unboarded = ConsumerScheduler(chunk_size=CHUNK)
+    assert unboarded.get_num_new_matched_tokens(req, 64) == (136, True)
 
 
 def wait_landed(workers: Workers, chunks: int) -> None:
-    """Until the consumer's worker has heard that ``chunks`` landed for d-1, unclaimed."""
-
-    def heard() -> bool:
-        workers.consumer.finished_loads()
-        report = workers.consumer.progress()
-        return report is not None and report.by_rank == {0: {"d-1": chunks}}
-
-    wait_for(heard, what="landed chunks reported")
+    """Until the consumer's process posted that ``chunks`` landed for d-1, unclaimed."""
+    wait_for(
+        lambda: landed_board.read(workers.board) == {"d-1": chunks},
+        what="landed chunks posted",
+    )
 
 
 @pytest.mark.parametrize("corrupted", [False, True])

@@ -80,8 +80,8 @@ PROMPTS |= {
     f"rogue-{kind}": prompt(1000, seed)
     for kind, seed in (("bad-sum", 31), ("bad-kv", 32), ("dies", 33), ("sync-bad-sum", 34))
 }
-# Served while decode is busy with another request, so that it steps (and hears that the KV
-# landed) between prefill's answer and its own request.
+# Served while decode is busy with another request: its synchronous load goes into a step that
+# decodes that one too.
 PROMPTS["while-busy"] = prompt(900, 35)
 
 
@@ -514,8 +514,8 @@ def decode_after_rogue_push(pair: PDPair, name: str) -> tuple[list, list]:
 
 @contextlib.contextmanager
 def decode_busy(pair: PDPair) -> Iterator[None]:
-    """Decode streams a long answer of its own meanwhile, so that its engine steps; the stream
-    is closed at the end (vLLM then aborts that request)."""
+    """Decode streams a long answer of its own meanwhile; the stream is closed at the end (vLLM
+    then aborts that request)."""
     request = {
         "model": str(pair.model),
         "prompt": prompt(20, 36),
@@ -547,11 +547,12 @@ def decode_busy(pair: PDPair) -> Iterator[None]:
 def test_kv_landed_before_decode_steps_to_its_request_is_loaded_before_that_step(
     pair: PDPair, reference: dict
 ) -> None:
-    """Decode, busy, hears that the request's KV landed before the request reaches it: it is
-    loaded synchronously (before the step that computes its last token, not in a step of its
-    own), and the answer is still the reference's."""
+    """The request's KV landed before the request reaches decode (which is busy decoding
+    another): it is loaded synchronously (before the step that computes its last token, not in
+    a step of its own), and the answer is still the reference's."""
     before, sources = pair.stats(), pair.tokens_by_source()
     with decode_busy(pair):
+        # The push may end a moment after prefill's answer (it never holds it back).
         got = pair.disaggregated("while-busy", PROMPTS["while-busy"], pause_s=0.2)
     assert_close_answer(got, reference["while-busy"])  # batched with the busy request
     after = pair.stats()
@@ -577,7 +578,7 @@ def test_a_corrupted_chunk_loaded_before_the_step_is_caught_and_recomputed(
     with decode_busy(pair):
         req_id, first = prefill_pushing_nowhere(pair, name)
         RogueProducer(pair).push(req_id, PROMPTS[name])
-        time.sleep(0.2)
+        time.sleep(0.2)  # the consumer sees the writes' notices and posts them landed
         got = decode_rest(pair, PROMPTS[name], first, req_id)
     assert_close_answer(got, reference[name])
     after = pair.stats()

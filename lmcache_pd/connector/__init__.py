@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,10 +27,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from lmcache_pd import landed_board
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import CONFIG_PATH_ENV, PDConfig, load_config
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
-from lmcache_pd.connector.metadata import LandedChunks, PDConnectorMetadata, PushProgress
+from lmcache_pd.connector.metadata import PDConnectorMetadata, PushProgress
 from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler, SchedulerHalf
 from lmcache_pd.connector.stats import PDConnectorStats, PDPromMetrics, StatsRecorder
 from lmcache_pd.connector.worker import CacheFacts, ProducerWorker, WorkerHalf
@@ -169,8 +171,11 @@ class LMCachePDConnector(KVConnectorBase_V1):
                 else ConsumerScheduler(
                     self._stats.add,
                     chunk_size=self._config.chunk_size,
-                    ranks=vllm_config.parallel_config.world_size,
-                    sync_loads=self._config.sync_loads,
+                    boards=[
+                        self._board(rank) for rank in range(vllm_config.parallel_config.world_size)
+                    ]
+                    if self._config.sync_loads
+                    else [],
                 )
             )
         else:
@@ -191,8 +196,19 @@ class LMCachePDConnector(KVConnectorBase_V1):
         keyer = chunk_keyer(self._vllm_config, self._config, self._rank)
         profile = kv_profile(self._vllm_config, self._config, self._rank)
         facts = cache_facts(self._vllm_config)
-        half = ProducerWorker if self._config.kv_role == "kv_producer" else ConsumerWorker
-        self._worker = half(self._config, keyer, kv_caches, self._stats, profile, self._rank, facts)
+        if self._config.kv_role == "kv_producer":
+            self._worker = ProducerWorker(
+                self._config, keyer, kv_caches, self._stats, profile, self._rank, facts
+            )
+            return
+        board = self._board(self._rank) if self._config.sync_loads else None
+        self._worker = ConsumerWorker(
+            self._config, keyer, kv_caches, self._stats, profile, self._rank, facts, board
+        )
+
+    def _board(self, rank: int) -> Path:
+        """Where ``rank``'s consumer process posts landed chunks (``landed_board.py``)."""
+        return landed_board.board_path(self._vllm_config.instance_id, rank)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Consumer: do this step's synchronous loads (their KV has landed) and queue the
@@ -272,7 +288,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
         """Producer: pushes still running; vLLM keeps stepping (their counters flush)."""
         return self._scheduler.has_pending_push_work()
 
-    def build_connector_worker_meta(self) -> PushProgress | LandedChunks | None:
+    def build_connector_worker_meta(self) -> PushProgress | None:
         return self._worker.progress()
 
     # ---- metrics (API-server process) ----

@@ -7,12 +7,12 @@ chunks have all landed in the buffer both processes map is scattered into its bl
 as received; one whose KV was abandoned, not complete by its deadline, or with a chunk that fails
 its checksum, is reported as failed and vLLM recomputes the prompt.
 
-A load vLLM scheduled synchronously (its chunks had all landed on every rank, as this half told
-the scheduler through ``LandedChunks``) is done in ``start_load_kv``, before the step's forward
-pass computes the request's last token, saving the step an asynchronous load costs. Its one
-round trip has a deadline (``SYNC_LOAD_WAIT_S``); if it fails all the same, its blocks are
-reported invalid (``load_errors``) and vLLM recomputes them
-(``kv_load_failure_policy: recompute``), discarding what the step computed from them.
+A load vLLM scheduled synchronously (its chunks had all landed on every rank, as each rank's
+consumer process posted on its ``landed_board``) is done in ``start_load_kv``, before the step's
+forward pass computes the request's last token, saving the step an asynchronous load costs. Its
+one round trip has a deadline (``SYNC_LOAD_WAIT_S``); if it fails all the same, its blocks are
+reported invalid (``load_errors``) and vLLM recomputes them (``kv_load_failure_policy:
+recompute``), discarding what the step computed from them.
 
 A chunk's checksum is checked in the pass that scatters it (``CpuKVCache.scatter(hashed=True)``),
 so its bytes are read once; a chunk that fails it has already been written into the request's
@@ -29,13 +29,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from lmcache_pd.chunk_store import LandedChunk
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig, replace
-from lmcache_pd.connector.metadata import LandedChunks, LoadRequest, PDConnectorMetadata
+from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata
 from lmcache_pd.connector.paged_kv import COPIED, Copy
 from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.connector.worker import (
@@ -112,10 +113,12 @@ class ConsumerWorker(WorkerHalf):
         profile: KVProfile | None = None,
         rank: int = 0,
         facts: CacheFacts = UNKNOWN,
+        board: Path | None = None,
     ) -> None:
         """``profile``: this rank's KV format, checked against each producer's at handshake.
         ``config``: this rank's own (``PDConfig.for_rank``), whose ports it binds.
-        ``facts``: what vLLM says of its cache."""
+        ``facts``: what vLLM says of its cache. ``board``: where this rank's consumer process
+        posts landed chunks for the scheduler (None: nowhere, every load asynchronous)."""
         self._config = config
         self._rank = rank
         self._keyer = keyer
@@ -124,7 +127,9 @@ class ConsumerWorker(WorkerHalf):
         profile = rank_profile(profile, self._cache, rank_config)
         # With buffer_device cuda the receive buffer is in the cache's GPU memory.
         device = self._cache.device if config.buffer_device == "cuda" else None
-        self._service = ConsumerService(rank_config, keyer, profile=profile, device=device)
+        self._service = ConsumerService(
+            rank_config, keyer, profile=profile, device=device, board=board
+        )
         self._cache.adopt(self._service.buffer)
         # Loads scattered on a GPU's copy stream whose pages go back once the copy is done.
         self._releasing: list[tuple[Copy, str]] = []
@@ -135,8 +140,6 @@ class ConsumerWorker(WorkerHalf):
         self._consumer_counts: dict[str, int] = {}
         self._service_down = False
         self._load_errors: set[int] = set()
-        # This step's news for the scheduler: chunks landed per request not claimed yet.
-        self._landed: LandedChunks | None = None
 
     def start_load_kv(self, meta: PDConnectorMetadata) -> None:
         deadline = time.monotonic() + self._config.load_timeout_s
@@ -193,10 +196,6 @@ class ConsumerWorker(WorkerHalf):
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
-
-    def progress(self) -> LandedChunks | None:
-        landed, self._landed = self._landed, None
-        return landed
 
     def _drop_aborted(self, finished: set[str]) -> None:
         """Requests that ended (client gone) while their KV was awaited: their pages go back now,
@@ -256,10 +255,7 @@ class ConsumerWorker(WorkerHalf):
                 self._stats.add("consumer_process_down")
             down = LoadState("", 0, str(exc), [])
             return {pending.load.disagg_req_id: down for pending in self._pending}
-        if reply is None:
-            return {}
-        self._landed = LandedChunks({self._rank: reply.unclaimed})
-        return {state.req_id: state for state in reply.loads}
+        return {} if reply is None else {state.req_id: state for state in reply.loads}
 
     def _send(self, action: Callable[..., None], *args: object) -> None:
         """A one-way message to the consumer's process. If it is down, the loads concerned

@@ -74,16 +74,3 @@ class PushProgress(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> PushProgress:
         assert isinstance(other, PushProgress)
         return PushProgress(self.outstanding + other.outstanding)
-
-
-@dataclass
-class LandedChunks(KVConnectorWorkerMetadata):
-    """Consumer workers -> scheduler, each step a worker heard from its consumer's process: per
-    rank, how many chunks have landed for each request no decode has claimed yet. A request
-    whose prompt's chunks have all landed on every rank can be loaded synchronously."""
-
-    by_rank: dict[int, dict[str, int]] = field(default_factory=dict)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> LandedChunks:
-        assert isinstance(other, LandedChunks)
-        return LandedChunks(self.by_rank | other.by_rank)

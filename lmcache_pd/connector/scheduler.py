@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lmcache_pd import landed_board
 from lmcache_pd.connector.metadata import (
-    LandedChunks,
     LoadRequest,
     PDConnectorMetadata,
     PushProgress,
@@ -172,18 +173,18 @@ class ConsumerScheduler(SchedulerHalf):
         count: Callable[[str], None] = lambda _: None,
         *,
         chunk_size: int = 256,
-        ranks: int = 1,
-        sync_loads: bool = True,
+        boards: Sequence[Path] = (),
     ) -> None:
-        """``count`` takes the name of a counter to bump (``StatsRecorder.add``); ``ranks``:
-        the consumer ranks (vLLM's world size), each of which must have a request's chunks
-        before it is loaded synchronously; ``sync_loads`` False: every load asynchronous."""
+        """``count`` takes the name of a counter to bump (``StatsRecorder.add``); ``boards``:
+        each consumer rank's ``landed_board``, on every one of which a request's chunks must
+        all be posted landed for it to be loaded synchronously (none: every load
+        asynchronous)."""
         self._count = count
         self._chunk_size = chunk_size
-        self._ranks = ranks
-        self._sync_loads = sync_loads
-        # Per rank, chunks landed per request not claimed yet, as its worker last heard.
-        self._landed: dict[int, dict[str, int]] = {}
+        self._boards = list(boards)
+        # Whether each request's load is synchronous, as answered in get_num_new_matched_tokens
+        # (the boards may change before update_state_after_alloc in the same pass).
+        self._sync: dict[str, bool] = {}
         self._loads: list[LoadRequest] = []
         self._unneeded: set[str] = set()
         # Requests whose KV was loaded once (or failed to load, or was not needed): vLLM asks
@@ -211,23 +212,17 @@ class ConsumerScheduler(SchedulerHalf):
         external = len(request.prompt_token_ids or []) - 1 - num_computed
         if external <= 0:
             return 0, False
-        return external, not self._all_landed(spec.req_id, len(request.prompt_token_ids or []))
+        sync = self._all_landed(spec.req_id, len(request.prompt_token_ids or []) - 1)
+        self._sync[request.request_id] = sync
+        return external, not sync
 
-    def _all_landed(self, disagg_req_id: str, prompt_length: int) -> bool:
-        """Whether every rank has every chunk the producer pushes for this prompt (all but its
-        last token, the producer's first output), as of the workers' last reports."""
-        if not self._sync_loads:
-            return False
-        chunks = -(-(prompt_length - 1) // self._chunk_size)
-        return all(
-            self._landed.get(rank, {}).get(disagg_req_id, 0) >= chunks
-            for rank in range(self._ranks)
+    def _all_landed(self, disagg_req_id: str, kv_tokens: int) -> bool:
+        """Whether every rank posted every chunk of the producer's prompt (``kv_tokens``: all of
+        decode's prompt but its last token, the producer's first output) landed."""
+        chunks = -(-kv_tokens // self._chunk_size)
+        return bool(self._boards) and all(
+            landed_board.read(board).get(disagg_req_id, 0) >= chunks for board in self._boards
         )
-
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        landed = output.kv_connector_worker_meta
-        if isinstance(landed, LandedChunks):
-            self._landed |= landed.by_rank
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -243,8 +238,7 @@ class ConsumerScheduler(SchedulerHalf):
             return
         prompt = list(request.prompt_token_ids or [])[:-1]
         start = len(prompt) - num_external_tokens
-        # What get_num_new_matched_tokens answered in this same scheduling pass.
-        sync = self._all_landed(spec.req_id, len(prompt) + 1)
+        sync = self._sync.pop(request.request_id, False)
         block_ids = list(blocks.get_block_ids()[0])
         self._loads.append(
             LoadRequest(request.request_id, spec.req_id, prompt, block_ids, start, sync)
@@ -259,4 +253,5 @@ class ConsumerScheduler(SchedulerHalf):
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         self._loaded.discard(request.request_id)
+        self._sync.pop(request.request_id, None)
         return None

@@ -25,7 +25,6 @@ import torch
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig, replace
 from lmcache_pd.connector.metadata import (
-    LandedChunks,
     PDConnectorMetadata,
     PushProgress,
     SaveRequest,
@@ -118,9 +117,8 @@ class WorkerHalf:
         """Blocks whose synchronous load failed this step; vLLM recomputes them."""
         return set()
 
-    def progress(self) -> PushProgress | LandedChunks | None:
-        """What the scheduler half should know of this step (pushes still running, KV landed
-        for requests not yet scheduled)."""
+    def progress(self) -> PushProgress | None:
+        """What the scheduler half should know of this step (pushes still running)."""
         return None
 
     def close(self) -> None:
