@@ -24,7 +24,7 @@ import torch
 import yaml
 import zmq
 
-from lmcache_pd import protocol
+from lmcache_pd import landed_board, protocol
 from lmcache_pd.config import load_config
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
@@ -211,16 +211,18 @@ class PDPair:
         return defaultdict(float, prompt_tokens_by_source(self.consumer.url))
 
     def disaggregated(
-        self, name: str, tokens: list[int], pause_s: float = 0.0
+        self, name: str, tokens: list[int], landed_first: bool = False
     ) -> tuple[list[str], list[float]]:
         """Prefill on the producer (one token), then decode on the consumer, as the proxy will
-        (``pause_s`` after prefill's answer)."""
+        (with ``landed_first``, once the consumer posted all of the KV landed: the push may end a
+        moment after prefill's answer, which it never holds back)."""
         spec = self.spec(f"{name}-{time.monotonic_ns()}")
         first = self.producer.complete(
             body(self.model, tokens, 1, {"ret_first_tok": True, "disagg_spec": spec})
         )
         first_tok = first["kv_transfer_params"]["first_tok"]
-        time.sleep(pause_s)
+        if landed_first:
+            wait_landed(spec["req_id"], len(tokens))
         rest = self.consumer.complete(
             body(self.model, [*tokens, first_tok], OUTPUT_TOKENS - 1, {"disagg_spec": spec})
         )
@@ -512,6 +514,20 @@ def decode_after_rogue_push(pair: PDPair, name: str) -> tuple[list, list]:
     return decode_rest(pair, tokens, first, req_id)
 
 
+def wait_landed(req_id: str, tokens: int) -> None:
+    """Until a consumer process has posted every chunk of a ``tokens``-token prompt landed for
+    ``req_id``: what decode's scheduler reads to load it synchronously."""
+    chunks = -(-tokens // CHUNK_TOKENS)
+    pattern = landed_board.board_path("*", 0)
+    wait_for(
+        lambda: any(
+            landed_board.read(board).get(req_id, 0) >= chunks
+            for board in pattern.parent.glob(pattern.name)
+        ),
+        what="KV posted landed",
+    )
+
+
 @contextlib.contextmanager
 def decode_busy(pair: PDPair) -> Iterator[None]:
     """Decode streams a long answer of its own meanwhile; the stream is closed at the end (vLLM
@@ -523,19 +539,22 @@ def decode_busy(pair: PDPair) -> Iterator[None]:
         "ignore_eos": True,
         "stream": True,
     }
-    stop, ended_early = threading.Event(), threading.Event()
+    streaming, stop, ended_early = threading.Event(), threading.Event(), threading.Event()
 
     def generate() -> None:
         url = f"{pair.consumer.url}/v1/completions"
         with httpx.stream("POST", url, json=request, timeout=120.0) as response:
-            for _ in response.iter_lines():
+            for line in response.iter_lines():
+                if line.startswith("data:"):  # a token: decode is stepping
+                    streaming.set()
                 if stop.is_set():
                     return
         ended_early.set()
 
     with ThreadPoolExecutor(1) as pool:
         busy = pool.submit(generate)
-        time.sleep(0.5)  # its prompt is computed: decode is stepping
+        wait_for(lambda: streaming.is_set() or busy.done(), timeout_s=60, what="decode streaming")
+        assert streaming.is_set(), busy.result()
         try:
             yield
         finally:
@@ -552,8 +571,7 @@ def test_kv_landed_before_decode_steps_to_its_request_is_loaded_before_that_step
     a step of its own), and the answer is still the reference's."""
     before, sources = pair.stats(), pair.tokens_by_source()
     with decode_busy(pair):
-        # The push may end a moment after prefill's answer (it never holds it back).
-        got = pair.disaggregated("while-busy", PROMPTS["while-busy"], pause_s=0.2)
+        got = pair.disaggregated("while-busy", PROMPTS["while-busy"], landed_first=True)
     assert_close_answer(got, reference["while-busy"])  # batched with the busy request
     after = pair.stats()
     assert after["loads_sync"] - before["loads_sync"] == 1
@@ -578,7 +596,7 @@ def test_a_corrupted_chunk_loaded_before_the_step_is_caught_and_recomputed(
     with decode_busy(pair):
         req_id, first = prefill_pushing_nowhere(pair, name)
         RogueProducer(pair).push(req_id, PROMPTS[name])
-        time.sleep(0.2)  # the consumer sees the writes' notices and posts them landed
+        wait_landed(req_id, len(PROMPTS[name]))
         got = decode_rest(pair, PROMPTS[name], first, req_id)
     assert_close_answer(got, reference[name])
     after = pair.stats()
