@@ -43,6 +43,7 @@ SYSTEMS = (
     "lmcache-pd",
     "lmcache-pd-nocache",
     "lmcache-pd-async-loads",
+    "lmcache-pd-answer-only",
     "lmcache-pd-anycore",
     "lmcache-pd-processes-anywhere",
     "colocated",
@@ -70,6 +71,8 @@ class LmcachePD:
     # The proxy on decode's core too, as configs/pools.yaml: on prefill's, or anywhere, it
     # takes time from the prompt whose first token it waits for.
     proxy_cpus: ClassVar[str | None] = DECODE_CPUS
+    # Decode asked on prefill's first-token notice (``first_token.py``), not on its answer only.
+    first_token_notices: ClassVar[bool] = True
 
     def __init__(self, model: Path, workdir: Path, vllm_args: list[str]) -> None:
         self.workdir = workdir
@@ -94,7 +97,9 @@ class LmcachePD:
                     env=self.consumer_env,
                 )
             ],
-            proxy=ProxySpec(port=port, cpus=self.proxy_cpus),
+            proxy=ProxySpec(
+                port=port, cpus=self.proxy_cpus, first_token_notices=self.first_token_notices
+            ),
             vllm_args=vllm_args,
             trace=True,
         )
@@ -171,6 +176,14 @@ class LmcachePDAsyncLoads(LmcachePD):
 
     name = "lmcache-pd-async-loads"
     consumer_env: ClassVar[dict[str, str]] = {"LMCACHE_PD_SYNC_LOADS": "false"}
+
+
+class LmcachePDAnswerOnly(LmcachePD):
+    """lmcache-pd with decode asked on prefill's HTTP answer only (no first-token notices): the
+    same run's control for what asking decode on the engine's notice buys or costs."""
+
+    name = "lmcache-pd-answer-only"
+    first_token_notices: ClassVar[bool] = False
 
 
 class LmcachePDAnyCore(LmcachePD):
@@ -274,6 +287,7 @@ def make_system(name: str, model: Path, workdir: Path, vllm_args: list[str]):
         "lmcache-pd": LmcachePD,
         "lmcache-pd-nocache": LmcachePDNoCache,
         "lmcache-pd-async-loads": LmcachePDAsyncLoads,
+        "lmcache-pd-answer-only": LmcachePDAnswerOnly,
         "lmcache-pd-anycore": LmcachePDAnyCore,
         "lmcache-pd-processes-anywhere": LmcachePDProcessesAnywhere,
         "colocated": Colocated,

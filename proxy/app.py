@@ -1,10 +1,12 @@
 """The proxy's HTTP server: OpenAI endpoints in front of prefill and decode pools.
 
 A request goes to prefill for one token; that token is sent to the client at once (its own SSE
-chunk when streaming), and only then is decode asked for the rest, on the exact prompt token ids
-plus that token, while the KV may still be on its way (the consumer waits for it, with its own
-deadline). A prompt under ``min_disagg_tokens`` goes to a decode instance alone instead
-(``direct.py``). asyncio end to end: nothing here blocks the event loop.
+chunk when streaming), and decode is asked for the rest, on the exact prompt token ids plus that
+token, as soon as the proxy knows the token: from prefill's engine directly (a first-token notice,
+``decode_stream.py``) or from prefill's answer, whichever comes first. The KV may still be on its
+way (the consumer waits for it, with its own deadline). A prompt under ``min_disagg_tokens``
+goes to a decode instance alone instead (``direct.py``). asyncio end to end: nothing here
+blocks the event loop.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import msgspec
 from aiohttp import web
 
 from lmcache_pd.affinity import unpin_this_thread
+from lmcache_pd.first_token import FirstTokenNotice, NoticeBoard
 from lmcache_pd.protocol import DisaggSpec
 from lmcache_pd.proxy.app_thread import AppThread
 from lmcache_pd.proxy.client_request import BadRequest, ClientRequest, Endpoint
 from lmcache_pd.proxy.config import ProxyConfig
+from lmcache_pd.proxy.decode_stream import DecodeStream
 from lmcache_pd.proxy.direct import serve_alone
 from lmcache_pd.proxy.flow import (
     MAX_EVENT_BYTES,
@@ -85,6 +89,7 @@ class Proxy:
         self._health: HealthChecker | None = None
         self._flow: Disaggregator | None = None
         self._dropper: KVDropper | None = None
+        self._notices: NoticeBoard | None = None
         self._trace = TraceFile(config.trace_path)
         self._sizer = PromptSizer(config.min_disagg_tokens, config.tokenizer)
 
@@ -108,7 +113,12 @@ class Proxy:
             max_line_size=MAX_EVENT_BYTES,
             max_field_size=MAX_EVENT_BYTES,
         )
-        self._flow = Disaggregator(self._session, self.prefill, self.config.timeouts, self.metrics)
+        if self.config.first_token_notices:
+            self._notices = NoticeBoard(self.config.host)
+            self._notices.start()
+        self._flow = Disaggregator(
+            self._session, self.prefill, self.config.timeouts, self.metrics, self._notices
+        )
         self._dropper = KVDropper()
         self._health = HealthChecker(
             self._upstreams,
@@ -137,6 +147,8 @@ class Proxy:
             await self._health.periodic.stop()
         if self._dropper is not None:
             await self._dropper.close()
+        if self._notices is not None:
+            await self._notices.close()
         if self._session is not None:
             await self._session.close()
 
@@ -271,11 +283,17 @@ class Proxy:
     ) -> tuple[web.StreamResponse, Outcome, _Answer | None]:
         """Prefill for the first token, then the answer (streamed or whole) with decode's rest."""
         assert self._flow is not None
+        params: dict[str, Any] = {"ret_first_tok": True}
+        if spec is not None:
+            params["disagg_spec"] = msgspec.structs.asdict(spec)
+        prefill = asyncio.get_running_loop().create_task(self._flow.prefill(client, req_id, params))
+        early: DecodeStream | None = None
+        answered = False
         try:
-            params: dict[str, Any] = {"ret_first_tok": True}
-            if spec is not None:
-                params["disagg_spec"] = msgspec.structs.asdict(spec)
-            prefilled = await self._flow.prefill(client, req_id, params)
+            if decoder is not None and spec is not None and self._notices is not None:
+                early = await self._decode_on_notice(prefill, client, req_id, decoder, spec, trace)
+            prefilled = await prefill
+            answered = True
         except NoHealthyInstance as exc:
             return error_response(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE, None
         except UpstreamRejected as exc:
@@ -286,7 +304,28 @@ class Proxy:
         except UpstreamFailed as exc:
             logger.error("req %s: lost before its first token: %s", req_id, exc)
             return error_response(str(exc), "BadGateway", 502), Outcome.PREFILL_FAILED, None
+        finally:
+            if not answered:  # prefill failed, or the client went away while it ran
+                prefill.cancel()
+                if early is not None:
+                    await early.cancel()
         trace |= {"prefill": prefilled.instance, "prefilled": time.time()}
+        if early is not None and not (_goes_on(prefilled) and early.matches(prefilled)):
+            # Prefill's answer is what the client sees: decode must continue exactly that.
+            outcome = "mismatched" if _goes_on(prefilled) else "unused"
+            self.metrics.first_token_notices.labels(outcome).inc()
+            if outcome == "mismatched":
+                logger.error(
+                    "req %s: the first-token notice (token %d) disagrees with prefill's answer "
+                    "(token %d); decode is asked again",
+                    req_id,
+                    early.first_token,
+                    prefilled.first_token,
+                )
+            await early.cancel()
+            early = None
+        elif early is not None:
+            self.metrics.first_token_notices.labels("used").inc()
         prefix = "cmpl-" if client.endpoint is Endpoint.COMPLETIONS else "chatcmpl-"
         writer = ResponseWriter(client.endpoint, client.model, prefix + req_id)
         answer = _Answer(
@@ -300,12 +339,49 @@ class Proxy:
             spec,
             trace,
             started,
+            early,
         )
-        if client.stream:
-            response, outcome = await answer.stream(http)
-        else:
-            response, outcome = await answer.whole()
+        try:
+            if client.stream:
+                response, outcome = await answer.stream(http)
+            else:
+                response, outcome = await answer.whole()
+        finally:
+            if early is not None:  # read by the answer, or left unread if the client went
+                await early.cancel()
         return response, outcome, answer
+
+    async def _decode_on_notice(
+        self,
+        prefill: asyncio.Task[Prefilled],
+        client: ClientRequest,
+        req_id: str,
+        decoder: Upstream,
+        spec: DisaggSpec,
+        trace: dict[str, Any],
+    ) -> DecodeStream | None:
+        """Wait for prefill's answer or its engine's first-token notice; on a notice that comes
+        first, ask decode now (the answer decides later whether that stream is kept)."""
+        assert self._notices is not None and self._flow is not None
+        notice = self._notices.expect(spec.req_id)
+        try:
+            await asyncio.wait((prefill, notice), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._notices.forget(spec.req_id)
+        if prefill.done() or not notice.done() or notice.cancelled():
+            self.metrics.first_token_notices.labels("after_answer").inc()
+            return None
+        got: FirstTokenNotice = notice.result()
+        trace["notice"] = time.time()
+        return DecodeStream(
+            self._flow, client, decoder, req_id, spec, got.prompt_token_ids, got.token
+        )
+
+
+def _goes_on(prefilled: Prefilled) -> bool:
+    """Prefill stopped at its one-token limit: the answer goes on at decode (unless it really
+    ended there: EOS, a stop string)."""
+    return prefilled.piece.finish_reason == "length"
 
 
 class _Answer:
@@ -323,19 +399,22 @@ class _Answer:
         spec: DisaggSpec | None,
         trace: dict[str, Any],
         started: float,
+        early: DecodeStream | None,
     ) -> None:
         """``started`` is the request's arrival (``perf_counter``); ``trace`` holds its phase
-        times (wall clock) for the proxy's trace file, from ``arrived`` on."""
+        times (wall clock) for the proxy's trace file, from ``arrived`` on. ``early`` is decode's
+        stream if it was asked on a notice (and continues ``prefilled``)."""
         self.flow, self.metrics = flow, metrics
         self.client, self.req_id, self.writer = client, req_id, writer
         self.prefilled, self.decoder, self.spec = prefilled, decoder, spec
         self.trace, self.started = trace, started
         self.usage = Usage(prefilled.prompt_tokens, 1)
-        self.decode_asked = False  # once true, decode itself releases the request's KV
+        self.early = early
+        # Once true, decode itself releases the request's KV.
+        self.decode_asked = early is not None
         first = prefilled.piece
-        # Prefill stopped at its one-token limit; the answer goes on at decode unless it
-        # really ended there (EOS, a stop string) or one token was all the client wanted.
-        self.continues = decoder is not None and first.finish_reason == "length"
+        # One token may also be all the client wanted (no decoder then).
+        self.continues = decoder is not None and _goes_on(prefilled)
         if self.continues:
             first.finish_reason = None
             first.stop_reason = None
@@ -344,24 +423,31 @@ class _Answer:
         """Decode's pieces, a list per network read (the usage of its tokens is folded into
         ours)."""
         assert self.decoder is not None and self.spec is not None
-        body = self.client.decode_body(
+        stream = self.early or DecodeStream(
+            self.flow,
+            self.client,
+            self.decoder,
+            self.req_id,
+            self.spec,
             self.prefilled.prompt_token_ids,
             self.prefilled.first_token,
-            {"disagg_spec": msgspec.structs.asdict(self.spec)},
         )
-        self.trace |= {"decode": self.decoder.url, "decode_sent": time.time()}
+        self.trace |= {"decode": self.decoder.url, "decode_sent": stream.sent_at}
         self.decode_asked = True
-        async for items in self.flow.decode(self.decoder, self.req_id, body):
-            if "decode_first" not in self.trace:  # once, not per token
-                self.trace["decode_first"] = time.time()
-            pieces = []
-            for item in items:
-                if isinstance(item, Usage):
-                    self.usage.completion_tokens = 1 + item.completion_tokens
-                else:
-                    pieces.append(item)
-            if pieces:
-                yield pieces
+        try:
+            async for items in stream.batches():
+                if "decode_first" not in self.trace:  # once, not per token
+                    self.trace["decode_first"] = time.time()
+                pieces = []
+                for item in items:
+                    if isinstance(item, Usage):
+                        self.usage.completion_tokens = 1 + item.completion_tokens
+                    else:
+                        pieces.append(item)
+                if pieces:
+                    yield pieces
+        finally:
+            await stream.cancel()
 
     def _decode_failed(self, exc: UpstreamFailed) -> None:
         self.metrics.upstream_error(exc.member, exc.kind)
@@ -378,14 +464,15 @@ class _Answer:
             outcome = Outcome.OK
             if self.continues:
                 try:
-                    async for pieces in self._rest():
-                        events = b"".join(sse(self.writer.chunk(piece)) for piece in pieces)
-                        await write(response, events)
-                        now = time.perf_counter()
-                        self.metrics.itl.observe(now - last)
-                        for _ in pieces[1:]:  # they came in one read and went out together
-                            self.metrics.itl.observe(0.0)
-                        last = now
+                    async with contextlib.aclosing(self._rest()) as rest:
+                        async for pieces in rest:
+                            events = b"".join(sse(self.writer.chunk(piece)) for piece in pieces)
+                            await write(response, events)
+                            now = time.perf_counter()
+                            self.metrics.itl.observe(now - last)
+                            for _ in pieces[1:]:  # they came in one read and went out together
+                                self.metrics.itl.observe(0.0)
+                            last = now
                 except UpstreamFailed as exc:
                     self._decode_failed(exc)
                     await write(response, sse(error_body(str(exc), "BadGateway", 502)))
@@ -412,7 +499,8 @@ class _Answer:
         self.metrics.ttft.observe(time.perf_counter() - self.started)
         if self.continues:
             try:
-                pieces.extend([piece async for batch in self._rest() for piece in batch])
+                async with contextlib.aclosing(self._rest()) as rest:
+                    pieces.extend([piece async for batch in rest for piece in batch])
             except UpstreamFailed as exc:
                 self._decode_failed(exc)
                 return error_response(str(exc), "BadGateway", 502), Outcome.DECODE_FAILED

@@ -71,6 +71,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     health_interval_s: Seconds = 2.0
     # Upper bound on a client's request body; larger ones are refused before parsing.
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 8 << 20
+    # Ask prefill's engine to send each request's first token straight to the proxy (a ZMQ
+    # socket on ``host``, on a port the system picks), so that decode is asked on it, before
+    # prefill's HTTP answer arrives; the answer is still what the client sees. False: decode
+    # is asked on the answer only.
+    first_token_notices: bool = True
     # Where to append one JSON line per request with its phases' times (None: nowhere).
     trace_path: str | None = None
     # Prompts of fewer tokens are served by a decode instance alone, with no transfer (0: every

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from lmcache_pd.first_token import NOTICE_KEY, NoticeBoard
 from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
 from lmcache_pd.proxy.config import Timeouts
 from lmcache_pd.proxy.metrics import ProxyMetrics
@@ -95,10 +96,14 @@ class Disaggregator:
         prefill: Pool,
         timeouts: Timeouts,
         metrics: ProxyMetrics,
+        notices: NoticeBoard | None = None,
     ) -> None:
+        """With ``notices``, prefill is asked to send each disaggregated request's first token
+        there too, the moment its engine has it."""
         self._session = session
         self._prefill = prefill
         self._metrics = metrics
+        self._notices = notices
         self._prefill_timeout = aiohttp.ClientTimeout(
             sock_connect=timeouts.connect_s, sock_read=timeouts.prefill_read_s
         )
@@ -111,7 +116,6 @@ class Disaggregator:
     ) -> Prefilled:
         """The first token, from the least busy prefill instance, or from a second one if the
         first fails without answering. A 4xx is the client's problem and is not retried."""
-        body = request.prefill_body(kv_transfer_params)
         failed: UpstreamFailed | None = None
         for _ in range(PREFILL_ATTEMPTS):
             try:
@@ -125,6 +129,10 @@ class Disaggregator:
                 logger.warning(
                     "req %s: retrying prefill on %s after: %s", req_id, member.url, failed
                 )
+            params = kv_transfer_params
+            if self._notices is not None and "disagg_spec" in params:
+                params = params | {NOTICE_KEY: self._notices.address_for(member.url)}
+            body = request.prefill_body(params)
             try:
                 with member.busy():
                     prefilled = await self._prefill_once(member, request.endpoint, req_id, body)

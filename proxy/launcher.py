@@ -163,6 +163,7 @@ def proxy_config_for(
         tokenizer=pools.model,
         min_disagg_tokens=pools.proxy.min_disagg_tokens,
         cpus=pools.proxy.cpus,
+        first_token_notices=pools.proxy.first_token_notices,
     )
     (workdir / "proxy.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(proxy)))
     return proxy

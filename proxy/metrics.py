@@ -77,6 +77,14 @@ class ProxyMetrics:
             "Requests retried on another prefill instance before their first token",
             registry=self.registry,
         )
+        self.first_token_notices = Counter(
+            f"{prefix}_first_token_notices",
+            "Disaggregated requests by what prefill's first-token notice did: used (decode was "
+            "asked on it), after_answer (prefill's answer came first, or no notice), unused (the "
+            "answer ended at its first token), mismatched (it disagreed with the answer)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.membership_errors = Counter(
             f"{prefix}_membership_errors",
             "Failed questions to the cluster engine about the pools' members",

@@ -79,6 +79,8 @@ class ProxySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_disagg_tokens: Annotated[int, msgspec.Meta(ge=0)] = MIN_DISAGG_TOKENS
     # CPUs the proxy runs on (None: any); see ``ProxyConfig.cpus``.
     cpus: Annotated[str, msgspec.Meta(pattern=f"^{CPU_LIST.pattern}$")] | None = None
+    # Decode asked on prefill's first-token notice; see ``ProxyConfig.first_token_notices``.
+    first_token_notices: bool = True
 
 
 class RaySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -17,6 +17,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from lmcache_pd.first_token import NOTICE_KEY, FirstTokenNotice, NoticeSender
+
 EOS = 2
 VOCAB = 1000
 
@@ -39,6 +41,10 @@ class StandinState:
     token_delay_s: float = 0.0  # between streamed tokens (decode time)
     end_delay_s: float = 0.0  # between [DONE] and the end of the HTTP body
     split_s: float = 0.0  # if set, each streamed event goes in two writes this far apart
+    # Send a first-token notice where asked, before ``first_delay_s``, with the token shifted
+    # by this much (0: the token it answers; None: send none, as an engine that cannot reach
+    # the proxy).
+    notice_shift: int | None = None
     received: list[tuple[float, str, dict[str, Any]]] = field(default_factory=list)
     cancelled: int = 0
     in_flight: int = 0
@@ -80,6 +86,7 @@ class Standin:
 
     def __init__(self, state: StandinState | None = None) -> None:
         self.state = state or StandinState()
+        self._notices = NoticeSender()
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -87,7 +94,11 @@ class Standin:
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.on_cleanup.append(self._close)
         return app
+
+    async def _close(self, _: web.Application) -> None:
+        self._notices.close()
 
     async def _health(self, _: web.Request) -> web.Response:
         return web.json_response({})
@@ -110,6 +121,7 @@ class Standin:
             if state.fault is Fault.STATUS_400:
                 error = {"message": "refused by the stand-in", "type": "BadRequestError"}
                 return web.json_response({"error": {**error, "code": 400}}, status=400)
+            self._notice(body)
             await asyncio.sleep(state.first_delay_s)
             if body.get("stream"):
                 return await self._stream(request, body)
@@ -120,9 +132,21 @@ class Standin:
         finally:
             state.in_flight -= 1
 
+    def _notice(self, body: dict[str, Any]) -> None:
+        params = body.get("kv_transfer_params") or {}
+        if self.state.notice_shift is None or NOTICE_KEY not in params:
+            return
+        prompt = _prompt_ids(body)
+        token = self._first_token(prompt) + self.state.notice_shift
+        req_id = params["disagg_spec"]["req_id"]
+        self._notices.send(params[NOTICE_KEY], FirstTokenNotice(req_id, prompt, token))
+
+    def _first_token(self, prompt: list[int]) -> int:
+        return EOS if self.state.fault is Fault.EOS_FIRST else next_token(prompt)
+
     def _whole(self, request: web.Request, body: dict[str, Any]) -> web.Response:
         prompt = _prompt_ids(body)
-        token = EOS if self.state.fault is Fault.EOS_FIRST else next_token(prompt)
+        token = self._first_token(prompt)
         finish = "stop" if token == EOS else "length"
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": [token]}
         text = "" if token == EOS else _text(token)

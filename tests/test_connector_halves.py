@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import torch
 import zmq
+from vllm.v1.request import RequestStatus
 
 from lmcache_pd import landed_board
 from lmcache_pd.config import load_config
@@ -27,6 +28,7 @@ from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler
 from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.connector.worker import ProducerWorker
 from lmcache_pd.errors import AllocationError, BufferFull, PeerTimeout, TransferError
+from lmcache_pd.first_token import NOTICE_KEY, FirstTokenNotice
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.producer import Producer
 from lmcache_pd.protocol import CANCEL_TIMEOUT_S, PROBE_AREA_BYTES, DisaggSpec
@@ -48,6 +50,7 @@ def request(
     params: dict | None,
     outputs: list[int] = (),
     computed: int | None = None,
+    status: RequestStatus = RequestStatus.FINISHED_LENGTH_CAPPED,
 ) -> SimpleNamespace:
     return SimpleNamespace(
         request_id=req_id,
@@ -56,6 +59,7 @@ def request(
         output_token_ids=list(outputs),
         num_computed_tokens=len(prompt) if computed is None else computed,
         num_preemptions=0,
+        status=status,
     )
 
 
@@ -107,6 +111,37 @@ def test_a_prefill_that_ends_before_its_prompt_is_computed_is_reported_aborted()
     meta = scheduler.build_connector_meta(step(finished=["r"]))
     assert (meta.aborted, meta.finished) == ({"r"}, {"r"})
     assert scheduler.build_connector_meta(step()).aborted == set()
+
+
+def test_the_producer_sends_the_first_token_to_the_proxy_only_when_decode_goes_on() -> None:
+    """A notice when the request stopped at its token limit; none when it stopped on EOS or a
+    stop token (decode has nothing to add), was aborted, or named no valid address."""
+    context = zmq.Context()
+    proxy = context.socket(zmq.PULL)
+    port = proxy.bind_to_random_port("tcp://127.0.0.1")
+    scheduler = ProducerScheduler()
+    try:
+        cases = {
+            "length": (RequestStatus.FINISHED_LENGTH_CAPPED, f"tcp://127.0.0.1:{port}"),
+            "eos": (RequestStatus.FINISHED_STOPPED, f"tcp://127.0.0.1:{port}"),
+            "aborted": (RequestStatus.FINISHED_ABORTED, f"tcp://127.0.0.1:{port}"),
+            "bad_address": (RequestStatus.FINISHED_LENGTH_CAPPED, "127.0.0.1; rm -rf"),
+        }
+        for name, (status, address) in cases.items():
+            spec = {**SPEC, "req_id": f"d-{name}"}
+            params = {"ret_first_tok": True, "disagg_spec": spec, NOTICE_KEY: address}
+            req = request(name, [1, 2, 3], params, outputs=[9], status=status)
+            scheduler.update_state_after_alloc(req, None, 0)
+            returned = scheduler.request_finished(req)
+            assert returned == {"first_tok": 9, "disagg_req_id": f"d-{name}"}
+        assert proxy.poll(2000)
+        notice = msgspec.msgpack.decode(proxy.recv(), type=FirstTokenNotice)
+        assert notice == FirstTokenNotice("d-length", [1, 2, 3], 9)
+        assert not proxy.poll(300)  # and no other
+    finally:
+        scheduler.close()
+        proxy.close(linger=0)
+        context.term()
 
 
 def test_requests_without_or_with_a_bad_spec_are_left_alone() -> None:

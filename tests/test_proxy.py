@@ -25,6 +25,7 @@ import yaml
 import zmq
 
 from lmcache_pd import protocol
+from lmcache_pd.first_token import NOTICE_KEY
 from lmcache_pd.proxy.app import proxy_thread
 from lmcache_pd.proxy.app_thread import AppThread
 from lmcache_pd.proxy.config import proxy_config
@@ -460,6 +461,83 @@ def test_client_that_disconnects_during_prefill_cancels_it_and_never_reaches_dec
     assert prefill.state.in_flight == 0
     time.sleep(0.2)
     assert stack.decode[0].state.received == []
+
+
+# ---- first-token notices: decode asked on prefill's engine's word, before its answer ----
+
+
+def _text_of(stack: Stack, prompt: list[int], max_tokens: int, stream: bool) -> str:
+    if not stream:
+        answer = stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens)
+        return answer.choices[0].text
+    chunks = stack.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True
+    )
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("notice", [0, None], ids=["notice", "no_notice"])
+def test_decode_is_asked_on_prefills_first_token_notice_before_its_answer(
+    stacks, stream, notice
+) -> None:
+    prefill = Standin(StandinState(first_delay_s=0.5, notice_shift=notice))
+    stack = stacks(prefill=[prefill])
+    prompt = [5, 6, 7, 8]
+    assert _text_of(stack, prompt, 5, stream) == "".join(expected_tokens(prompt, 5))
+    [(prefill_asked, _, to_prefill)] = prefill.state.received
+    [(decode_asked, _, to_decode)] = stack.decode[0].state.received
+    assert to_prefill["kv_transfer_params"][NOTICE_KEY].startswith("tcp://127.0.0.1:")
+    assert to_decode["prompt"] == [*prompt, next_token(prompt)]
+    metric = "lmcache_pd_proxy_first_token_notices_total"
+    if notice is None:  # the control: decode waits for prefill's answer
+        assert decode_asked - prefill_asked >= 0.5
+        assert stack.metric(metric, outcome="after_answer") == 1
+    else:
+        assert decode_asked - prefill_asked < 0.4
+        assert stack.metric(metric, outcome="used") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_notice_that_disagrees_with_prefills_answer_is_never_what_decode_continues(
+    stacks, stream
+) -> None:
+    prefill = Standin(StandinState(first_delay_s=0.5, notice_shift=1))
+    decode = Standin(StandinState(token_delay_s=0.2))
+    stack = stacks(prefill=[prefill], decode=[decode])
+    prompt = [5, 6, 7, 8]
+    assert _text_of(stack, prompt, 5, stream) == "".join(expected_tokens(prompt, 5))
+    first = next_token(prompt)
+    asked = [body["prompt"] for _, _, body in decode.state.received]
+    assert asked == [[*prompt, first + 1], [*prompt, first]]
+    assert decode.state.cancelled == 1
+    metric = "lmcache_pd_proxy_first_token_notices_total"
+    assert stack.metric(metric, outcome="mismatched") == 1
+
+
+def test_an_answer_that_ends_at_its_first_token_cancels_decode_asked_on_its_notice(
+    stacks,
+) -> None:
+    prefill = Standin(StandinState(first_delay_s=0.5, notice_shift=0, fault=Fault.EOS_FIRST))
+    decode = Standin(StandinState(token_delay_s=0.2))
+    stack = stacks(prefill=[prefill], decode=[decode])
+    answer = stack.client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=5)
+    assert (answer.choices[0].text, answer.choices[0].finish_reason) == ("", "stop")
+    assert len(decode.state.received) == 1
+    wait_for(lambda: decode.state.cancelled == 1, 5, "decode's stream cut")
+    metric = "lmcache_pd_proxy_first_token_notices_total"
+    assert stack.metric(metric, outcome="unused") == 1
+
+
+def test_a_client_that_leaves_after_the_notice_cancels_prefill_and_decode(stacks) -> None:
+    prefill = Standin(StandinState(first_delay_s=5, notice_shift=0))
+    decode = Standin(StandinState(token_delay_s=0.2))
+    stack = stacks(prefill=[prefill], decode=[decode])
+    with pytest.raises(httpx.ReadTimeout):
+        stack.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6]}, timeout=0.5)
+    wait_for(lambda: prefill.state.cancelled == 1, 5, "prefill's request cut")
+    wait_for(lambda: decode.state.cancelled == 1, 5, "decode's stream cut")
+    assert prefill.state.in_flight == decode.state.in_flight == 0
 
 
 def test_health_checks_mark_an_instance_down_and_back_up(stacks) -> None:

@@ -28,6 +28,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
 from lmcache_pd.model_maker import ensure_model
@@ -39,6 +40,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 SERVE_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 OUTPUT_TOKENS = 8
+# How long the relay in front of decode holds each request (the first token comes meanwhile).
+DECODE_HOLD_S = 2.0
 SERVER_ARGS = ["--max-num-batched-tokens", "1024"]
 MODES = ["whole", "streamed"]
 LENGTHS = [31, 300, 1000]
@@ -287,8 +290,10 @@ class DecodeWatch:
     in the receiver's buffer within the sender's own send call, so the bytes found there are
     exactly those the proxy had sent the client before it asked decode."""
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, hold_s: float = 0.0) -> None:
+        """``hold_s``: how long each request waits in the relay before it goes on to decode."""
         self.port = free_port()
+        self._hold_s = hold_s
         self.client: socket.socket | None = None
         self.seen: list[tuple[float, bytes]] = []  # (arrival, what the client had by then)
         self._target = target_port
@@ -317,6 +322,7 @@ class DecodeWatch:
             while data := await src.read(1 << 16):
                 if note and data.startswith(b"POST "):
                     self._note()
+                    await asyncio.sleep(self._hold_s)
                 dst.write(data)
                 await dst.drain()
             dst.close()
@@ -336,52 +342,86 @@ def send_by_hand(connection: socket.socket, body: dict[str, Any]) -> None:
     return connection
 
 
-def test_first_token_reaches_the_client_before_decode_is_asked(
+def test_first_token_reaches_the_client_without_waiting_for_decode(
     served: Served, model: Path, tmp_path: Path
 ) -> None:
     """A second proxy, in its own process, fronts the same instances with decode behind a relay
-    that notes what the client had received when decode's request arrived."""
-    config = served.proxy_config()
-    decode = config["decode"][0]
-    watch = DecodeWatch(int(decode["url"].rsplit(":", 1)[1]))
-    config |= {"port": free_port(), "decode": [{**decode, "url": f"http://127.0.0.1:{watch.port}"}]}
-    path = tmp_path / "proxy.yaml"
-    path.write_text(yaml.safe_dump(config))
-    proxy = subprocess.Popen(
-        [sys.executable, "-m", "lmcache_pd.cli", "proxy", str(path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    that holds each request for a while: the first token reaches the client during that hold,
+    and decode was asked on prefill's first-token notice, before prefill's answer reached the
+    proxy (the proxy's own count; its control, the same with notices off, asks decode only
+    after the first token is sent)."""
+    for notices in (True, False):
+        config = served.proxy_config()
+        decode = config["decode"][0]
+        watch = DecodeWatch(int(decode["url"].rsplit(":", 1)[1]), hold_s=DECODE_HOLD_S)
+        config |= {
+            "port": free_port(),
+            "decode": [{**decode, "url": f"http://127.0.0.1:{watch.port}"}],
+            "first_token_notices": notices,
+        }
+        path = tmp_path / "proxy.yaml"
+        path.write_text(yaml.safe_dump(config))
+        proxy = subprocess.Popen(
+            [sys.executable, "-m", "lmcache_pd.cli", "proxy", str(path)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        url = f"http://127.0.0.1:{config['port']}"
+        try:
+            wait_for(lambda u=url: _answers(f"{u}/health"), 20, "the second proxy")
+            for length in (300, 1000):
+                _first_token_before_decode_answers(watch, config["port"], model, length, notices)
+            used = _samples(url, "lmcache_pd_proxy_first_token_notices_total", outcome="used")
+            assert used == (2 if notices else 0)
+        finally:
+            proxy.terminate()
+            proxy.wait(10)
+
+
+def _first_token_before_decode_answers(
+    watch: DecodeWatch, port: int, model: Path, length: int, notices: bool
+) -> None:
+    request = {**completion_request(model, token_prompt(length, seed=7)), "stream": True}
+    asked = len(watch.seen)
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as connection:
+        watch.client = connection
+        started = time.monotonic()
+        send_by_hand(connection, request)
+        received = b""
+        while b"data: {" not in received:
+            received += connection.recv(1 << 16)
+        first_at = time.monotonic()
+        while chunk := connection.recv(1 << 16):
+            received += chunk
+    [(asked_at, had)] = watch.seen[asked:]
+    # The first token came while decode's request was held (decode had sent nothing yet).
+    assert first_at < asked_at + DECODE_HOLD_S
+    # With notices decode is asked on the engine's word, so usually before the client has the
+    # token; without, only after the token's event is in the client's socket.
+    if not notices:
+        assert b"data: {" in had, had
+    events = [line for line in received.split(b"\n") if line.startswith(b"data: {")]
+    # vLLM may put several tokens in one event when its client lags: count tokens
+    tokens = [json.loads(event[6:])["choices"][0]["logprobs"]["tokens"] for event in events]
+    assert sum(map(len, tokens)) == OUTPUT_TOKENS and b"[DONE]" in received
+    logging.getLogger(__name__).info(
+        "%d tokens, notices %s: decode asked %.1f ms and the first token out %.1f ms after the "
+        "request",
+        length,
+        notices,
+        1e3 * (asked_at - started),
+        1e3 * (first_at - started),
     )
-    url = f"http://127.0.0.1:{config['port']}"
-    try:
-        wait_for(lambda: _answers(f"{url}/health"), 20, "the second proxy")
-        for length in (300, 1000):
-            request = {**completion_request(model, token_prompt(length, seed=7)), "stream": True}
-            asked = len(watch.seen)
-            with socket.create_connection(("127.0.0.1", config["port"]), timeout=120) as connection:
-                watch.client = connection
-                started = time.monotonic()
-                send_by_hand(connection, request)
-                wait_for(lambda n=asked: len(watch.seen) > n, 60, "decode's request")
-                asked_at, had = watch.seen[-1]
-                received = b""
-                while chunk := connection.recv(1 << 16):
-                    received += chunk
-            events = [line for line in received.split(b"\n") if line.startswith(b"data: {")]
-            first = events[0]
-            # the first token's event was in the client's socket when decode was asked
-            assert first in had, had
-            # vLLM may put several tokens in one event when its client lags: count tokens
-            tokens = [json.loads(event[6:])["choices"][0]["logprobs"]["tokens"] for event in events]
-            assert sum(map(len, tokens)) == OUTPUT_TOKENS and b"[DONE]" in received
-            logging.getLogger(__name__).info(
-                "%d tokens: decode asked %.1f ms after the request, first token already sent",
-                length,
-                1e3 * (asked_at - started),
-            )
-    finally:
-        proxy.terminate()
-        proxy.wait(10)
+
+
+def _samples(url: str, name: str, **labels: str) -> float:
+    """The value of one labelled sample of ``url``'s ``/metrics`` (0 if absent)."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
 
 
 def _answers(url: str) -> bool:

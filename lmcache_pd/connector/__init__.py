@@ -248,6 +248,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self._worker.close()
+        self._scheduler.close()
 
     def _meta(self) -> PDConnectorMetadata:
         meta = self._get_connector_metadata()

@@ -1,7 +1,8 @@
 """Scheduler-side halves of the connector: decide what to push or load, never touch KV.
 
 Both run in vLLM's engine-core process and only describe work for the worker (see
-``metadata.py``); they hold no sockets and no NIXL.
+``metadata.py``); they hold no NIXL. The producer's half holds one socket per proxy that asks
+for first-token notices (``first_token.py``), which it sends without blocking.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vllm.v1.request import RequestStatus
+
 from lmcache_pd import landed_board
 from lmcache_pd.connector.metadata import (
     LoadRequest,
@@ -20,6 +23,7 @@ from lmcache_pd.connector.metadata import (
     SaveRequest,
 )
 from lmcache_pd.errors import ProtocolError
+from lmcache_pd.first_token import NOTICE_KEY, FirstTokenNotice, NoticeSender, valid_address
 from lmcache_pd.protocol import DisaggSpec
 
 if TYPE_CHECKING:
@@ -71,6 +75,9 @@ class SchedulerHalf:
     def has_pending_push_work(self) -> bool:
         return False
 
+    def close(self) -> None:
+        return None
+
 
 @dataclass(slots=True)
 class _Push:
@@ -79,6 +86,7 @@ class _Push:
     spec: DisaggSpec
     prompt: list[int]
     ret_first_tok: bool
+    notice_to: str | None  # the proxy that wants the first token from the engine at once
     announced: bool = False  # the worker has had the prompt
 
 
@@ -94,6 +102,7 @@ class ProducerScheduler(SchedulerHalf):
         self._aborted: set[str] = set()
         # Push jobs the worker has not finished, as of its last report (or this step's saves).
         self._outstanding = 0
+        self._notices = NoticeSender()
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -101,8 +110,21 @@ class ProducerScheduler(SchedulerHalf):
         spec = disagg_spec_of(request)
         if spec is not None and request.request_id not in self._pushes:
             params = request.kv_transfer_params or {}
+            notice_to = valid_address(params.get(NOTICE_KEY))
+            if params.get(NOTICE_KEY) is not None and notice_to is None:
+                logger.warning(
+                    "req %s: ignoring %s=%r (not tcp://host:port)",
+                    request.request_id,
+                    NOTICE_KEY,
+                    params.get(NOTICE_KEY),
+                )
+            if notice_to is not None:
+                self._notices.connect(notice_to)  # up by the time the first token exists
             self._pushes[request.request_id] = _Push(
-                spec, list(request.prompt_token_ids or []), bool(params.get("ret_first_tok"))
+                spec,
+                list(request.prompt_token_ids or []),
+                bool(params.get("ret_first_tok")),
+                notice_to,
             )
 
     def build_connector_meta(self, output: SchedulerOutput) -> PDConnectorMetadata:
@@ -137,6 +159,9 @@ class ProducerScheduler(SchedulerHalf):
     def has_pending_push_work(self) -> bool:
         return self._outstanding > 0
 
+    def close(self) -> None:
+        self._notices.close()
+
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         """Blocks are freed at once: the worker copied the KV out during the step. A request
         that ends before its prompt was computed (aborted) is reported to the worker, which
@@ -147,7 +172,13 @@ class ProducerScheduler(SchedulerHalf):
         self._ended.add(request.request_id)
         if request.num_computed_tokens < len(push.prompt):
             self._aborted.add(request.request_id)
-        if not push.ret_first_tok or not request.output_token_ids:
+        if not request.output_token_ids:
+            return None
+        if push.notice_to is not None and request.status == RequestStatus.FINISHED_LENGTH_CAPPED:
+            # Stopped by its token limit, not by EOS: decode goes on from this token.
+            notice = FirstTokenNotice(push.spec.req_id, push.prompt, request.output_token_ids[0])
+            self._notices.send(push.notice_to, notice)
+        if not push.ret_first_tok:
             return None
         return {"first_tok": int(request.output_token_ids[0]), "disagg_req_id": push.spec.req_id}
 

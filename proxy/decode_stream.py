@@ -1,0 +1,76 @@
+"""Decode's stream, asked for at once and read later.
+
+The proxy asks decode as soon as it knows the first token: from prefill's engine directly (a
+first-token notice, ``lmcache_pd/first_token.py``) or from prefill's HTTP answer, whichever comes
+first. On a notice, decode's request goes out while the first token itself is still on its way
+to the client, so the request's first read runs as a task of its own; the answer reads the stream
+once it has sent the first token, and keeps it only if prefill's answer names the same prompt and
+token (``matches``). Cancelling closes the upstream connection, and vLLM aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from lmcache_pd.protocol import DisaggSpec
+from lmcache_pd.proxy.client_request import ClientRequest
+from lmcache_pd.proxy.openai_format import Piece, Usage
+from lmcache_pd.proxy.routing import Upstream
+
+if TYPE_CHECKING:
+    from lmcache_pd.proxy.flow import Disaggregator, Prefilled
+
+
+class DecodeStream:
+    """One decode request continuing ``prompt_token_ids`` + ``first_token``."""
+
+    def __init__(
+        self,
+        flow: Disaggregator,
+        client: ClientRequest,
+        member: Upstream,
+        req_id: str,
+        spec: DisaggSpec,
+        prompt_token_ids: list[int],
+        first_token: int,
+    ) -> None:
+        """Send the request now (it needs a running event loop)."""
+        self.prompt_token_ids, self.first_token = prompt_token_ids, first_token
+        self.member = member
+        body = client.decode_body(
+            prompt_token_ids, first_token, {"disagg_spec": msgspec.structs.asdict(spec)}
+        )
+        self.sent_at = time.time()
+        self._batches = flow.decode(member, req_id, body)
+        self._first = asyncio.get_running_loop().create_task(self._first_batch())
+
+    async def _first_batch(self) -> list[Piece | Usage] | None:
+        return await anext(self._batches, None)
+
+    def matches(self, prefilled: Prefilled) -> bool:
+        """Whether this stream continues the prompt and token of prefill's answer."""
+        return (
+            prefilled.first_token == self.first_token
+            and prefilled.prompt_token_ids == self.prompt_token_ids
+        )
+
+    async def batches(self) -> AsyncIterator[list[Piece | Usage]]:
+        """Decode's pieces (then its usage), a list per network read; raises ``UpstreamFailed``
+        as ``Disaggregator.decode`` does."""
+        first = await self._first
+        if first is None:
+            return
+        yield first
+        async for batch in self._batches:
+            yield batch
+
+    async def cancel(self) -> None:
+        """Stop reading and close the upstream request (a no-op once it has ended)."""
+        self._first.cancel()
+        await asyncio.gather(self._first, return_exceptions=True)
+        await self._batches.aclose()
