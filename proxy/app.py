@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import zmq
 from aiohttp import web
 
 from lmcache_pd.affinity import unpin_this_thread
@@ -114,8 +115,14 @@ class Proxy:
             max_field_size=MAX_EVENT_BYTES,
         )
         if self.config.first_token_notices:
-            self._notices = NoticeBoard(self.config.host)
-            self._notices.start()
+            try:
+                self._notices = NoticeBoard(self.config.host)
+            except zmq.ZMQError as exc:  # serve anyway: a notice is only a head start
+                logger.warning(
+                    "no first-token notices (cannot listen on %s): %s", self.config.host, exc
+                )
+            else:
+                self._notices.start()
         self._flow = Disaggregator(
             self._session, self.prefill, self.config.timeouts, self.metrics, self._notices
         )

@@ -176,8 +176,10 @@ class ProducerScheduler(SchedulerHalf):
             return None
         if push.notice_to is not None and request.status == RequestStatus.FINISHED_LENGTH_CAPPED:
             # Stopped by its token limit, not by EOS: decode goes on from this token.
-            notice = FirstTokenNotice(push.spec.req_id, push.prompt, request.output_token_ids[0])
-            self._notices.send(push.notice_to, notice)
+            first = int(request.output_token_ids[0])
+            self._notices.send(
+                push.notice_to, FirstTokenNotice(push.spec.req_id, push.prompt, first)
+            )
         if not push.ret_first_tok:
             return None
         return {"first_tok": int(request.output_token_ids[0]), "disagg_req_id": push.spec.req_id}
