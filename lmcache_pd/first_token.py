@@ -127,7 +127,6 @@ class NoticeBoard:
         self._waiting: dict[str, asyncio.Future[FirstTokenNotice]] = {}
         self._addresses: dict[str, str] = {}  # by prefill URL
         self._reader: asyncio.Task | None = None
-        self.unreadable = 0  # messages that were not notices
 
     def start(self) -> None:
         self._reader = asyncio.get_running_loop().create_task(self._read())
@@ -161,17 +160,19 @@ class NoticeBoard:
             future.cancel()
 
     async def _read(self) -> None:
-        while True:
-            raw = await self._socket.recv()
-            try:
-                notice = _decoder.decode(raw)
-            except msgspec.DecodeError as exc:
-                self.unreadable += 1
-                logger.warning("an unreadable first-token notice (%d bytes): %s", len(raw), exc)
-                continue
-            future = self._waiting.pop(notice.req_id, None)
-            if future is not None and not future.done():
-                future.set_result(notice)
+        try:
+            while True:
+                raw = await self._socket.recv()
+                try:
+                    notice = _decoder.decode(raw)
+                except msgspec.DecodeError as exc:
+                    logger.warning("an unreadable first-token notice (%d bytes): %s", len(raw), exc)
+                    continue
+                future = self._waiting.pop(notice.req_id, None)
+                if future is not None and not future.done():
+                    future.set_result(notice)
+        except zmq.ZMQError:  # decode is asked on prefill's answers from now on
+            logger.exception("first-token notices stopped")
 
 
 def _local_address_towards(url: str) -> str:

@@ -529,6 +529,26 @@ def test_an_answer_that_ends_at_its_first_token_cancels_decode_asked_on_its_noti
     assert stack.metric(metric, outcome="unused") == 1
 
 
+def test_garbage_on_the_notice_port_is_ignored_and_notices_keep_working(stacks) -> None:
+    prefill = Standin(StandinState(first_delay_s=0.3, notice_shift=0))
+    stack = stacks(prefill=[prefill])
+    prompt = [5, 6, 7, 8]
+    assert _text_of(stack, prompt, 3, False) == "".join(expected_tokens(prompt, 3))
+    address = prefill.state.received[0][2]["kv_transfer_params"][NOTICE_KEY]
+    context = zmq.Context()
+    try:
+        sender = context.socket(zmq.PUSH)
+        sender.connect(address)
+        sender.send(b"\xc1 not msgpack")
+        sender.send(b"\x93\x01\x02")  # an array, but not a notice
+        sender.close(linger=1000)
+    finally:
+        context.term()
+    assert _text_of(stack, prompt, 3, True) == "".join(expected_tokens(prompt, 3))
+    metric = "lmcache_pd_proxy_first_token_notices_total"
+    assert stack.metric(metric, outcome="used") == 2
+
+
 def test_a_client_that_leaves_after_the_notice_cancels_prefill_and_decode(stacks) -> None:
     prefill = Standin(StandinState(first_delay_s=5, notice_shift=0))
     decode = Standin(StandinState(token_delay_s=0.2))
