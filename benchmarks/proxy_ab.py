@@ -27,16 +27,14 @@ import typer
 import yaml
 from rich.console import Console
 
+from lmcache_pd.benchmarks.serving import DEFAULT_MODEL
 from lmcache_pd.benchmarks.serving_load import Workload, run_load, summarize
 from lmcache_pd.benchmarks.serving_systems import make_system
 from lmcache_pd.model_maker import ensure_model
 from lmcache_pd.proxy.launcher import unused_port
 from lmcache_pd.vllm_server import wait_until_healthy
 
-logger = logging.getLogger(__name__)
-
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "proxy-ab.json"
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".cache" / "tiny-llama"
 METRICS = ("ttft_ms_p50", "itl_ms_p50", "first_gap_ms_p50", "first_gap_over_itl_p50", "e2e_ms_p50")
 PROXY_START_TIMEOUT_S = 60.0
 SETTING_HELP = "KEY=VALUE of side B's proxy config (the value as YAML)"

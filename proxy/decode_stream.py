@@ -41,7 +41,6 @@ class DecodeStream:
     ) -> None:
         """Send the request now (it needs a running event loop)."""
         self.prompt_token_ids, self.first_token = prompt_token_ids, first_token
-        self.member = member
         body = client.decode_body(
             prompt_token_ids, first_token, {"disagg_spec": msgspec.structs.asdict(spec)}
         )
