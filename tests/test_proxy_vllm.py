@@ -42,6 +42,9 @@ STOP_TIMEOUT_S = 60.0
 OUTPUT_TOKENS = 8
 # How long the relay in front of decode holds each request (the first token comes meanwhile).
 DECODE_HOLD_S = 2.0
+# How long the relay in front of prefill holds each answer: far longer than a notice takes, so
+# that with notices decode is always asked before the answer reaches the proxy.
+PREFILL_ANSWER_HOLD_S = 1.0
 SERVER_ARGS = ["--max-num-batched-tokens", "1024"]
 MODES = ["whole", "streamed"]
 LENGTHS = [31, 300, 1000]
@@ -284,16 +287,18 @@ def test_usage_and_models_read_as_from_one_instance(
     assert [m.id for m in client_of(served.url).models.list()] == [str(model)]
 
 
-class DecodeWatch:
-    """A TCP relay in front of decode. When a request reaches it, it notes the time and looks,
-    without reading, at what the client's socket has already received: on loopback a send lands
-    in the receiver's buffer within the sender's own send call, so the bytes found there are
-    exactly those the proxy had sent the client before it asked decode."""
+class Relay:
+    """A TCP relay in front of an instance. When a request reaches it, it notes the time and
+    looks, without reading, at what the client's socket has already received: on loopback a send
+    lands in the receiver's buffer within the sender's own send call, so the bytes found there
+    are exactly those the proxy had sent the client before it asked the instance."""
 
-    def __init__(self, target_port: int, hold_s: float = 0.0) -> None:
-        """``hold_s``: how long each request waits in the relay before it goes on to decode."""
+    def __init__(self, target_port: int, hold_s: float = 0.0, answer_hold_s: float = 0.0) -> None:
+        """``hold_s``: how long each request waits in the relay before it goes on;
+        ``answer_hold_s``: how long each answer waits before it goes back."""
         self.port = free_port()
         self._hold_s = hold_s
+        self._answer_hold_s = answer_hold_s
         self.client: socket.socket | None = None
         self.seen: list[tuple[float, bytes]] = []  # (arrival, what the client had by then)
         self._target = target_port
@@ -320,11 +325,13 @@ class DecodeWatch:
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._target)
 
-        async def pipe(src, dst, note: bool) -> None:
+        async def pipe(src, dst, asking: bool) -> None:
             while data := await src.read(1 << 16):
-                if note and data.startswith(b"POST "):
+                if asking and data.startswith(b"POST "):
                     self._note()
                     await asyncio.sleep(self._hold_s)
+                elif not asking and data.startswith(b"HTTP/"):
+                    await asyncio.sleep(self._answer_hold_s)
                 dst.write(data)
                 await dst.drain()
             dst.close()
@@ -348,16 +355,18 @@ def test_first_token_reaches_the_client_without_waiting_for_decode(
     served: Served, model: Path, tmp_path: Path
 ) -> None:
     """A second proxy, in its own process, fronts the same instances with decode behind a relay
-    that holds each request for a while: the first token reaches the client during that hold,
-    and decode was asked on prefill's first-token notice, before prefill's answer reached the
-    proxy (the proxy's own count; its control, the same with notices off, asks decode only
-    after the first token is sent)."""
+    that holds each request for a while, and prefill behind one that holds each answer: the first
+    token reaches the client during decode's hold, and decode was asked on prefill's first-token
+    notice, before prefill's answer reached the proxy (the proxy's own count; its control, the
+    same with notices off, asks decode only after the first token is sent)."""
     for notices in (True, False):
         config = served.proxy_config()
-        decode = config["decode"][0]
-        watch = DecodeWatch(int(decode["url"].rsplit(":", 1)[1]), hold_s=DECODE_HOLD_S)
+        decode, prefill = config["decode"][0], config["prefill"][0]
+        watch = Relay(_port_of(decode["url"]), hold_s=DECODE_HOLD_S)
+        slow_prefill = Relay(_port_of(prefill["url"]), answer_hold_s=PREFILL_ANSWER_HOLD_S)
         config |= {
             "port": free_port(),
+            "prefill": [{**prefill, "url": f"http://127.0.0.1:{slow_prefill.port}"}],
             "decode": [{**decode, "url": f"http://127.0.0.1:{watch.port}"}],
             "first_token_notices": notices,
         }
@@ -380,13 +389,17 @@ def test_first_token_reaches_the_client_without_waiting_for_decode(
             proxy.wait(10)
 
 
+def _port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
 def _first_token_before_decode_answers(
-    watch: DecodeWatch, port: int, model: Path, length: int, notices: bool
+    watch: Relay, port: int, model: Path, length: int, notices: bool
 ) -> None:
-    """With notices decode is asked on the engine's word, usually before the client has the
-    token: the client reads at once, and its first token must come while decode's request is
-    held. Without, the client reads nothing until decode is asked, and the token's event must
-    be in its socket by then."""
+    """With notices decode is asked on the engine's word, before the client has the token (whose
+    answer the relay holds): the client reads at once, and its first token must come after decode
+    was asked and while decode's request is held. Without, the client reads nothing until decode
+    is asked, and the token's event must be in its socket by then."""
     request = {**completion_request(model, token_prompt(length, seed=7)), "stream": True}
     asked = len(watch.seen)
     with socket.create_connection(("127.0.0.1", port), timeout=120) as connection:
@@ -406,7 +419,7 @@ def _first_token_before_decode_answers(
     [(asked_at, had)] = watch.seen[asked:]
     events = [line for line in received.split(b"\n") if line.startswith(b"data: {")]
     if notices:
-        assert first_at < asked_at + DECODE_HOLD_S
+        assert asked_at < first_at < asked_at + DECODE_HOLD_S
     else:
         assert events[0] in had, had
     # vLLM may put several tokens in one event when its client lags: count tokens
