@@ -144,7 +144,7 @@ class LmcachePD:
                 continue
             push_start = min(p["start"] for p in own_pushes)
             push_end = max(p["end"] for p in own_pushes)
-            phases[f"cmpl-{req_id}"] = {
+            phases[f"cmpl-{req_id}"] = first_gap_stages(record, load) | {
                 "prefill_ms": (prefilled - record["arrived"]) * 1e3,
                 "kv_bytes": sum(p.get("bytes", 0) for p in own_pushes),
                 "chunks_skipped": sum(p.get("skipped", 0) for p in own_pushes),
@@ -160,6 +160,24 @@ class LmcachePD:
                 "done": record["done"],
             }
         return phases
+
+
+def first_gap_stages(proxy: dict[str, Any], load: dict[str, Any]) -> dict[str, float]:
+    """Where the first-to-second-token gap goes, in ms: how long before the client's first token
+    decode was asked (``first_token.py``'s head start), from then until decode's step begins
+    (its API server and the step it waits behind), the load in that step, and from the load to
+    decode's first token at the proxy (the rest of the step, vLLM's output path, the relay)."""
+    sent, first = proxy.get("decode_sent"), proxy.get("first_sent")
+    token = proxy.get("decode_first")
+    if sent is None or first is None or token is None:
+        return {}
+    return {
+        "decode_head_start_ms": (first - sent) * 1e3,
+        "decode_asked_to_step_ms": (load["queued_at"] - sent) * 1e3,
+        "load_ms": (load["done_at"] - load["queued_at"]) * 1e3,
+        "load_to_decode_token_ms": (token - load["done_at"]) * 1e3,
+        "gap_at_proxy_ms": (token - first) * 1e3,
+    }
 
 
 class LmcachePDNoCache(LmcachePD):

@@ -78,6 +78,11 @@ def test_a_short_run_of_every_default_system_writes_sane_results(tmp_path: Path)
     assert ours["loaded_fraction"] == 1.0  # decode loaded every prompt's KV
     assert ours["kv_mib_per_request"] > 0 and ours["transfer_ms_p50"] > 0
     assert ours["prefill_ms_p50"] > 0 and ours["exposed_transfer_ms_p50"] > 0
+    # the first-to-second-token gap in stages, joined from the proxy's and decode's traces
+    for stage in ("decode_asked_to_step", "load", "load_to_decode_token", "gap_at_proxy"):
+        assert ours[f"{stage}_ms_p50"] > 0, stage
+    assert "decode_head_start_ms_p50" in ours
+    assert "gap_at_proxy_ms_p50" not in records[("colocated", "300/4")]
     # decode's own counters: every prompt token it lacked was loaded, none computed but the last
     assert ours["decode_tokens_loaded"] == 3 * 300
     assert ours["decode_lacked_loaded_fraction"] == 1.0
@@ -90,4 +95,5 @@ def test_a_short_run_of_every_default_system_writes_sane_results(tmp_path: Path)
     assert "prefill_ms_p50" not in records[("colocated", "300/4")]
     for plot in ("serving_ttft_cdf.png", "serving_itl_cdf.png", "serving_timeline.png"):
         assert (tmp_path / plot).stat().st_size > 10_000
-    assert "| lmcache-pd | 300/4 |" in output.with_suffix(".md").read_text()
+    report = output.with_suffix(".md").read_text()
+    assert "| lmcache-pd | 300/4 |" in report and "| load to decode's 1st token |" in report

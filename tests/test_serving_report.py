@@ -8,6 +8,7 @@ import pytest
 
 from lmcache_pd.benchmarks.serving import goals, markdown
 from lmcache_pd.benchmarks.serving_load import RequestResult, summarize
+from lmcache_pd.benchmarks.serving_systems import first_gap_stages
 
 
 def request(ttft: float, gaps: list[float], error: str | None = None) -> RequestResult:
@@ -69,3 +70,18 @@ def test_without_prefill_cores_in_the_run_no_disaggregation_cost_is_claimed() ->
     found = goals([record("lmcache-pd", 104.0), record("colocated", 80.0)])
     assert "ttft_p50_vs_prefill_cores" not in found  # the control: nothing to compare with
     assert "ttft_p50_vs_colocated" in found
+
+
+def test_the_gap_at_the_proxy_is_split_into_stages_that_add_up() -> None:
+    proxy = {"decode_sent": 10.000, "first_sent": 10.004, "decode_first": 10.022}
+    load = {"queued_at": 10.010, "done_at": 10.012}
+    stages = first_gap_stages(proxy, load)
+    assert stages["decode_head_start_ms"] == pytest.approx(4.0)
+    assert stages["decode_asked_to_step_ms"] == pytest.approx(10.0)
+    assert stages["load_ms"] == pytest.approx(2.0)
+    assert stages["load_to_decode_token_ms"] == pytest.approx(10.0)
+    in_decode = ("decode_asked_to_step_ms", "load_ms", "load_to_decode_token_ms")
+    decode_ms = sum(stages[k] for k in in_decode)
+    assert stages["gap_at_proxy_ms"] == pytest.approx(decode_ms - stages["decode_head_start_ms"])
+    # a request decode never answered has no stages (the control)
+    assert first_gap_stages({"decode_sent": 10.0, "first_sent": 10.004}, load) == {}
