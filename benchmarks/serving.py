@@ -311,36 +311,37 @@ def markdown(records: list[dict[str, Any]], found: dict[str, Any]) -> str:
             f" | {r.get('kv_mib_received_per_request', 0):.2f} |"
         )
     ours = [r for r in records if "prefill_ms_p50" in r]
-    if ours:
-        lines += [
-            "",
-            "| lmcache-pd workload | prefill p50 | KV MiB/req | push p50 | exposed p50 | "
-            "exposed/prefill | chunks not resent | KV loaded |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        lines += [
-            f"| {r['workload']} | {r['prefill_ms_p50']:.1f} | {r['kv_mib_per_request']:.2f}"
+    lines += _subtable(
+        "prefill p50 | KV MiB/req | push p50 | exposed p50 | exposed/prefill | "
+        "chunks not resent | KV loaded",
+        [
+            f"{r['prefill_ms_p50']:.1f} | {r['kv_mib_per_request']:.2f}"
             f" | {r['transfer_ms_p50']:.1f} | {r['exposed_transfer_ms_p50']:.1f}"
             f" | {r['exposed_over_prefill']:.2f} | {r['chunks_skipped_per_request']:.0f}"
-            f" | {r['loaded_fraction']:.0%} |"
+            f" | {r['loaded_fraction']:.0%}"
             for r in ours
-        ]
+        ],
+        ours,
+    )
     staged = [r for r in ours if "gap_at_proxy_ms_p50" in r]
-    if staged:
-        lines += [
-            "",
-            "| lmcache-pd workload | decode asked before 1st token | asked to decode's step | "
-            "load | load to decode's 1st token | 1st-2nd gap at proxy |",
-            "|---|---|---|---|---|---|",
-        ]
-        lines += [
-            f"| {r['workload']} | "
-            + " | ".join(f"{r[f'{stage}_p50']:.1f}" for stage in GAP_STAGES)
-            + " |"
-            for r in staged
-        ]
+    lines += _subtable(
+        "decode asked before 1st token | asked to decode's step | load | "
+        "load to decode's 1st token | 1st-2nd gap at proxy",
+        [" | ".join(f"{r[f'{stage}_p50']:.1f}" for stage in GAP_STAGES) for r in staged],
+        staged,
+    )
     lines += ["", "Goals:", *(f"- {name}: {value}" for name, value in found.items())]
     return "\n".join(lines) + "\n"
+
+
+def _subtable(columns: str, cells: list[str], records: list[dict[str, Any]]) -> list[str]:
+    """A Markdown table of lmcache-pd's records, one row per workload; none without records."""
+    if not records:
+        return []
+    header = f"| lmcache-pd workload | {columns} |"
+    rule = "|---" * (header.count("|") - 1) + "|"
+    rows = [f"| {r['workload']} | {row} |" for r, row in zip(records, cells, strict=True)]
+    return ["", header, rule, *rows]
 
 
 def _table(records: list[dict[str, Any]]) -> Table:
