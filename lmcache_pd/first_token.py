@@ -41,6 +41,9 @@ SEND_QUEUE = 64
 MAX_PROXIES = 16
 # A notice carries the prompt; a proxy refuses any larger message than this (a 1M-token prompt).
 MAX_NOTICE_BYTES = 8 << 20
+# Hosts that mean "every interface": the proxy then names, per prefill instance, its own address
+# on the route there.
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 class FirstTokenNotice(msgspec.Struct, frozen=True, array_like=True):
@@ -86,15 +89,13 @@ class NoticeSender:
             _, oldest = self._sockets.popitem(last=False)
             oldest.close()
 
-    def send(self, address: str, notice: FirstTokenNotice) -> bool:
-        """Queue the notice; False (and nothing else) if it cannot go now."""
+    def send(self, address: str, notice: FirstTokenNotice) -> None:
+        """Queue the notice; if it cannot go now, drop it (the proxy waits for the answer)."""
         self.connect(address)
         try:
             self._sockets[address].send(_encoder.encode(notice), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             logger.debug("req %s: notice to %s not sent: %s", notice.req_id, address, exc)
-            return False
-        return True
 
     def close(self) -> None:
         for sock in self._sockets.values():
@@ -119,7 +120,7 @@ class NoticeBoard:
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_NOTICE_BYTES)
-        bind_host = "*" if host in ("0.0.0.0", "::", "") else host
+        bind_host = "*" if host in WILDCARD_HOSTS else host
         if ":" in bind_host:
             self._socket.setsockopt(zmq.IPV6, 1)
             bind_host = f"[{bind_host}]"
@@ -142,7 +143,7 @@ class NoticeBoard:
         address = self._addresses.get(prefill_url)
         if address is None:
             host = self._host
-            if host in ("0.0.0.0", "::", ""):
+            if host in WILDCARD_HOSTS:
                 host = _local_address_towards(prefill_url)
             if ":" in host:
                 host = f"[{host}]"

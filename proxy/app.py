@@ -375,7 +375,7 @@ class Proxy:
             await asyncio.wait((prefill, notice), return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._notices.forget(spec.req_id)
-        if prefill.done() or not notice.done() or notice.cancelled():
+        if prefill.done():  # else the wait ended on the notice
             self.metrics.first_token_notices.labels("after_answer").inc()
             return None
         got: FirstTokenNotice = notice.result()

@@ -6,6 +6,7 @@ import socket
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import yaml
@@ -84,3 +85,14 @@ def wait_for(predicate, timeout_s: float = 5.0, what: str = "condition") -> None
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(0.005)
+
+
+def metric_sample(url: str, name: str, **labels: str) -> float:
+    """One sample of ``url``'s ``/metrics``, with exactly ``labels`` (0 if absent)."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        if sample == (f"{name}{{{wanted}}}" if labels else name):
+            return float(value)
+    return 0.0

@@ -32,7 +32,7 @@ from lmcache_pd.proxy.config import proxy_config
 from lmcache_pd.proxy.routing import NoHealthyInstance, Pool, Role, Upstream
 from lmcache_pd.proxy.standin import Fault, Standin, StandinState, next_token
 from lmcache_pd.vllm_server import wait_until_healthy
-from tests.helpers import free_port, wait_for
+from tests.helpers import free_port, metric_sample, wait_for
 
 MODEL = "tiny"
 
@@ -85,13 +85,7 @@ class Stack:
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of the proxy's /metrics (0 if absent)."""
-        text = httpx.get(f"{self.proxy.url}/metrics").text
-        wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        for line in text.splitlines():
-            sample, _, value = line.rpartition(" ")
-            if sample == (f"{name}{{{wanted}}}" if labels else name):
-                return float(value)
-        return 0.0
+        return metric_sample(self.proxy.url, name, **labels)
 
     def close(self) -> None:
         self._exit.close()

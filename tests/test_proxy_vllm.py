@@ -28,13 +28,12 @@ import httpx
 import openai
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
 from lmcache_pd.model_maker import ensure_model
 from lmcache_pd.proxy.config import MIN_DISAGG_TOKENS
 from lmcache_pd.vllm_server import VLLMServer
-from tests.helpers import free_port, wait_for
+from tests.helpers import free_port, metric_sample, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 SERVE_TIMEOUT_S = 300.0
@@ -382,7 +381,7 @@ def test_first_token_reaches_the_client_without_waiting_for_decode(
             wait_for(lambda u=url: _answers(f"{u}/health"), 20, "the second proxy")
             for length in (300, 1000):
                 _first_token_before_decode_answers(watch, config["port"], model, length, notices)
-            used = _samples(url, "lmcache_pd_proxy_first_token_notices_total", outcome="used")
+            used = metric_sample(url, "lmcache_pd_proxy_first_token_notices_total", outcome="used")
             assert used == (2 if notices else 0)
         finally:
             proxy.terminate()
@@ -432,16 +431,6 @@ def _first_token_before_decode_answers(
         1e3 * (asked_at - started),
         1e3 * (first_at - started),
     )
-
-
-def _samples(url: str, name: str, **labels: str) -> float:
-    """The value of one labelled sample of ``url``'s ``/metrics`` (0 if absent)."""
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
 
 
 def _answers(url: str) -> bool:

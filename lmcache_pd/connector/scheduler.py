@@ -110,13 +110,14 @@ class ProducerScheduler(SchedulerHalf):
         spec = disagg_spec_of(request)
         if spec is not None and request.request_id not in self._pushes:
             params = request.kv_transfer_params or {}
-            notice_to = valid_address(params.get(NOTICE_KEY))
-            if params.get(NOTICE_KEY) is not None and notice_to is None:
+            asked = params.get(NOTICE_KEY)
+            notice_to = valid_address(asked)
+            if asked is not None and notice_to is None:
                 logger.warning(
                     "req %s: ignoring %s=%r (not tcp://host:port)",
                     request.request_id,
                     NOTICE_KEY,
-                    params.get(NOTICE_KEY),
+                    asked,
                 )
             if notice_to is not None:
                 self._notices.connect(notice_to)  # up by the time the first token exists
