@@ -19,7 +19,8 @@ scheduled it (as the service posted on its ``landed_board``): it is loaded befor
 forward pass, and the wait has a deadline.
 
 The service exits when its worker does: on end of file from the socketpair, or when its parent
-process changes (checked every ``PARENT_CHECK_S``).
+process changes (checked every ``PARENT_CHECK_S``), or on SIGTERM, which the launcher sends the
+instance's whole process group; each way closes the consumer, so nothing of it is left behind.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -312,6 +314,7 @@ def _serve(memory: int, connection: Connection) -> None:
         buffer = _map(memory, receive_buffer_bytes(setup.config))
     os.close(memory)
     commands = msgspec.msgpack.Decoder(Command)
+    signal.signal(signal.SIGTERM, _unwind)
     board = None if setup.board is None else Path(setup.board)
     with Consumer(
         setup.config, ChunkKeyer(**setup.keyer), profile=setup.profile, buffer=buffer, board=board
@@ -331,6 +334,13 @@ def _serve(memory: int, connection: Connection) -> None:
             if isinstance(command, Stop):
                 return
             _answer(consumer, connection, command)
+
+
+def _unwind(signum: int, _: object) -> None:
+    """SIGTERM unwinds the service like a Stop: the ``with`` closes its consumer (its sockets,
+    NIXL agent and landed board) instead of the process vanishing with them."""
+    logger.info("signal %d: stopping", signum)
+    raise SystemExit(0)
 
 
 def _answer(consumer: Consumer, connection: Connection, command: Command) -> None:

@@ -12,9 +12,11 @@ import ctypes
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -197,6 +199,11 @@ class VLLMServer:
         self.url = f"http://{host}:{port}"
         self.model = str(model)
         self.log_path = log_path
+        # vLLM's IPC sockets go here, not into the shared temporary directory: vLLM leaves
+        # them behind when it stops (7 per instance, seen by the thousand in /tmp), and this
+        # folder is removed with the instance.
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix=f"lmcache-pd-vllm-{port}-"))
+        runtime = {"VLLM_RPC_BASE_PATH": str(self.runtime_dir)}
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         self._process = subprocess.Popen(
             command,
@@ -208,7 +215,7 @@ class VLLMServer:
             # consumer services with it, while TP-2 workers spun beside it.
             process_group=0,
             preexec_fn=functools.partial(_prepare_child, cpus),
-            env={**os.environ, **server_env(cpu=cpu, env=env)},
+            env={**os.environ, **runtime, **server_env(cpu=cpu, env=env)},
         )
         if wait:
             self.wait_until_healthy()
@@ -282,8 +289,8 @@ class VLLMServer:
 
     def stop(self) -> None:
         """SIGTERM the server's whole process group (vLLM's engine processes are in it) and
-        wait until every member is gone; SIGKILL whatever outlives ``STOP_TIMEOUT_S``.
-        Idempotent."""
+        wait until every member is gone; SIGKILL whatever outlives ``STOP_TIMEOUT_S``; then
+        remove its ``runtime_dir``. Idempotent."""
         group = self._process.pid  # process_group=0: the group id is the server's pid
         if self._process.poll() is None:
             os.killpg(group, signal.SIGTERM)
@@ -300,6 +307,7 @@ class VLLMServer:
                 os.killpg(group, signal.SIGKILL)
             self._process.wait(STOP_TIMEOUT_S)
             _group_gone(group, STOP_TIMEOUT_S)
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
         self._log.close()
 
     def __enter__(self) -> VLLMServer:

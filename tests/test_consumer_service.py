@@ -124,42 +124,74 @@ def test_control_a_consumer_inside_the_worker_stalls_with_it(producer: ProducerP
 
 SERVICE_OWNER = """
 import sys, time
+from pathlib import Path
+from lmcache_pd import landed_board
 from lmcache_pd.config import load_config
 from lmcache_pd.consumer_service import ConsumerService
 from lmcache_pd.integrity import checksum
 from lmcache_pd.keys import ChunkKeyer
 keyer = ChunkKeyer(model_name="m", world_size=1, worker_id=0, kv_dtype="float32", chunk_size=256)
-service = ConsumerService(load_config(sys.argv[1]), keyer)
+board = Path(sys.argv[3])
+service = ConsumerService(load_config(sys.argv[1]), keyer, board=board)
+landed_board.post(board, {})  # as the service does when chunks land
 with open(sys.argv[2], "w") as out:
     out.write(str(service.pid))
 time.sleep(600)
 """
 
 
-def test_the_consumer_process_ends_with_its_worker_and_frees_its_ports(tmp_path: Path) -> None:
-    fields = consumer_fields()
-    config = write_config(tmp_path, "consumer", **fields)
-    pid_file = tmp_path / "service.pid"
+def start_service_owner(directory: Path, fields: dict) -> tuple[subprocess.Popen, int, Path]:
+    """A process that starts a consumer service (in its own process group, as a vLLM instance
+    is), the service's pid, and its landed board."""
+    config = write_config(directory, "consumer", **fields)
+    pid_file, board = directory / "service.pid", directory / "landed-board"
     owner = subprocess.Popen(
-        [sys.executable, "-c", SERVICE_OWNER, str(config), str(pid_file)],
+        [sys.executable, "-c", SERVICE_OWNER, str(config), str(pid_file), str(board)],
         stdout=subprocess.DEVNULL,
         start_new_session=True,
     )
     try:
         wait_for(pid_file.exists, timeout_s=60.0, what="the service to start")
         wait_for(lambda: pid_file.read_text() != "", what="its pid")
-        service_pid = int(pid_file.read_text())
+    except BaseException:
+        stop_group(owner)
+        raise
+    assert board.exists()
+    return owner, int(pid_file.read_text()), board
+
+
+def stop_group(owner: subprocess.Popen) -> None:
+    if owner.poll() is None:
+        os.killpg(owner.pid, signal.SIGKILL)
+        owner.wait(10)
+
+
+def test_the_consumer_process_ends_with_its_worker_and_frees_its_ports(tmp_path: Path) -> None:
+    fields = consumer_fields()
+    owner, service_pid, board = start_service_owner(tmp_path, fields)
+    try:
         os.kill(service_pid, 0)  # it runs
-        owner.send_signal(signal.SIGKILL)  # as the launcher or a crash ends a decode instance
+        owner.send_signal(signal.SIGKILL)  # as a crash ends a decode instance's worker
         owner.wait(10)
         wait_for(lambda: not alive(service_pid), timeout_s=5.0, what="the service to end")
     finally:
-        if owner.poll() is None:
-            os.killpg(owner.pid, signal.SIGKILL)
-            owner.wait(10)
+        stop_group(owner)
+    assert not board.exists()
     # its ports can be bound again by the instance that replaces it
     with Consumer(load_config(None, environ={}, **fields), keyer()) as again:
         assert again.used_pages == 0
+
+
+def test_the_consumer_process_stopped_with_its_instance_removes_its_board(tmp_path: Path) -> None:
+    """The launcher stops a vLLM instance by SIGTERM to its whole process group, the service
+    included: it must leave nothing behind (boards were found left by the hundred in /tmp)."""
+    owner, service_pid, board = start_service_owner(tmp_path, consumer_fields())
+    try:
+        os.killpg(owner.pid, signal.SIGTERM)
+        wait_for(lambda: not alive(service_pid), timeout_s=10.0, what="the service to end")
+    finally:
+        stop_group(owner)
+    assert not board.exists()
 
 
 def alive(pid: int) -> bool:

@@ -127,10 +127,15 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
     logs = tmp_path_factory.mktemp("reference")
     with VLLMServer(model, free_port(), logs / "plain.log", cpu=0, extra_args=SERVER_ARGS) as plain:
-        return {
+        answers = {
             name: answer(plain.complete(body(model, tokens, OUTPUT_TOKENS)))
             for name, tokens in PROMPTS.items()
         }
+        sockets = list(plain.runtime_dir.iterdir())
+    # vLLM put its IPC sockets in the instance's own folder, and they went with it.
+    assert sockets, "vLLM did not use the instance's runtime_dir"
+    assert not plain.runtime_dir.exists()
+    return answers
 
 
 class PDPair:
