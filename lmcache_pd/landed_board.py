@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 import msgspec
@@ -27,9 +26,12 @@ logger = logging.getLogger(__name__)
 _decode = msgspec.msgpack.Decoder(dict[str, int])
 
 
-def board_path(instance_id: str, rank: int) -> Path:
-    """The board of one rank of one vLLM instance (its scheduler and workers share the id)."""
-    return Path(tempfile.gettempdir()) / f"lmcache-pd-landed-{instance_id}-rank{rank}"
+def board_path(directory: Path, instance_id: str, rank: int) -> Path:
+    """The board of one rank of one vLLM instance (its scheduler and workers share the id), in
+    ``directory``: vLLM's own folder for its IPC sockets (``VLLM_RPC_BASE_PATH``), which our
+    launcher makes per instance and removes with it, so that a board outlives no instance, even
+    one that was killed."""
+    return directory / f"lmcache-pd-landed-{instance_id}-rank{rank}"
 
 
 def post(path: Path, landed: dict[str, int]) -> None:

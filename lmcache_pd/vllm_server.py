@@ -12,6 +12,7 @@ import ctypes
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,6 +43,8 @@ TINY_MODEL_ARGS = (
     "0",
 )
 PR_SET_PDEATHSIG = 1
+DIST_INIT_FILE = re.compile(r"distributed_init_method=file://(\S*/vllm_dist_[0-9a-f]{32})\b")
+SHARED_MEMORY = Path("/dev/shm")
 STOP_TIMEOUT_S = 20.0
 # Batch sizes of the requests ``warm_up`` sends. vLLM compiles its logprobs kernel
 # (``batched_count_greater_than``, torch.compile'd even with --enforce-eager) on first use, once
@@ -138,6 +141,24 @@ def server_env(*, cpu: int | str | None, env: dict[str, str] | None = None) -> d
         **pinning,
         **(env or {}),
     }
+
+
+def worker_leftovers(log_path: Path) -> list[Path]:
+    """What a stopped vLLM's CPU workers leave, found from its log: the file their
+    torch.distributed group met at (``distributed_init_method=file://...vllm_dist_<hex>``, one
+    per instance) and, with tensor parallelism, their all-reduce's shared memory named after it
+    (``/dev/shm/vllm_dist_<hex>-...cpushm_N``, 4 MiB each). vLLM unlinks neither, however it is
+    stopped. Nothing is found if vLLM's log line changes: then they stay, as before."""
+    try:
+        log = log_path.read_text(errors="replace")
+    except OSError:
+        return []
+    found: list[Path] = []
+    for init_file in sorted(set(DIST_INIT_FILE.findall(log))):
+        path = Path(init_file)
+        found.append(path)
+        found.extend(SHARED_MEMORY.glob(f"{path.name}-*cpushm*"))
+    return found
 
 
 def _group_gone(group: int, timeout_s: float) -> bool:
@@ -290,7 +311,7 @@ class VLLMServer:
     def stop(self) -> None:
         """SIGTERM the server's whole process group (vLLM's engine processes are in it) and
         wait until every member is gone; SIGKILL whatever outlives ``STOP_TIMEOUT_S``; then
-        remove its ``runtime_dir``. Idempotent."""
+        remove its ``runtime_dir`` and what its workers left (``worker_leftovers``). Idempotent."""
         group = self._process.pid  # process_group=0: the group id is the server's pid
         if self._process.poll() is None:
             os.killpg(group, signal.SIGTERM)
@@ -309,6 +330,9 @@ class VLLMServer:
             _group_gone(group, STOP_TIMEOUT_S)
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
         self._log.close()
+        for path in worker_leftovers(self.log_path):
+            with contextlib.suppress(OSError):
+                path.unlink()
 
     def __enter__(self) -> VLLMServer:
         return self

@@ -150,6 +150,7 @@ class InstanceActor:
                 self._member.name,
                 self._server.tail(20),
             )
+            self._server.stop()  # whatever of its group lives on, and what it left behind
             os._exit(1)
 
     def describe(self) -> InstanceState:

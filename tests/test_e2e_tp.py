@@ -27,7 +27,7 @@ from lmcache_pd.model_maker import ensure_model
 from lmcache_pd.proxy.app import proxy_thread
 from lmcache_pd.proxy.launcher import PoolLauncher
 from lmcache_pd.proxy.pools import InstanceSpec, PoolsConfig, ProxySpec
-from lmcache_pd.vllm_server import VLLMServer
+from lmcache_pd.vllm_server import VLLMServer, worker_leftovers
 from tests.helpers import free_port
 from tests.test_e2e_vllm import assert_close_answer, body, prompt
 
@@ -70,7 +70,13 @@ def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     logs = tmp_path_factory.mktemp("reference")
     args = [*SERVER_ARGS, "--tensor-parallel-size", str(RANKS)]
     with VLLMServer(model, free_port(), logs / "plain.log", cpu=CORES, extra_args=args) as plain:
-        return {name: complete(plain.url, model, tokens) for name, tokens in PROMPTS.items()}
+        answers = {name: complete(plain.url, model, tokens) for name, tokens in PROMPTS.items()}
+        running = [path for path in worker_leftovers(plain.log_path) if path.exists()]
+    # What vLLM's TP workers leave (their meeting file, their all-reduce's shared memory) went
+    # with the instance.
+    assert any("cpushm" in path.name for path in running), running
+    assert not any(path.exists() for path in running)
+    return answers
 
 
 def pools(model: Path, decode_ranks: int, workdir: Path) -> PoolsConfig:

@@ -31,7 +31,7 @@ from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
 from lmcache_pd.model_maker import ensure_model
 from lmcache_pd.producer import Producer
 from lmcache_pd.protocol import DisaggSpec
-from lmcache_pd.vllm_server import VLLMServer
+from lmcache_pd.vllm_server import VLLMServer, worker_leftovers
 from tests.helpers import free_port, wait_for
 
 # Starting three vLLM instances takes minutes on two cores: the first test pays for it.
@@ -132,9 +132,13 @@ def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
             for name, tokens in PROMPTS.items()
         }
         sockets = list(plain.runtime_dir.iterdir())
-    # vLLM put its IPC sockets in the instance's own folder, and they went with it.
+        left = [path for path in worker_leftovers(plain.log_path) if path.exists()]
+    # vLLM put its IPC sockets in the instance's own folder, and they went with it; so did its
+    # worker's torch.distributed file, which vLLM leaves.
     assert sockets, "vLLM did not use the instance's runtime_dir"
     assert not plain.runtime_dir.exists()
+    assert left, "no worker file found in vLLM's log"
+    assert not any(path.exists() for path in left)
     return answers
 
 
@@ -211,6 +215,14 @@ class PDPair:
         server = self.consumer if side == "consumer" else self.producer
         return defaultdict(float, scrape(server.url))
 
+    def stats_after_a_step(self, side: str = "consumer") -> defaultdict[str, float]:
+        """``stats`` after a step of the instance's own: vLLM passes a connector's counters on
+        at steps, and a push or load that ends after its request's last step (the instance then
+        idle) is counted only at the next one."""
+        server = self.consumer if side == "consumer" else self.producer
+        server.complete(body(self.model, [7], 1))
+        return self.stats(side)
+
     def tokens_by_source(self) -> defaultdict[str, float]:
         """vLLM's own record of where decode's prompt tokens came from."""
         return defaultdict(float, prompt_tokens_by_source(self.consumer.url))
@@ -227,7 +239,7 @@ class PDPair:
         )
         first_tok = first["kv_transfer_params"]["first_tok"]
         if landed_first:
-            wait_landed(spec["req_id"], len(tokens))
+            wait_landed(self, spec["req_id"], len(tokens))
         rest = self.consumer.complete(
             body(self.model, [*tokens, first_tok], OUTPUT_TOKENS - 1, {"disagg_spec": spec})
         )
@@ -269,7 +281,10 @@ def test_consumer_output_equals_one_instance_and_prompt_was_loaded(
     # Chunked prefill: one push per prefill step, as each step completes its chunks (the
     # producer counts a push when its sender thread is done with it, a moment after it landed).
     steps = -(-length // int(SERVER_ARGS[1]))
-    wait_for(lambda: pair.stats("producer")["pushes"] - pushes >= steps, what="pushes counted")
+    wait_for(
+        lambda: pair.stats_after_a_step("producer")["pushes"] - pushes >= steps,
+        what="pushes counted",
+    )
     assert pair.stats("producer")["pushes"] - pushes == steps
 
 
@@ -292,7 +307,7 @@ def moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
 def chunks_skipped(pair: PDPair, before: float, expected: int) -> None:
     """Prefill counted ``expected`` chunks as held by the consumer already (not written)."""
     wait_for(
-        lambda: pair.stats("producer")["chunks_skipped"] - before >= expected,
+        lambda: pair.stats_after_a_step("producer")["chunks_skipped"] - before >= expected,
         what="pushes counted",
     )
     assert pair.stats("producer")["chunks_skipped"] - before == expected
@@ -380,14 +395,15 @@ def test_a_prompt_decode_already_holds_loads_nothing_and_frees_its_pages_at_once
     assert pair.stats()["loads_unneeded"] - before["loads_unneeded"] == 1
     # and its three chunks were still in the consumer's buffer: none was written again
     wait_for(
-        lambda: pair.stats("producer")["chunks_skipped"] - pushed["chunks_skipped"] == 3,
+        lambda: (
+            pair.stats_after_a_step("producer")["chunks_skipped"] - pushed["chunks_skipped"] == 3
+        ),
         what="chunks counted skipped",
     )
     assert pair.stats("producer")["bytes_pushed"] == pushed["bytes_pushed"]
 
     def pages_freed() -> bool:
-        pair.consumer.complete(body(pair.model, [7], 1))  # a step, so the gauge is fresh
-        return pair.stats()["consumer_used_pages"] == 0
+        return pair.stats_after_a_step()["consumer_used_pages"] == 0
 
     # well before the claim timeout (30 s) that held them before
     wait_for(pages_freed, timeout_s=5.0, what="pushed pages of a request decode did not need")
@@ -519,11 +535,11 @@ def decode_after_rogue_push(pair: PDPair, name: str) -> tuple[list, list]:
     return decode_rest(pair, tokens, first, req_id)
 
 
-def wait_landed(req_id: str, tokens: int) -> None:
+def wait_landed(pair: PDPair, req_id: str, tokens: int) -> None:
     """Until a consumer process has posted every chunk of a ``tokens``-token prompt landed for
     ``req_id``: what decode's scheduler reads to load it synchronously."""
     chunks = -(-tokens // CHUNK_TOKENS)
-    pattern = landed_board.board_path("*", 0)
+    pattern = landed_board.board_path(pair.consumer.runtime_dir, "*", 0)
     wait_for(
         lambda: any(
             landed_board.read(board).get(req_id, 0) >= chunks
@@ -601,7 +617,7 @@ def test_a_corrupted_chunk_loaded_before_the_step_is_caught_and_recomputed(
     with decode_busy(pair):
         req_id, first = prefill_pushing_nowhere(pair, name)
         RogueProducer(pair).push(req_id, PROMPTS[name])
-        wait_landed(req_id, len(PROMPTS[name]))
+        wait_landed(pair, req_id, len(PROMPTS[name]))
         got = decode_rest(pair, PROMPTS[name], first, req_id)
     assert_close_answer(got, reference[name])
     after = pair.stats()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm import envs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -208,7 +209,9 @@ class LMCachePDConnector(KVConnectorBase_V1):
 
     def _board(self, rank: int) -> Path:
         """Where ``rank``'s consumer process posts landed chunks (``landed_board.py``)."""
-        return landed_board.board_path(self._vllm_config.instance_id, rank)
+        return landed_board.board_path(
+            Path(envs.VLLM_RPC_BASE_PATH), self._vllm_config.instance_id, rank
+        )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Consumer: do this step's synchronous loads (their KV has landed) and queue the

@@ -1,0 +1,197 @@
+"""What vLLM's API server adds to decode's first token: the ceiling an engine-client proxy has.
+
+In lmcache-pd, decode's first token for a request costs one step on a prompt whose KV is already
+there, plus vLLM's way in (HTTP, its OpenAI server, the hand-off to the engine-core process) and
+out (the engine core's output back to the API server process, SSE). The same shape is measured
+here on one plain vLLM on decode's core: a prompt of ``PROMPT_TOKENS`` whose first
+``PROMPT_TOKENS - 1`` are in its prefix cache, streamed for two tokens, while a background stream
+keeps the engine stepping as decode's other requests do. Side ``http`` asks vLLM's OpenAI server
+(as the proxy asks decode); side ``engine`` drives the same engine from this process through
+vLLM's ``AsyncLLM`` (as a proxy that were decode's engine client would), with no API server
+process between. Sides alternate start by start; the client is on decode's core in both, as the
+proxy is in ``configs/pools.yaml``.
+
+    .venv/bin/python benchmarks/decode_front.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import aiohttp
+import typer
+from rich.console import Console
+
+from lmcache_pd.benchmarks.environment import run_environment
+from lmcache_pd.benchmarks.serving import DEFAULT_MODEL
+from lmcache_pd.benchmarks.serving_systems import DECODE_CPUS
+from lmcache_pd.model_maker import ensure_model
+from lmcache_pd.proxy.launcher import unused_port
+from lmcache_pd.vllm_server import VLLMServer, server_env
+
+DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "decode-front.json"
+PROMPT_TOKENS = 1025  # 1024/32's prompt and its first token, as decode is asked
+BACKGROUND_TOKENS = 400  # per background request: it decodes through every probe
+SETTLE_S = 1.0  # the background stream is decoding before the first probe
+PROBE_PAUSE_S = 0.05
+ENGINE_ARGS: dict[str, Any] = {  # vllm_server.TINY_MODEL_ARGS, as AsyncEngineArgs
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 4096,
+    "seed": 0,
+}
+
+# A stream of ``max_tokens`` for ``prompt``: the perf_counter when asked, and one per token.
+Stream = Callable[[list[int], int], Awaitable[tuple[float, list[float]]]]
+
+
+def _prompt(multiplier: int, length: int) -> list[int]:
+    return [(i * multiplier) % 1000 + 5 for i in range(length)]
+
+
+async def _probe(stream: Stream, probes: int) -> dict[str, float]:
+    """Medians over ``probes`` of the first token's latency and the first-to-second gap (ms),
+    with a background request decoding all the while."""
+    prompt = _prompt(7919, PROMPT_TOKENS)
+    await stream(prompt, 2)  # its prefix is cached from here on
+
+    async def background() -> None:
+        while True:
+            await stream(_prompt(104729, 200), BACKGROUND_TOKENS)
+
+    keep_busy = asyncio.create_task(background())
+    try:
+        await asyncio.sleep(SETTLE_S)
+        first, gap = [], []
+        for _ in range(probes):
+            asked, tokens = await stream(prompt, 2)
+            first.append((tokens[0] - asked) * 1e3)
+            gap.append((tokens[1] - tokens[0]) * 1e3)
+            await asyncio.sleep(PROBE_PAUSE_S)
+    finally:
+        keep_busy.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await keep_busy
+    return {"first_token_ms_p50": statistics.median(first), "gap_ms_p50": statistics.median(gap)}
+
+
+async def _through_http(model: Path, workdir: Path, probes: int) -> dict[str, float]:
+    """vLLM's OpenAI server, every process of it on decode's core."""
+    port = unused_port(set())
+    log = workdir / f"http-{port}.log"
+    with (
+        VLLMServer(model, port, log, cpu=DECODE_CPUS, process_cpus=DECODE_CPUS) as server,
+        aiohttp.ClientSession() as session,
+    ):
+
+        async def stream(prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+            body = {
+                "model": str(model),
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            asked, tokens = time.perf_counter(), []
+            async with session.post(f"{server.url}/v1/completions", json=body) as response:
+                response.raise_for_status()
+                async for line in response.content:
+                    if line.startswith(b"data:") and b"[DONE]" not in line:
+                        tokens.append(time.perf_counter())
+            return asked, tokens
+
+        return await _probe(stream, probes)
+
+
+@contextlib.asynccontextmanager
+async def _engine(model: Path) -> AsyncIterator[Any]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model), **ENGINE_ARGS))
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+async def _through_engine(model: Path, probes: int) -> dict[str, float]:
+    """The same engine driven from this process (its engine core in a child, as vLLM does)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    count = 0
+    async with _engine(model) as engine:
+
+        async def stream(prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+            nonlocal count
+            count += 1
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=0,
+                ignore_eos=True,
+                output_kind=RequestOutputKind.DELTA,
+            )
+            asked, tokens = time.perf_counter(), []
+            async for _ in engine.generate({"prompt_token_ids": prompt}, params, f"probe-{count}"):
+                tokens.append(time.perf_counter())
+            return asked, tokens
+
+        return await _probe(stream, probes)
+
+
+def main(
+    rounds: Annotated[int, typer.Option(min=1, help="starts of each side, alternating")] = 3,
+    probes: Annotated[int, typer.Option(min=5, help="probe requests per start")] = 40,
+    model_dir: Path = DEFAULT_MODEL,
+    output: Path = DEFAULT_OUTPUT,
+) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    console = Console()
+    model = ensure_model(model_dir)
+    workdir = Path(f"/tmp/lmcache-pd-decode-front-{int(time.time())}")
+    workdir.mkdir(parents=True)
+    # This process is the client on both sides, and on the engine side it starts the engine:
+    # both on decode's core, with the environment the server side gets.
+    os.sched_setaffinity(0, {int(DECODE_CPUS)})
+    os.environ.update(server_env(cpu=DECODE_CPUS))
+    sides: dict[str, list[dict[str, float]]] = {"http": [], "engine": []}
+    for round_ in range(rounds):
+        for side in ("http", "engine") if round_ % 2 == 0 else ("engine", "http"):
+            if side == "http":
+                result = asyncio.run(_through_http(model, workdir, probes))
+            else:
+                result = asyncio.run(_through_engine(model, probes))
+            sides[side].append(result)
+            console.print(f"round {round_} {side}: {result}")
+    medians = {
+        side: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        for side, runs in sides.items()
+    }
+    saved = medians["http"]["first_token_ms_p50"] - medians["engine"]["first_token_ms_p50"]
+    record = run_environment(("vllm", "torch"), None) | {
+        "settings": {"rounds": rounds, "probes": probes, "prompt_tokens": PROMPT_TOKENS},
+        "sides": sides,
+        "medians": medians,
+        "engine_over_http_first_token": medians["engine"]["first_token_ms_p50"]
+        / medians["http"]["first_token_ms_p50"],
+        "api_server_first_token_ms": saved,
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(record, indent=2) + "\n")
+    console.print(f"medians: {medians}")
+    console.print(f"vLLM's API server adds {saved:.1f} ms to the first token; wrote {output}")
+
+
+if __name__ == "__main__":  # vLLM's engine core is a spawned child: it imports this module
+    typer.run(main)
