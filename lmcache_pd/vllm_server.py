@@ -45,6 +45,7 @@ TINY_MODEL_ARGS = (
 PR_SET_PDEATHSIG = 1
 DIST_INIT_FILE = re.compile(r"distributed_init_method=file://(\S*/vllm_dist_[0-9a-f]{32})\b")
 SHARED_MEMORY = Path("/dev/shm")
+LOG_HEAD_BYTES = 1 << 20  # vLLM names its workers' group file while it starts
 STOP_TIMEOUT_S = 20.0
 # Batch sizes of the requests ``warm_up`` sends. vLLM compiles its logprobs kernel
 # (``batched_count_greater_than``, torch.compile'd even with --enforce-eager) on first use, once
@@ -150,7 +151,8 @@ def worker_leftovers(log_path: Path) -> list[Path]:
     (``/dev/shm/vllm_dist_<hex>-...cpushm_N``, 4 MiB each). vLLM unlinks neither, however it is
     stopped. Nothing is found if vLLM's log line changes: then they stay, as before."""
     try:
-        log = log_path.read_text(errors="replace")
+        with log_path.open("rb") as file:
+            log = file.read(LOG_HEAD_BYTES).decode(errors="replace")
     except OSError:
         return []
     found: list[Path] = []
@@ -226,18 +228,24 @@ class VLLMServer:
         self.runtime_dir = Path(tempfile.mkdtemp(prefix=f"lmcache-pd-vllm-{port}-"))
         runtime = {"VLLM_RPC_BASE_PATH": str(self.runtime_dir)}
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
-        self._process = subprocess.Popen(
-            command,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            # A process group of its own (stopped as one), but the launcher's session: a session
-            # of its own would be a scheduler autogroup of its own (Linux's default), and on 2
-            # cores an instance's autogroup was seen frozen 20-30 s, vLLM's API server and our
-            # consumer services with it, while TP-2 workers spun beside it.
-            process_group=0,
-            preexec_fn=functools.partial(_prepare_child, cpus),
-            env={**os.environ, **runtime, **server_env(cpu=cpu, env=env)},
-        )
+        try:
+            self._process = subprocess.Popen(
+                command,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                # A process group of its own (stopped as one), but the launcher's session: a
+                # session of its own would be a scheduler autogroup of its own (Linux's
+                # default), and on 2 cores an instance's autogroup was seen frozen 20-30 s,
+                # vLLM's API server and our consumer services with it, while TP-2 workers spun
+                # beside it.
+                process_group=0,
+                preexec_fn=functools.partial(_prepare_child, cpus),
+                env={**os.environ, **runtime, **server_env(cpu=cpu, env=env)},
+            )
+        except BaseException:
+            self._log.close()
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+            raise
         if wait:
             self.wait_until_healthy()
 
