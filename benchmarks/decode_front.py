@@ -23,35 +23,31 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import aiohttp
 import typer
 from rich.console import Console
 
+from lmcache_pd.affinity import parse_cpus
 from lmcache_pd.benchmarks.environment import run_environment
 from lmcache_pd.benchmarks.serving import DEFAULT_MODEL, installed_packages
 from lmcache_pd.benchmarks.serving_systems import DECODE_CPUS
 from lmcache_pd.model_maker import ensure_model
 from lmcache_pd.proxy.launcher import unused_port
-from lmcache_pd.vllm_server import VLLMServer, server_env
+from lmcache_pd.vllm_server import TINY_MODEL_ARGS, VLLMServer, server_env
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "decode-front.json"
 PROMPT_TOKENS = 1025  # 1024/32's prompt and its first token, as decode is asked
 BACKGROUND_TOKENS = 400  # per background request: it decodes through every probe
-SETTLE_S = 1.0  # the background stream is decoding before the first probe
 PROBE_PAUSE_S = 0.05
-ENGINE_ARGS: dict[str, Any] = {  # vllm_server.TINY_MODEL_ARGS, as AsyncEngineArgs
-    "dtype": "float32",
-    "enforce_eager": True,
-    "max_model_len": 4096,
-    "seed": 0,
-}
+SETTLE_TIMEOUT_S = 60.0  # for the background stream's first token
 
-# A stream of ``max_tokens`` for ``prompt``: the perf_counter when asked, and one per token.
-Stream = Callable[[list[int], int], Awaitable[tuple[float, list[float]]]]
+# A stream of ``max_tokens`` for ``prompt``: the perf_counter when asked, and one per token;
+# the event, if any, is set at the first token.
+Stream = Callable[[list[int], int, asyncio.Event | None], Awaitable[tuple[float, list[float]]]]
 
 
 def _prompt(multiplier: int, length: int) -> list[int]:
@@ -62,18 +58,19 @@ async def _probe(stream: Stream, probes: int) -> dict[str, float]:
     """Medians over ``probes`` of the first token's latency and the first-to-second gap (ms),
     with a background request decoding all the while."""
     prompt = _prompt(7919, PROMPT_TOKENS)
-    await stream(prompt, 2)  # its prefix is cached from here on
+    await stream(prompt, 2, None)  # its prefix is cached from here on
+    decoding = asyncio.Event()
 
     async def background() -> None:
         while True:
-            await stream(_prompt(104729, 200), BACKGROUND_TOKENS)
+            await stream(_prompt(104729, 200), BACKGROUND_TOKENS, decoding)
 
     keep_busy = asyncio.create_task(background())
     try:
-        await asyncio.sleep(SETTLE_S)
+        await asyncio.wait_for(decoding.wait(), SETTLE_TIMEOUT_S)
         first, gap = [], []
         for _ in range(probes):
-            asked, tokens = await stream(prompt, 2)
+            asked, tokens = await stream(prompt, 2, None)
             first.append((tokens[0] - asked) * 1e3)
             gap.append((tokens[1] - tokens[0]) * 1e3)
             await asyncio.sleep(PROBE_PAUSE_S)
@@ -94,7 +91,9 @@ async def _through_http(model: Path, workdir: Path, probes: int) -> dict[str, fl
 
 
 def _http_stream(session: aiohttp.ClientSession, url: str, model: Path) -> Stream:
-    async def stream(prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+    async def stream(
+        prompt: list[int], max_tokens: int, first: asyncio.Event | None
+    ) -> tuple[float, list[float]]:
         body = {
             "model": str(model),
             "prompt": prompt,
@@ -109,32 +108,31 @@ def _http_stream(session: aiohttp.ClientSession, url: str, model: Path) -> Strea
             async for line in response.content:
                 if line.startswith(b"data:") and b"[DONE]" not in line:
                     tokens.append(time.perf_counter())
+                    if first is not None:
+                        first.set()
         return asked, tokens
 
     return stream
 
 
-@contextlib.asynccontextmanager
-async def _engine(model: Path) -> AsyncIterator[Any]:
+async def _through_engine(model: Path, probes: int) -> dict[str, float]:
+    """The same engine driven from this process (its engine core in a child, as vLLM does), with
+    the engine arguments the server side gets (``TINY_MODEL_ARGS``)."""
+    from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model), **ENGINE_ARGS))
-    try:
-        yield engine
-    finally:
-        engine.shutdown()
-
-
-async def _through_engine(model: Path, probes: int) -> dict[str, float]:
-    """The same engine driven from this process (its engine core in a child, as vLLM does)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", str(model), *TINY_MODEL_ARGS])
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
     count = 0
-    async with _engine(model) as engine:
+    try:
 
-        async def stream(prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+        async def stream(
+            prompt: list[int], max_tokens: int, first: asyncio.Event | None
+        ) -> tuple[float, list[float]]:
             nonlocal count
             count += 1
             params = SamplingParams(
@@ -146,9 +144,13 @@ async def _through_engine(model: Path, probes: int) -> dict[str, float]:
             asked, tokens = time.perf_counter(), []
             async for _ in engine.generate({"prompt_token_ids": prompt}, params, f"probe-{count}"):
                 tokens.append(time.perf_counter())
+                if first is not None:
+                    first.set()
             return asked, tokens
 
         return await _probe(stream, probes)
+    finally:
+        engine.shutdown()
 
 
 def main(
@@ -164,7 +166,7 @@ def main(
     workdir.mkdir(parents=True)
     # This process is the client on both sides, and on the engine side it starts the engine:
     # both on decode's core, with the environment the server side gets.
-    os.sched_setaffinity(0, {int(DECODE_CPUS)})
+    os.sched_setaffinity(0, parse_cpus(DECODE_CPUS))
     os.environ.update(server_env(cpu=DECODE_CPUS))
     os.environ["VLLM_RPC_BASE_PATH"] = str(workdir)  # the in-process engine's IPC sockets
     sides: dict[str, list[dict[str, float]]] = {"http": [], "engine": []}
