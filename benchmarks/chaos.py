@@ -53,7 +53,7 @@ recovered_s <= 10.
 
 Reproduce the full run (1P1D and 2P1D, every fault; ~25 min here)::
 
-    .venv/bin/python benchmarks/chaos.py          # or: .venv/bin/lmcache-pd chaos
+    .venv/bin/python -m benchmarks.chaos
     .venv/bin/lmcache-pd chaos -- --short         # 1P1D, three faults, ~3-4.5 min
 """
 
@@ -86,15 +86,15 @@ import zmq
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.environment import run_environment
 from lmcache_pd import protocol
-from lmcache_pd.benchmarks.environment import run_environment
 from lmcache_pd.config import PDConfig, load_config
-from lmcache_pd.model_maker import ensure_model
-from lmcache_pd.proxy.app import proxy_thread
+from lmcache_pd.deploy.launcher import PoolLauncher, unused_port
+from lmcache_pd.deploy.pools import PoolsConfig, load_pools
+from lmcache_pd.deploy.vllm_server import VLLMServer
+from lmcache_pd.harness.app_thread import proxy_thread
+from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.proxy.config import ProxyConfig
-from lmcache_pd.proxy.launcher import PoolLauncher, unused_port
-from lmcache_pd.proxy.pools import PoolsConfig, load_pools
-from lmcache_pd.vllm_server import VLLMServer
 
 logger = logging.getLogger(__name__)
 app = typer.Typer(add_completion=False, help=__doc__)

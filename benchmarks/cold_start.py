@@ -7,7 +7,7 @@ connect held a producer's only NIXL thread until decode gave up waiting). This s
 answers /health, and records each one's latency and whether decode loaded its KV or computed it.
 Goal: no request over ``--goal-s`` (5 s).
 
-Reproduce: ``.venv/bin/python benchmarks/cold_start.py --starts 20`` (2P1D, ~1 min a start here);
+Reproduce: ``.venv/bin/python -m benchmarks.cold_start --starts 20`` (2P1D, ~1 min a start here);
 writes ``benchmarks/results/cold_start.json``.
 """
 
@@ -27,11 +27,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from lmcache_pd.deploy.launcher import PoolLauncher
+from lmcache_pd.deploy.pools import load_pools
+from lmcache_pd.harness.app_thread import proxy_thread
+from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
-from lmcache_pd.model_maker import ensure_model
-from lmcache_pd.proxy.app import proxy_thread
-from lmcache_pd.proxy.launcher import PoolLauncher
-from lmcache_pd.proxy.pools import load_pools
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def main(
         "max_latency_s": max(latencies, default=None),
         "median_latency_s": statistics.median(latencies) if latencies else None,
         "load_timeouts": sum(r["decode_load_timeouts"] for r in records),
-        "command": f"python benchmarks/cold_start.py --pools {pools} --starts {starts}",
+        "command": f"python -m benchmarks.cold_start --pools {pools} --starts {starts}",
         "workdir": str(workdir),
     }
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ vLLM's ``AsyncLLM`` (as a proxy that were decode's engine client would), with no
 process between. Sides alternate start by start; the client is on decode's core in both, as the
 proxy is in ``configs/pools.yaml``.
 
-    .venv/bin/python benchmarks/decode_front.py --rounds 3
+    .venv/bin/python -m benchmarks.decode_front --rounds 3
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ import aiohttp
 import typer
 from rich.console import Console
 
+from benchmarks.environment import run_environment
+from benchmarks.serving import DEFAULT_MODEL, installed_packages
+from benchmarks.serving_systems import DECODE_CPUS
 from lmcache_pd.affinity import parse_cpus
-from lmcache_pd.benchmarks.environment import run_environment
-from lmcache_pd.benchmarks.serving import DEFAULT_MODEL, installed_packages
-from lmcache_pd.benchmarks.serving_systems import DECODE_CPUS
-from lmcache_pd.model_maker import ensure_model
-from lmcache_pd.proxy.launcher import unused_port
-from lmcache_pd.vllm_server import TINY_MODEL_ARGS, VLLMServer, server_env
+from lmcache_pd.deploy.launcher import unused_port
+from lmcache_pd.deploy.vllm_server import TINY_MODEL_ARGS, VLLMServer, server_env
+from lmcache_pd.harness.model_maker import ensure_model
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "decode-front.json"
 PROMPT_TOKENS = 1025  # 1024/32's prompt and its first token, as decode is asked

@@ -38,9 +38,9 @@ call on the calling thread and never start threads).
 
 Reproduce (medians of 7 runs; table on stdout, JSON in benchmarks/results/kernels.json)::
 
-    .venv/bin/python benchmarks/kernels.py
-    .venv/bin/python benchmarks/kernels.py --device cuda --runs 20   # on a GPU: kernels_gpu.json
-    .venv/bin/python -m lmcache_pd.benchmarks.kernels --models tiny --runs 5 --output /tmp/k.json
+    .venv/bin/python -m benchmarks.kernels
+    .venv/bin/python -m benchmarks.kernels --device cuda --runs 20   # on a GPU: kernels_gpu.json
+    .venv/bin/python -m benchmarks.kernels --models tiny --runs 5 --output /tmp/k.json
 """
 
 from __future__ import annotations
@@ -60,8 +60,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from lmcache_pd.benchmarks.environment import run_environment
-from lmcache_pd.integrity import checksum
+from benchmarks.environment import run_environment
 from lmcache_pd.kernels import (
     CpuKVCache,
     KVLayout,
@@ -69,6 +68,7 @@ from lmcache_pd.kernels import (
     gather_blocks,
     validate_chunk_size,
 )
+from lmcache_pd.kernels.integrity import checksum
 
 logger = logging.getLogger(__name__)
 
@@ -449,7 +449,7 @@ def main(
     torch.set_num_threads(torch_threads)
     if device == "cuda":
         # Imported here: it is the GPU's, and needs Triton only when run.
-        from lmcache_pd.benchmarks.kernels_gpu import run_gpu_benchmark
+        from benchmarks.kernels_gpu import run_gpu_benchmark
 
         document = run_gpu_benchmark(
             [MODELS[name] for name in names],

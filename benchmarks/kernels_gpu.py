@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lmcache_pd.benchmarks.environment import run_environment
+from benchmarks.environment import run_environment
 from lmcache_pd.kernels import KVLayout, TokenKVCache, TritonTokenKV, triton_available
 
 logger = logging.getLogger(__name__)

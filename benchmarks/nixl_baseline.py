@@ -36,10 +36,10 @@ import httpx
 import msgspec
 from aiohttp import web
 
+from lmcache_pd.deploy.launcher import unused_port
+from lmcache_pd.deploy.vllm_server import VLLMServer, wait_until_healthy
 from lmcache_pd.proxy.flow import UPSTREAM_KEEPALIVE_S
-from lmcache_pd.proxy.launcher import unused_port
 from lmcache_pd.proxy.openai_format import error_body
-from lmcache_pd.vllm_server import VLLMServer, wait_until_healthy
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ class NixlBaseline:
                 [
                     sys.executable,
                     "-m",
-                    "lmcache_pd.benchmarks.nixl_baseline",
+                    "benchmarks.nixl_baseline",
                     self.prefill.url,
                     self.decode.url,
                     str(port),

@@ -4,7 +4,8 @@ Why: the proxy sits on every request's path (prefill's answer, then every decode
 it adds should be small next to what a model costs; the goal is under 1 ms per request at p50.
 
 Three OS processes on free ports: a stand-in prefill and a stand-in decode server
-(``proxy/standin.py``, answering at once unless ``--first-delay-ms``/``--token-delay-ms``), and
+(``lmcache_pd/harness/standin.py``, answering at once unless ``--first-delay-ms``/
+``--token-delay-ms``), and
 the proxy in front of them (``lmcache-pd proxy`` on a YAML written to a temp folder). A load
 generator in this process runs N concurrent streams for each N of ``--concurrency``, each stream a
 sequence of streamed ``/v1/completions`` requests (short prompt, ``--output-tokens`` tokens), in
@@ -25,8 +26,8 @@ servers share this machine's cores: at high N the proxy's CPU use shows up as la
 
 Reproduce (medians of 5 runs; tables on stdout, JSON in benchmarks/results/proxy.json)::
 
-    .venv/bin/python benchmarks/proxy.py
-    .venv/bin/python -m lmcache_pd.benchmarks.proxy --concurrency 1,4 --runs 3 --run-seconds 1 \\
+    .venv/bin/python -m benchmarks.proxy
+    .venv/bin/python -m benchmarks.proxy --concurrency 1,4 --runs 3 --run-seconds 1 \\
         --token-delay-ms 1 --output /tmp/proxy.json
 """
 
@@ -58,7 +59,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from lmcache_pd.benchmarks.environment import run_environment
+from benchmarks.environment import run_environment
 from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def serve_standin(port: int, first_delay_s: float, token_delay_s: float) -> None
     """Run one stand-in vLLM on ``port`` until SIGTERM (the entry point of its child process)."""
     from aiohttp import web
 
-    from lmcache_pd.proxy.standin import Standin, StandinState
+    from lmcache_pd.harness.standin import Standin, StandinState
 
     state = StandinState(first_delay_s=first_delay_s, token_delay_s=token_delay_s)
     state.received = _Forgetful()
@@ -211,7 +212,7 @@ def start_servers(workdir: Path, first_delay_s: float, token_delay_s: float) -> 
     }
     config_path = workdir / "proxy.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    standin = "from lmcache_pd.benchmarks.proxy import serve_standin; serve_standin({}, {}, {})"
+    standin = "from benchmarks.proxy import serve_standin; serve_standin({}, {}, {})"
     argvs = {
         "prefill": [sys.executable, "-c", standin.format(ports["prefill"], first_delay_s, 0.0)],
         "decode": [sys.executable, "-c", standin.format(ports["decode"], 0.0, token_delay_s)],

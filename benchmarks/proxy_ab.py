@@ -8,7 +8,7 @@ through a second proxy whose config differs in one setting (``--setting``, by de
 cached from another run), and each pair's ratio A / B is taken while the machine is in one
 phase.
 
-    .venv/bin/python benchmarks/proxy_ab.py --pairs 10
+    .venv/bin/python -m benchmarks.proxy_ab --pairs 10
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ import typer
 import yaml
 from rich.console import Console
 
-from lmcache_pd.benchmarks.serving import DEFAULT_MODEL
-from lmcache_pd.benchmarks.serving_load import Workload, run_load, summarize
-from lmcache_pd.benchmarks.serving_systems import make_system
-from lmcache_pd.model_maker import ensure_model
-from lmcache_pd.proxy.launcher import unused_port
-from lmcache_pd.vllm_server import wait_until_healthy
+from benchmarks.serving import DEFAULT_MODEL
+from benchmarks.serving_load import Workload, run_load, summarize
+from benchmarks.serving_systems import make_system
+from lmcache_pd.deploy.launcher import unused_port
+from lmcache_pd.deploy.vllm_server import wait_until_healthy
+from lmcache_pd.harness.model_maker import ensure_model
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "proxy-ab.json"
 METRICS = ("ttft_ms_p50", "itl_ms_p50", "first_gap_ms_p50", "first_gap_over_itl_p50", "e2e_ms_p50")

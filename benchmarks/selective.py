@@ -20,7 +20,7 @@ while PD adds its own round trip and a transfer: it goes to decode alone.
 
 Reproduce (~3 min a background level here; JSON and Markdown in benchmarks/results/)::
 
-    .venv/bin/python benchmarks/selective.py --background 0 --background 4
+    .venv/bin/python -m benchmarks.selective --background 0 --background 4
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ import openai
 import typer
 from rich.console import Console
 
-from lmcache_pd.benchmarks.chaos import CLIENT_TIMEOUT_S, _pools_file, _warm_up, proxy_url
-from lmcache_pd.benchmarks.environment import run_environment
-from lmcache_pd.model_maker import ensure_model
-from lmcache_pd.proxy.app import proxy_thread
+from benchmarks.chaos import CLIENT_TIMEOUT_S, _pools_file, _warm_up, proxy_url
+from benchmarks.environment import run_environment
+from lmcache_pd.deploy.launcher import PoolLauncher, unused_port
+from lmcache_pd.harness.app_thread import proxy_thread
+from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.proxy.config import ProxyConfig
-from lmcache_pd.proxy.launcher import PoolLauncher, unused_port
 
 app = typer.Typer(add_completion=False, help=__doc__)
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -23,10 +23,10 @@ PNG plots beside it (TTFT and inter-token latency CDFs, lmcache-pd's per-request
 Reproduce::
 
     .venv/bin/lmcache-pd bench                      # all defaults, ~15 min here
-    .venv/bin/python benchmarks/serving.py --systems lmcache-pd,colocated \\
+    .venv/bin/python -m benchmarks.serving --systems lmcache-pd,colocated \\
         --workloads 1024/32 --num-prompts 8 --runs 2 --output /tmp/serving.json
     # the consumer's cache on vs off, taking turns so that drift falls on both alike
-    .venv/bin/python benchmarks/serving.py --systems lmcache-pd,lmcache-pd-nocache \\
+    .venv/bin/python -m benchmarks.serving --systems lmcache-pd,lmcache-pd-nocache \\
         --workloads 1500/32@1400,400/32x3 --num-prompts 48 --concurrency 8 --runs 4 \\
         --interleave --output benchmarks/results/serving-cache.json
 """
@@ -51,24 +51,24 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lmcache_pd.affinity import parse_cpus
-from lmcache_pd.benchmarks.environment import run_environment
-from lmcache_pd.benchmarks.serving_load import (
+from benchmarks.environment import run_environment
+from benchmarks.serving_load import (
     Workload,
     as_records,
     first_errors,
     run_load,
     summarize,
 )
-from lmcache_pd.benchmarks.serving_plots import write_plots
-from lmcache_pd.benchmarks.serving_systems import (
+from benchmarks.serving_plots import write_plots
+from benchmarks.serving_systems import (
     DECODE_CPUS,
     DEFAULT_SYSTEMS,
     SYSTEMS,
     make_system,
 )
+from lmcache_pd.affinity import parse_cpus
+from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.metrics_scrape import decode_sources
-from lmcache_pd.model_maker import ensure_model
 
 logger = logging.getLogger(__name__)
 app = typer.Typer(add_completion=False, help=__doc__)

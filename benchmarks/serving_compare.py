@@ -11,10 +11,10 @@ the runs cannot tell the two apart at that confidence.
 
 Reproduce (the consumer's cache on vs off, 12 runs each, open loop)::
 
-    .venv/bin/python benchmarks/serving.py --systems lmcache-pd,lmcache-pd-nocache \\
+    .venv/bin/python -m benchmarks.serving --systems lmcache-pd,lmcache-pd-nocache \\
         --workloads 1500/32@1400,400/32x3 --num-prompts 48 --rate 10 --runs 3 --interleave \\
         --output /tmp/cache-a.json     # then the reverse order and more seeds, likewise
-    .venv/bin/python benchmarks/serving_compare.py /tmp/cache-*.json \\
+    .venv/bin/python -m benchmarks.serving_compare /tmp/cache-*.json \\
         --system lmcache-pd --against lmcache-pd-nocache
 """
 

@@ -32,10 +32,10 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lmcache_pd.proxy.launcher import PoolLauncher, unused_port
-from lmcache_pd.proxy.pools import InstanceSpec, PoolsConfig, ProxySpec
+from lmcache_pd.deploy.launcher import PoolLauncher, unused_port
+from lmcache_pd.deploy.pools import InstanceSpec, PoolsConfig, ProxySpec
+from lmcache_pd.deploy.vllm_server import VLLMServer, wait_until_healthy
 from lmcache_pd.trace import read_trace
-from lmcache_pd.vllm_server import VLLMServer, wait_until_healthy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PROXY_START_TIMEOUT_S = 30.0
@@ -51,7 +51,7 @@ SYSTEMS = (
     "prefill-cores-processes-anywhere",
     "nixl",
 )
-# What ``lmcache-pd bench`` compares unless told otherwise.
+# What ``python -m benchmarks.serving`` compares unless told otherwise.
 DEFAULT_SYSTEMS = ("lmcache-pd", "colocated", "prefill-cores", "nixl")
 PREFILL_CPUS, DECODE_CPUS = "0", "1"
 
@@ -276,7 +276,7 @@ class NixlPD:
     name = "nixl"
 
     def __init__(self, model: Path, workdir: Path, vllm_args: list[str]) -> None:
-        from lmcache_pd.benchmarks.nixl_baseline import NixlBaseline
+        from benchmarks.nixl_baseline import NixlBaseline
 
         self._baseline = NixlBaseline(
             model, workdir, extra_args=vllm_args, log_stats=True, whole_instance_on_its_cpu=True

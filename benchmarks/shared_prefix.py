@@ -14,8 +14,8 @@ whole prompt; no wrong answer; after the run decode holds no page within the cla
 
 Reproduce (~4 min a layout here; JSON and Markdown in benchmarks/results/)::
 
-    .venv/bin/python benchmarks/shared_prefix.py
-    .venv/bin/python benchmarks/shared_prefix.py --pools configs/pools-2p1d.yaml
+    .venv/bin/python -m benchmarks.shared_prefix
+    .venv/bin/python -m benchmarks.shared_prefix --pools configs/pools-2p1d.yaml
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import openai
 import typer
 from rich.console import Console
 
-from lmcache_pd.benchmarks.chaos import (
+from benchmarks.chaos import (
     CLIENT_TIMEOUT_S,
     Answer,
     CounterTrack,
@@ -48,10 +48,10 @@ from lmcache_pd.benchmarks.chaos import (
     proxy_url,
     read_counters,
 )
-from lmcache_pd.benchmarks.environment import run_environment
-from lmcache_pd.model_maker import ensure_model
-from lmcache_pd.proxy.app import proxy_thread
-from lmcache_pd.proxy.launcher import PoolLauncher
+from benchmarks.environment import run_environment
+from lmcache_pd.deploy.launcher import PoolLauncher
+from lmcache_pd.harness.app_thread import proxy_thread
+from lmcache_pd.harness.model_maker import ensure_model
 
 app = typer.Typer(add_completion=False, help=__doc__)
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -24,9 +24,9 @@ that any design pays. Each record also keeps the push (or WRITE) alone (``*_send
 integrity moved into the gather, "ours" was the push alone with a checksum pass inside it.
 
 With ``--netns`` the producer runs in one network namespace and the consumer in another, joined
-by a veth pair (``lmcache_pd.netns``; needs root), as two hosts are: the handshake then picks
-``ucx_tls_remote`` (TCP by default) and raw NIXL writes over that same agent, so both cross the
-same link with the same transport. JSON in ``benchmarks/results/transfer-netns.json``.
+by a veth pair (``lmcache_pd.harness.netns``; needs root), as two hosts are: the handshake then
+picks ``ucx_tls_remote`` (TCP by default) and raw NIXL writes over that same agent, so both
+cross the same link with the same transport. JSON in ``benchmarks/results/transfer-netns.json``.
 
 Raw NIXL is a ceiling only where the initiator alone completes a write (the default: CMA, error
 mode "none"). Over tcp, or in error mode "peer", completion waits on the consumer's progress, and
@@ -35,10 +35,10 @@ NIXL reads low and ours/raw can exceed 1.
 
 Reproduce (medians of 7 runs; table on stdout, JSON in benchmarks/results/transfer.json)::
 
-    .venv/bin/python benchmarks/transfer.py
-    .venv/bin/python -m lmcache_pd.benchmarks.transfer --sizes 1M,16M --chunks-per-request 64 \\
+    .venv/bin/python -m benchmarks.transfer
+    .venv/bin/python -m benchmarks.transfer --sizes 1M,16M --chunks-per-request 64 \\
         --runs 5 --ucx-tls tcp --output /tmp/transfer-tcp.json
-    .venv/bin/python benchmarks/transfer.py --netns --runs 3   # across two network namespaces
+    .venv/bin/python -m benchmarks.transfer --netns --runs 3   # across two network namespaces
 """
 
 from __future__ import annotations
@@ -65,15 +65,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from lmcache_pd import netns
-from lmcache_pd.benchmarks.environment import run_environment
-from lmcache_pd.channel import wait_for_transfer
+from benchmarks.environment import run_environment
 from lmcache_pd.config import PDConfig, load_config
-from lmcache_pd.consumer_process import ConsumerProcess
-from lmcache_pd.integrity import checksum
+from lmcache_pd.harness import netns
+from lmcache_pd.harness.consumer_process import ConsumerProcess
 from lmcache_pd.kernels import CpuKVCache
-from lmcache_pd.producer import Peer, Producer
+from lmcache_pd.kernels.integrity import checksum
 from lmcache_pd.protocol import DisaggSpec
+from lmcache_pd.transfer.channel import wait_for_transfer
+from lmcache_pd.transfer.producer import Peer, Producer
 
 logger = logging.getLogger(__name__)
 

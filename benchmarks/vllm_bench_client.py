@@ -5,7 +5,7 @@ distribution "vllm"), so this calls the same code from Python.
 Reproduce, with ``lmcache-pd serve`` running (the model and its tokenizer come from the proxy's
 ``/v1/models`` when ``--model`` is not given)::
 
-    .venv/bin/python benchmarks/vllm_bench_client.py --backend openai \\
+    .venv/bin/python -m benchmarks.vllm_bench_client --backend openai \\
         --base-url http://127.0.0.1:8000 --dataset-name random \\
         --random-input-len 1024 --random-output-len 32 --num-prompts 20
 """

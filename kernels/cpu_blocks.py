@@ -18,7 +18,7 @@ A chunk's bytes are ordered ``[layer][block][bytes of the block]``. The copies r
 compiled call (``_cpu_block_copy.c``, built at install), which releases the GIL while bytes move.
 With ``hashed=True`` that call also returns the chunk's XXH3-64 (``xxh3.h``), taken from the
 registers that copy each 64 bytes: the checksum a chunk travels with costs no pass of its own
-over the chunk (``lmcache_pd/integrity.py``).
+over the chunk (``kernels/integrity.py``).
 Why compiled: with 1 MiB chunks of 128 KiB blocks, one numpy row assignment per block plus the
 argument checks cost ~5-8 us of Python against a ~23 us memcpy (0.74x memcpy); the compiled loop
 runs at 0.92-1.07x memcpy (1 and 32 MiB chunks, in and out of the CPU's caches).

@@ -33,6 +33,7 @@ This is also the reference for ``triton_layout``, the GPU path.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -292,3 +293,25 @@ def _signature(view: torch.Tensor) -> tuple[object, ...]:
 
 def _describe(tensor: torch.Tensor) -> str:
     return f"{tuple(tensor.shape)} {tensor.dtype} strides {tensor.stride()} on {tensor.device}"
+
+
+def token_chunk_format(cache: TokenKVCache) -> str:
+    """``tokens:KV_2LTD:<layers>x<heads*head size>:<dtype>``: what a token chunk's bytes are."""
+    hidden = cache.num_heads * cache.head_size
+    return f"tokens:KV_2LTD:{cache.num_layers}x{hidden}:{dtype_name(cache.dtype)}"
+
+
+def slot_mapping(block_ids: Sequence[int], start: int, end: int, block_size: int) -> torch.Tensor:
+    """The slots of a request's tokens ``start .. end``: ``block * block_size + offset``."""
+    if not 0 <= start < end:
+        raise ValueError(f"no tokens in {start}..{end}")
+    if math.ceil(end / block_size) > len(block_ids):
+        raise ValueError(f"tokens up to {end} need more than the request's {len(block_ids)} blocks")
+    tokens = torch.arange(start, end)
+    blocks = torch.tensor(block_ids, dtype=torch.int64)[tokens // block_size]
+    return blocks * block_size + tokens % block_size
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``: the dtype as chunk formats and profiles name it."""
+    return str(dtype).removeprefix("torch.")

@@ -21,14 +21,14 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from lmcache_pd.config import load_config
+from lmcache_pd.deploy.launcher import PoolLauncher
+from lmcache_pd.deploy.pools import PoolsConfig, load_pools
 from lmcache_pd.keys import ChunkKeyer
-from lmcache_pd.proxy.launcher import PoolLauncher
-from lmcache_pd.proxy.pools import PoolsConfig, load_pools
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from lmcache_pd.proxy.ray_pools import RayPools
+    from lmcache_pd.deploy.ray_pools import RayPools
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def consumer(
     log_level: str = "info",
 ) -> None:
     """Serve a consumer rank until SIGINT or SIGTERM, logging its counters now and then."""
-    from lmcache_pd.consumer import Consumer
+    from lmcache_pd.transfer.consumer import Consumer
 
     _setup_logging(log_level)
     settings = load_config(config)
@@ -98,7 +98,7 @@ def serve(
     settings, workdir = _pools_and_model(pools, workdir)
     engine: RayPools | PoolLauncher
     if settings.engine == "ray":
-        from lmcache_pd.proxy.ray_pools import RayPools
+        from lmcache_pd.deploy.ray_pools import RayPools
 
         engine = RayPools(settings, workdir)
         where = f"Ray namespace {settings.ray.namespace}; `lmcache-pd scale` resizes a pool"
@@ -131,7 +131,7 @@ def scale(
     decode instance leaving is drained first. Prints every instance afterwards."""
     import ray
 
-    from lmcache_pd.proxy.ray_pools import connect, controller
+    from lmcache_pd.deploy.ray_pools import connect, controller
 
     if pool not in ("prefill", "decode"):
         raise typer.BadParameter(f"pool is prefill or decode, not {pool!r}")
@@ -186,7 +186,7 @@ def demo(
     completion streamed as it arrives, what moved, then a clean shutdown."""
     from openai import OpenAI
 
-    from lmcache_pd.proxy.app import proxy_thread
+    from lmcache_pd.harness.app_thread import proxy_thread
 
     _setup_logging(log_level)
     console = Console()
@@ -229,7 +229,7 @@ def demo(
 
 def _pools_and_model(pools: Path, workdir: Path | None) -> tuple[PoolsConfig, Path]:
     """The pools config, with its model built first if it is not there yet."""
-    from lmcache_pd.model_maker import ensure_model
+    from lmcache_pd.harness.model_maker import ensure_model
 
     settings = load_pools(pools)
     ensure_model(Path(settings.model))
@@ -265,17 +265,16 @@ def _counter_changes(
 def transfer_demo(
     producer_config: Annotated[Path, typer.Option()] = CONFIGS / "producer.yaml",
     consumer_config: Annotated[Path, typer.Option()] = CONFIGS / "consumer.yaml",
-    ceiling: Annotated[bool, typer.Option(help="also measure raw NIXL and memcpy")] = True,
     log_level: str = "warning",
 ) -> None:
     """Push a few requests' chunks from this process into a consumer process, check every byte,
-    and print what moved, how fast, and how that compares with raw NIXL."""
+    and print what moved and how fast."""
     import torch
 
-    from lmcache_pd.consumer_process import ConsumerProcess
-    from lmcache_pd.integrity import checksum
-    from lmcache_pd.producer import Producer
+    from lmcache_pd.harness.consumer_process import ConsumerProcess
+    from lmcache_pd.kernels.integrity import checksum
     from lmcache_pd.protocol import DisaggSpec
+    from lmcache_pd.transfer.producer import Producer
 
     _setup_logging(log_level)
     console = Console()
@@ -332,29 +331,10 @@ def transfer_demo(
         f"consumer: {stats['chunks_landed']} chunks landed ({stats['bytes_landed'] / 2**20:.1f}"
         f" MiB), {stats['chunks_already_held']} not resent, every landed byte verified"
     )
-    if ceiling:
-        from lmcache_pd.benchmarks.transfer import print_table, run_benchmark
-
-        console.print("measuring the same pages with raw NIXL and memcpy in the same run ...")
-        print_table(run_benchmark([settings.page_bytes], [16, 64], runs=3), console)
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench(context: typer.Context) -> None:
-    """The serving benchmark (lmcache-pd vs one plain vLLM vs vLLM's NixlConnector): the options
-    of benchmarks/serving.py, e.g. ``lmcache-pd bench -- --help``."""
-    from lmcache_pd.benchmarks.serving import app as serving
-
-    serving(context.args, prog_name="lmcache-pd bench")
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def chaos(context: typer.Context) -> None:
-    """The chaos suite (faults injected into running pools, every answer checked against one
-    plain vLLM): the options of benchmarks/chaos.py, e.g. ``lmcache-pd chaos -- --short``."""
-    from lmcache_pd.benchmarks.chaos import app as chaos_suite
-
-    chaos_suite(context.args, prog_name="lmcache-pd chaos")
+    console.print(
+        "against raw NIXL and memcpy on the same pages, from a checkout: "
+        "python -m benchmarks.transfer"
+    )
 
 
 @app.command("make-model")
@@ -366,7 +346,7 @@ def make_model_command(
     """Write the tiny random Llama that vLLM serves offline here, and print its folder.
 
     A folder already holding this seed's build is kept unless --force."""
-    from lmcache_pd.model_maker import ensure_model, make_model
+    from lmcache_pd.harness.model_maker import ensure_model, make_model
 
     _setup_logging("info")
     built = make_model(directory, seed=seed) if force else ensure_model(directory, seed=seed)
@@ -384,8 +364,8 @@ def k8s(
     namespace, names and model volume): decode and prefill as StatefulSets with headless
     Services, the proxy as a Deployment with a Service, their YAMLs as ConfigMaps. Printed as
     one YAML stream, or with --output one file per object; then `kubectl apply -f`."""
+    from lmcache_pd.deploy.k8s import file_name, manifests, to_yaml
     from lmcache_pd.errors import ConfigError
-    from lmcache_pd.k8s import file_name, manifests, to_yaml
 
     try:
         objects = manifests(load_pools(pools))

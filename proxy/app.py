@@ -28,7 +28,6 @@ from aiohttp import web
 from lmcache_pd.affinity import unpin_this_thread
 from lmcache_pd.first_token import FirstTokenNotice, NoticeBoard
 from lmcache_pd.protocol import DisaggSpec
-from lmcache_pd.proxy.app_thread import AppThread
 from lmcache_pd.proxy.client_request import BadRequest, ClientRequest, Endpoint
 from lmcache_pd.proxy.config import ProxyConfig
 from lmcache_pd.proxy.decode_stream import DecodeStream
@@ -573,8 +572,3 @@ def run_proxy(
         asyncio.run(serve(config, ready, members=members))
     else:
         uvloop.run(serve(config, ready, members=members))
-
-
-def proxy_thread(config: ProxyConfig, members: MemberSource | None = None) -> AppThread:
-    """The proxy of ``config`` in a thread of this process (the demo, benchmarks, tests)."""
-    return AppThread(Proxy(config, members).app(), config.host, config.port)

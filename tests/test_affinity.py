@@ -10,8 +10,8 @@ import pytest
 
 from lmcache_pd.affinity import parse_cpus, unpin_this_thread
 from lmcache_pd.config import load_config
+from lmcache_pd.deploy.vllm_server import VLLMServer
 from lmcache_pd.errors import ConfigError
-from lmcache_pd.vllm_server import VLLMServer
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux-only"

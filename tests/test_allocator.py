@@ -7,8 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from lmcache_pd.allocator import PageAllocator, PageState
 from lmcache_pd.errors import AllocationError, BufferFull
+from lmcache_pd.transfer.allocator import PageAllocator, PageState
 
 NUM_PAGES = 16
 PAGE_BYTES = 4096

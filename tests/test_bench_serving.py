@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from lmcache_pd.benchmarks.serving import app
-from lmcache_pd.benchmarks.serving_load import Workload
+from benchmarks.serving import app
+from benchmarks.serving_load import Workload
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 MODEL = Path(__file__).parent.parent / ".cache" / "tiny-llama"

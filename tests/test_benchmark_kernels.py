@@ -13,7 +13,7 @@ FIELDS = ("op", "regime", "bytes", "gbps", "memcpy_gbps", "ratio_vs_memcpy")
 
 def test_kernel_benchmark_writes_hot_and_streaming_records_against_memcpy(tmp_path: Path) -> None:
     output = tmp_path / "kernels.json"
-    argv = [sys.executable, "-m", "lmcache_pd.benchmarks.kernels", "--models", "tiny"]
+    argv = [sys.executable, "-m", "benchmarks.kernels", "--models", "tiny"]
     argv += ["--runs", "5", "--cache-mib", "8", "--stream-mib", "4", "--output", str(output)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=BENCHMARK_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -40,7 +40,7 @@ def test_the_gpu_benchmark_says_what_is_missing_and_writes_nothing(tmp_path: Pat
     """No GPU here: ``--device cuda`` fails at once, naming what it needs, and no result file
     (which would claim a GPU measurement) is written."""
     output = tmp_path / "kernels_gpu.json"
-    argv = [sys.executable, "-m", "lmcache_pd.benchmarks.kernels", "--device", "cuda"]
+    argv = [sys.executable, "-m", "benchmarks.kernels", "--device", "cuda"]
     argv += ["--models", "tiny", "--runs", "5", "--output", str(output)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=BENCHMARK_TIMEOUT_S)
     assert done.returncode != 0

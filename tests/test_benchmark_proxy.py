@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lmcache_pd.benchmarks.proxy import FIGURES, LATENCIES, MODES, PROCESSES
+from benchmarks.proxy import FIGURES, LATENCIES, MODES, PROCESSES
 
 CONCURRENCY = (1, 4)
 RUNS = 2
@@ -17,7 +17,7 @@ BENCHMARK_TIMEOUT_S = 90.0
 
 def test_proxy_benchmark_writes_every_figure_for_both_modes(tmp_path: Path) -> None:
     output = tmp_path / "proxy.json"
-    argv = [sys.executable, "-m", "lmcache_pd.benchmarks.proxy"]
+    argv = [sys.executable, "-m", "benchmarks.proxy"]
     argv += ["--concurrency", ",".join(map(str, CONCURRENCY)), "--runs", str(RUNS)]
     argv += ["--run-seconds", "0.3", "--warmup-seconds", "0.1", "--output", str(output)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=BENCHMARK_TIMEOUT_S)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from lmcache_pd.benchmarks.chaos import SHORT_FAULTS, alive_groups
+from benchmarks.chaos import SHORT_FAULTS, alive_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 # Reference vLLM, then the pools (~40-60 s each to start), then three faults, one a restart.
@@ -39,7 +39,7 @@ FAILING_TODAY: dict[tuple[str, str], str] = {}
 def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("chaos")
     output = folder / "chaos.json"
-    command = [sys.executable, "benchmarks/chaos.py", "--short", "--output", str(output)]
+    command = [sys.executable, "-m", "benchmarks.chaos", "--short", "--output", str(output)]
     command += ["--workdir", str(folder / "work")]
     done = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False

@@ -16,8 +16,6 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from lmcache_pd.allocator import PageAllocator, PageState
-from lmcache_pd.chunk_store import HOLD_LAPSED, RELEASED, ChunkStore, LandedChunk
 from lmcache_pd.errors import AllocationError, BufferFull, ProtocolError, RequestDropped
 from lmcache_pd.protocol import (
     PROTOCOL_VERSION,
@@ -28,6 +26,8 @@ from lmcache_pd.protocol import (
     ReservedWriteDone,
     WriteDone,
 )
+from lmcache_pd.transfer.allocator import PageAllocator, PageState
+from lmcache_pd.transfer.chunk_store import HOLD_LAPSED, RELEASED, ChunkStore, LandedChunk
 
 PAGE_BYTES = 64
 LEASE_S = 3.0

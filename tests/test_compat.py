@@ -11,14 +11,14 @@ import pytest
 
 from lmcache_pd.compat import FIELDS, KVProfile, incompatibilities
 from lmcache_pd.config import load_config
-from lmcache_pd.connector.sender import PushJob, Saving, SenderPool
 from lmcache_pd.connector.stats import StatsRecorder
-from lmcache_pd.consumer import Consumer
 from lmcache_pd.errors import Incompatible
-from lmcache_pd.fake_channel import FakeChannel, FakeFabric
 from lmcache_pd.keys import ChunkKeyer
-from lmcache_pd.producer import Producer
 from lmcache_pd.trace import TraceFile
+from lmcache_pd.transfer.consumer import Consumer
+from lmcache_pd.transfer.fake_channel import FakeChannel, FakeFabric
+from lmcache_pd.transfer.producer import Producer
+from lmcache_pd.transfer.sender import PushJob, Saving, SenderPool
 from tests.helpers import (
     CHUNK_SIZE,
     PAGE_BYTES,

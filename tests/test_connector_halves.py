@@ -16,7 +16,6 @@ import torch
 import zmq
 from vllm.v1.request import RequestStatus
 
-from lmcache_pd import landed_board
 from lmcache_pd.config import load_config
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
 from lmcache_pd.connector.metadata import (
@@ -30,8 +29,9 @@ from lmcache_pd.connector.worker import ProducerWorker
 from lmcache_pd.errors import AllocationError, BufferFull, PeerTimeout, TransferError
 from lmcache_pd.first_token import NOTICE_KEY, FirstTokenNotice
 from lmcache_pd.keys import ChunkKeyer
-from lmcache_pd.producer import Producer
 from lmcache_pd.protocol import CANCEL_TIMEOUT_S, PROBE_AREA_BYTES, DisaggSpec
+from lmcache_pd.transfer import landed_board
+from lmcache_pd.transfer.producer import Producer
 from tests.helpers import free_port, wait_for
 
 BLOCK = 32

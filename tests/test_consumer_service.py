@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_pd.chunk_store import LandedChunk
 from lmcache_pd.config import load_config
-from lmcache_pd.consumer import Consumer
-from lmcache_pd.consumer_service import ConsumerService, LoadQuery
-from lmcache_pd.integrity import checksum
+from lmcache_pd.harness.producer_process import ProducerProcess
+from lmcache_pd.kernels.integrity import checksum
 from lmcache_pd.keys import ChunkKeyer
-from lmcache_pd.producer_process import ProducerProcess
+from lmcache_pd.transfer.chunk_store import LandedChunk
+from lmcache_pd.transfer.consumer import Consumer
+from lmcache_pd.transfer.consumer_service import ConsumerService, LoadQuery
 from tests.helpers import CHUNK_SIZE, consumer_fields, wait_for, write_config
 
 HOLD_GIL_S = 3.0
@@ -125,10 +125,10 @@ def test_control_a_consumer_inside_the_worker_stalls_with_it(producer: ProducerP
 SERVICE_OWNER = """
 import sys, time
 from pathlib import Path
-from lmcache_pd import landed_board
+from lmcache_pd.transfer import landed_board
 from lmcache_pd.config import load_config
-from lmcache_pd.consumer_service import ConsumerService
-from lmcache_pd.integrity import checksum
+from lmcache_pd.transfer.consumer_service import ConsumerService
+from lmcache_pd.kernels.integrity import checksum
 from lmcache_pd.keys import ChunkKeyer
 keyer = ChunkKeyer(model_name="m", world_size=1, worker_id=0, kv_dtype="float32", chunk_size=256)
 board = Path(sys.argv[3])

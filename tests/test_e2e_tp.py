@@ -22,12 +22,12 @@ import msgspec
 import pytest
 import yaml
 
+from lmcache_pd.deploy.launcher import PoolLauncher
+from lmcache_pd.deploy.pools import InstanceSpec, PoolsConfig, ProxySpec
+from lmcache_pd.deploy.vllm_server import VLLMServer, worker_leftovers
+from lmcache_pd.harness.app_thread import proxy_thread
+from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source
-from lmcache_pd.model_maker import ensure_model
-from lmcache_pd.proxy.app import proxy_thread
-from lmcache_pd.proxy.launcher import PoolLauncher
-from lmcache_pd.proxy.pools import InstanceSpec, PoolsConfig, ProxySpec
-from lmcache_pd.vllm_server import VLLMServer, worker_leftovers
 from tests.helpers import free_port
 from tests.test_e2e_vllm import assert_close_answer, body, prompt
 

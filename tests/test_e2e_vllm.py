@@ -24,14 +24,15 @@ import torch
 import yaml
 import zmq
 
-from lmcache_pd import landed_board, protocol
+from lmcache_pd import protocol
 from lmcache_pd.config import load_config
+from lmcache_pd.deploy.vllm_server import VLLMServer, worker_leftovers
+from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
-from lmcache_pd.model_maker import ensure_model
-from lmcache_pd.producer import Producer
 from lmcache_pd.protocol import DisaggSpec
-from lmcache_pd.vllm_server import VLLMServer, worker_leftovers
+from lmcache_pd.transfer import landed_board
+from lmcache_pd.transfer.producer import Producer
 from tests.helpers import free_port, wait_for
 
 # Starting three vLLM instances takes minutes on two cores: the first test pays for it.
@@ -608,10 +609,10 @@ def test_a_corrupted_chunk_loaded_before_the_step_is_caught_and_recomputed(
     """The synchronous load's failure path: a chunk whose checksum does not match is found in
     the pass that scatters it, its blocks are reported invalid, vLLM drops what the step
     computed from them and recomputes the prompt; the answer is still the reference's."""
-    import lmcache_pd.producer
+    import lmcache_pd.transfer.producer
 
-    real = lmcache_pd.producer.checksum
-    monkeypatch.setattr(lmcache_pd.producer, "checksum", lambda data: real(data) ^ 1)
+    real = lmcache_pd.transfer.producer.checksum
+    monkeypatch.setattr(lmcache_pd.transfer.producer, "checksum", lambda data: real(data) ^ 1)
     name = "rogue-sync-bad-sum"
     before = pair.stats()
     with decode_busy(pair):
@@ -632,10 +633,10 @@ def test_chunk_corrupted_in_flight_is_caught_and_the_prompt_recomputed(
 ) -> None:
     """The rogue bytes arrive with checksums that do not match them, as if changed in flight:
     the consumer must refuse them and recompute, so the answer is still the reference."""
-    import lmcache_pd.producer
+    import lmcache_pd.transfer.producer
 
-    real = lmcache_pd.producer.checksum
-    monkeypatch.setattr(lmcache_pd.producer, "checksum", lambda data: real(data) ^ 1)
+    real = lmcache_pd.transfer.producer.checksum
+    monkeypatch.setattr(lmcache_pd.transfer.producer, "checksum", lambda data: real(data) ^ 1)
     before = pair.stats()
     assert_close_answer(decode_after_rogue_push(pair, "rogue-bad-sum"), reference["rogue-bad-sum"])
     after = pair.stats()

@@ -20,11 +20,11 @@ from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import load_config
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
 from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata, SaveRequest
-from lmcache_pd.connector.paged_kv import BlockKV, TokenKV, recognise, shape_order
 from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.connector.worker import CacheFacts, ProducerWorker
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.kernels import KVLayout, triton_available
+from lmcache_pd.kernels.paged_kv import BlockKV, TokenKV, recognise, shape_order
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.protocol import DisaggSpec
 from tests.helpers import free_port, wait_for
@@ -337,11 +337,11 @@ def test_cpu_caches_never_import_cuda_code_or_triton() -> None:
     """The CUDA path (and Triton through it) is imported only for a cache on a GPU."""
     check = (
         "import sys, torch\n"
-        "from lmcache_pd.connector.paged_kv import recognise\n"
+        "from lmcache_pd.kernels.paged_kv import recognise\n"
         "from tests.test_gpu_layouts import token_cache\n"
         "from lmcache_pd.kernels import KVLayout\n"
         "recognise(token_cache(KVLayout.HND, None), 64, block_size=16)\n"
-        "loaded = [m for m in ('lmcache_pd.connector.cuda_kv', 'triton') if m in sys.modules]\n"
+        "loaded = [m for m in ('lmcache_pd.kernels.cuda_kv', 'triton') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
@@ -364,7 +364,7 @@ def test_a_gpu_buffer_is_refused_where_torch_has_no_cuda() -> None:
 def test_vllms_resolved_layout_gives_the_physical_order(resolved: str, order: str) -> None:
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from lmcache_pd.connector import physical_order
+    from lmcache_pd.connector.facade import physical_order
 
     cache_config = SimpleNamespace(get_resolved_kv_cache_layout=lambda: KVCacheLayout[resolved])
     assert physical_order(SimpleNamespace(cache_config=cache_config)) == order
@@ -377,7 +377,7 @@ def test_vllm_cpus_cache_facts_keep_the_whole_block_path(resolved: str | None) -
     from vllm.config import CacheConfig
     from vllm.v1.attention.backends.utils import record_kv_cache_layout
 
-    from lmcache_pd.connector import cache_facts
+    from lmcache_pd.connector.facade import cache_facts
 
     cache_config = CacheConfig(block_size=128)
     if resolved is not None:

@@ -9,8 +9,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmcache_pd.integrity import checksum
 from lmcache_pd.kernels import CpuKVCache
+from lmcache_pd.kernels.integrity import checksum
 
 EXAMPLES = settings(max_examples=40, deadline=None)
 

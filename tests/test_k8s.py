@@ -20,12 +20,12 @@ from typer.testing import CliRunner
 
 from lmcache_pd.cli import app
 from lmcache_pd.config import ENV_PREFIX, PDConfig, load_config
+from lmcache_pd.deploy.instance import THREAD_CPUS_ENV, instance_env
+from lmcache_pd.deploy.k8s import manifests, to_yaml
+from lmcache_pd.deploy.launcher import peer_text
+from lmcache_pd.deploy.pools import InstanceSpec, KubernetesSpec, PoolsConfig, load_pools
 from lmcache_pd.errors import ConfigError
-from lmcache_pd.k8s import manifests, to_yaml
 from lmcache_pd.proxy.config import ProxyConfig, proxy_config
-from lmcache_pd.proxy.instance import THREAD_CPUS_ENV, instance_env
-from lmcache_pd.proxy.launcher import peer_text
-from lmcache_pd.proxy.pools import InstanceSpec, KubernetesSpec, PoolsConfig, load_pools
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 SHIPPED = ["pools.yaml", "pools-2p1d.yaml", "pools-tp2.yaml"]

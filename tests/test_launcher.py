@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lmcache_pd.deploy.launcher import LaunchError, PoolLauncher
+from lmcache_pd.deploy.pools import load_pools
 from lmcache_pd.errors import ConfigError
-from lmcache_pd.proxy.launcher import LaunchError, PoolLauncher
-from lmcache_pd.proxy.pools import load_pools
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 

@@ -14,11 +14,10 @@ import httpx
 import openai
 import pytest
 
-from lmcache_pd.proxy.app import proxy_thread
-from lmcache_pd.proxy.app_thread import AppThread
+from lmcache_pd.harness.app_thread import AppThread, proxy_thread
+from lmcache_pd.harness.standin import Standin
 from lmcache_pd.proxy.config import proxy_config
 from lmcache_pd.proxy.membership import Member, Outstanding
-from lmcache_pd.proxy.standin import Standin
 from tests.helpers import free_port, wait_for
 
 MODEL = "tiny"

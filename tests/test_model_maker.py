@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from lmcache_pd import model_maker
 from lmcache_pd.cli import app
-from lmcache_pd.model_maker import MARKER, ensure_model, make_model
+from lmcache_pd.harness import model_maker
+from lmcache_pd.harness.model_maker import MARKER, ensure_model, make_model
 
 FILES = (
     "config.json",
@@ -133,7 +133,7 @@ def test_cli_make_model_keeps_an_existing_build(built: Path) -> None:
 
 def test_importing_the_cli_and_maker_loads_no_model_libraries() -> None:
     code = (
-        "import sys, lmcache_pd.cli, lmcache_pd.model_maker; "
+        "import sys, lmcache_pd.cli, lmcache_pd.harness.model_maker; "
         "print(sorted({'vllm', 'transformers', 'tokenizers', 'safetensors'} & set(sys.modules)))"
     )
     loaded = subprocess.run(

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from lmcache_pd import netns
-from lmcache_pd.consumer_process import ConsumerProcess
-from lmcache_pd.producer_process import ProducerProcess
+from lmcache_pd.harness import netns
+from lmcache_pd.harness.consumer_process import ConsumerProcess
+from lmcache_pd.harness.producer_process import ProducerProcess
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 pytestmark = [

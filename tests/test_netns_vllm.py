@@ -14,12 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lmcache_pd import netns
+from lmcache_pd.deploy.vllm_server import START_TIMEOUT_S, VLLMServer
+from lmcache_pd.harness import netns
+from lmcache_pd.harness.app_thread import proxy_thread
+from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.metrics_scrape import scrape
-from lmcache_pd.model_maker import ensure_model
-from lmcache_pd.proxy.app import proxy_thread
 from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig
-from lmcache_pd.vllm_server import START_TIMEOUT_S, VLLMServer
 from tests.helpers import free_port
 from tests.test_e2e_vllm import answer, assert_close_answer, body, prompt
 

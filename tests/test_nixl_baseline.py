@@ -1,7 +1,8 @@
 """The serving benchmark's baseline (``benchmarks/nixl_baseline.py``): vLLM's own NixlConnector
 1P1D behind a router that follows vLLM's protocol.
 
-First the router alone, between stand-ins for vLLM (``proxy/standin.py``): what P and D are
+First the router alone, between stand-ins for vLLM (``lmcache_pd/harness/standin.py``): what P
+and D are
 sent, and how failures and a client that goes away are handled. Then the real thing: its greedy
 answers must equal one plain vLLM instance's, streamed and not, and vLLM's own counters on D
 must show that the prompt came over NIXL from P rather than being computed again.
@@ -22,11 +23,11 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmcache_pd.benchmarks.nixl_baseline import PREFILL_PARAMS, NixlBaseline, NixlRouter
-from lmcache_pd.model_maker import ensure_model
-from lmcache_pd.proxy.app_thread import AppThread
-from lmcache_pd.proxy.standin import Fault, Standin, StandinState, next_token
-from lmcache_pd.vllm_server import VLLMServer
+from benchmarks.nixl_baseline import PREFILL_PARAMS, NixlBaseline, NixlRouter
+from lmcache_pd.deploy.vllm_server import VLLMServer
+from lmcache_pd.harness.app_thread import AppThread
+from lmcache_pd.harness.model_maker import ensure_model
+from lmcache_pd.harness.standin import Fault, Standin, StandinState, next_token
 from tests.helpers import free_port, wait_for
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
 """The routing proxy over real HTTP, in front of stand-in vLLM servers that can misbehave.
 
-The proxy is what is under test here; the stand-ins (``proxy/standin.py``) answer like vLLM's
+The proxy is what is under test here; the stand-ins (``lmcache_pd/harness/standin.py``) answer
+like vLLM's
 OpenAI API with tokens that are a function of the prompt, and record what they were sent and
 which of their requests the proxy cut. The same proxy in front of real vLLM instances is
 tested in ``test_proxy_vllm.py``.
@@ -25,13 +26,12 @@ import yaml
 import zmq
 
 from lmcache_pd import protocol
+from lmcache_pd.deploy.vllm_server import wait_until_healthy
 from lmcache_pd.first_token import NOTICE_KEY
-from lmcache_pd.proxy.app import proxy_thread
-from lmcache_pd.proxy.app_thread import AppThread
+from lmcache_pd.harness.app_thread import AppThread, proxy_thread
+from lmcache_pd.harness.standin import Fault, Standin, StandinState, next_token
 from lmcache_pd.proxy.config import proxy_config
 from lmcache_pd.proxy.routing import NoHealthyInstance, Pool, Role, Upstream
-from lmcache_pd.proxy.standin import Fault, Standin, StandinState, next_token
-from lmcache_pd.vllm_server import wait_until_healthy
 from tests.helpers import free_port, metric_sample, wait_for
 
 MODEL = "tiny"

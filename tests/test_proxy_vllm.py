@@ -29,10 +29,10 @@ import openai
 import pytest
 import yaml
 
+from lmcache_pd.deploy.vllm_server import VLLMServer
+from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
-from lmcache_pd.model_maker import ensure_model
 from lmcache_pd.proxy.config import MIN_DISAGG_TOKENS
-from lmcache_pd.vllm_server import VLLMServer
 from tests.helpers import free_port, metric_sample, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

@@ -16,7 +16,6 @@ import zmq
 
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import load_config
-from lmcache_pd.consumer import Consumer
 from lmcache_pd.errors import (
     AllocationError,
     BufferFull,
@@ -26,10 +25,8 @@ from lmcache_pd.errors import (
     RequestDropped,
     TransferError,
 )
-from lmcache_pd.fake_channel import FakeChannel, FakeFabric
-from lmcache_pd.integrity import checksum
+from lmcache_pd.kernels.integrity import checksum
 from lmcache_pd.keys import ChunkKeyer
-from lmcache_pd.producer import Producer
 from lmcache_pd.protocol import (
     CANCEL_TIMEOUT_S,
     PROTOCOL_VERSION,
@@ -41,6 +38,9 @@ from lmcache_pd.protocol import (
     encode,
     write_budget_s,
 )
+from lmcache_pd.transfer.consumer import Consumer
+from lmcache_pd.transfer.fake_channel import FakeChannel, FakeFabric
+from lmcache_pd.transfer.producer import Producer
 from tests.helpers import (
     CHUNK_SIZE,
     PAGE_BYTES,
@@ -407,9 +407,9 @@ def test_a_service_loop_that_stops_turning_is_reported_with_its_stack(
 ) -> None:
     """Something holds the consumer's lock (here: the test) for longer than the watchdog's
     patience: it logs where the service thread is stuck, counts the stall, then its end."""
-    from lmcache_pd.consumer import SERVICE_STALL_S
+    from lmcache_pd.transfer.consumer import SERVICE_STALL_S
 
-    with caplog.at_level("WARNING", "lmcache_pd.watchdog"):
+    with caplog.at_level("WARNING", "lmcache_pd.transfer.watchdog"):
         with consumer._lock:
             wait_for(lambda: "has not turned" in caplog.text, SERVICE_STALL_S + 2, "a report")
             assert consumer.stats.service_stalls == 1

@@ -30,10 +30,10 @@ import httpx
 import pytest
 import yaml
 
-from lmcache_pd import netns
+from lmcache_pd.deploy.vllm_server import VLLMServer
+from lmcache_pd.harness import netns
+from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.metrics_scrape import decode_sources, scrape
-from lmcache_pd.model_maker import ensure_model
-from lmcache_pd.vllm_server import VLLMServer
 from tests.helpers import free_port
 from tests.test_e2e_vllm import SERVER_ARGS, answer, assert_close_answer, body, prompt
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from lmcache_pd.benchmarks.serving_compare import METRICS, app, compare
+from benchmarks.serving_compare import METRICS, app, compare
 
 
 def document(system: str, scale: float, seed: int, runs: int = 6) -> dict:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_pd.benchmarks.serving import goals, markdown
-from lmcache_pd.benchmarks.serving_load import RequestResult, summarize
-from lmcache_pd.benchmarks.serving_systems import first_gap_stages
+from benchmarks.serving import goals, markdown
+from benchmarks.serving_load import RequestResult, summarize
+from benchmarks.serving_systems import first_gap_stages
 
 
 def request(ttft: float, gaps: list[float], error: str | None = None) -> RequestResult:

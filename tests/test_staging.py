@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from lmcache_pd.errors import AllocationError
-from lmcache_pd.staging import Staging
+from lmcache_pd.transfer.staging import Staging
 
 
 def test_pages_taken_and_given_back_from_many_threads_are_never_shared() -> None:

@@ -24,13 +24,13 @@ from lmcache_pd.connector.consumer_worker import ConsumerWorker
 from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata, SaveRequest
 from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.connector.worker import ProducerWorker
+from lmcache_pd.deploy.launcher import peer_text
+from lmcache_pd.deploy.pools import InstanceSpec, load_pools
 from lmcache_pd.errors import ConfigError, ProtocolError
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.protocol import AbandonReason, DisaggSpec
 from lmcache_pd.proxy.config import DecodeInstance
 from lmcache_pd.proxy.kv_drop import KVDropper
-from lmcache_pd.proxy.launcher import peer_text
-from lmcache_pd.proxy.pools import InstanceSpec, load_pools
 from tests.helpers import free_port
 from tests.test_proxy import AllocChannel
 

@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmcache_pd import protocol
-from lmcache_pd.consumer_process import ConsumerProcess
 from lmcache_pd.errors import (
     AllocationError,
     BufferFull,
@@ -27,9 +26,10 @@ from lmcache_pd.errors import (
     PeerTimeout,
     TransferError,
 )
-from lmcache_pd.integrity import checksum
+from lmcache_pd.harness.consumer_process import ConsumerProcess
+from lmcache_pd.kernels.integrity import checksum
 from lmcache_pd.keys import ChunkKeyer
-from lmcache_pd.producer import RESERVE_BATCH, Producer
+from lmcache_pd.transfer.producer import RESERVE_BATCH, Producer
 from tests.helpers import (
     BYTES_PER_TOKEN,
     CHUNK_SIZE,
@@ -425,7 +425,7 @@ def test_second_consumer_on_taken_ports_fails_fast_and_says_so(
 def test_ucx_backends_are_created_one_at_a_time_on_a_host(tmp_path: Path) -> None:
     """ai-dynamo/nixl#1668: two agents creating their UCX backend at the same moment can hang.
     Every channel takes a host-wide lock for that step: a second taker waits for the first."""
-    from lmcache_pd.channel import _one_backend_at_a_time
+    from lmcache_pd.transfer.channel import _one_backend_at_a_time
 
     path = str(tmp_path / "backend.lock")
     held = threading.Event()

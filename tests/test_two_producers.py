@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_pd.consumer_process import ConsumerProcess
+from lmcache_pd.harness.consumer_process import ConsumerProcess
 from lmcache_pd.keys import ChunkKeyer
-from lmcache_pd.producer import Producer
+from lmcache_pd.transfer.producer import Producer
 from tests.helpers import (
     CHUNK_SIZE,
     consumer_fields,

@@ -33,11 +33,9 @@ from pathlib import Path
 
 import torch
 
-from lmcache_pd.chunk_store import LandedChunk
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig, replace
 from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata
-from lmcache_pd.connector.paged_kv import COPIED, Copy
 from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.connector.worker import (
     UNKNOWN,
@@ -46,18 +44,20 @@ from lmcache_pd.connector.worker import (
     paged_kv,
     rank_profile,
 )
-from lmcache_pd.consumer import check_landed
-from lmcache_pd.consumer_service import (
+from lmcache_pd.errors import IntegrityError, PeerTimeout, TransferError
+from lmcache_pd.kernels.integrity import checksum
+from lmcache_pd.kernels.paged_kv import COPIED, Copy
+from lmcache_pd.keys import ChunkKey, ChunkKeyer
+from lmcache_pd.protocol import DEVICE_COPY_TIMEOUT_S
+from lmcache_pd.trace import TraceFile
+from lmcache_pd.transfer.chunk_store import LandedChunk
+from lmcache_pd.transfer.consumer import check_landed
+from lmcache_pd.transfer.consumer_service import (
     ConsumerService,
     ConsumerServiceDown,
     LoadQuery,
     LoadState,
 )
-from lmcache_pd.errors import IntegrityError, PeerTimeout, TransferError
-from lmcache_pd.integrity import checksum
-from lmcache_pd.keys import ChunkKey, ChunkKeyer
-from lmcache_pd.protocol import DEVICE_COPY_TIMEOUT_S
-from lmcache_pd.trace import TraceFile
 
 logger = logging.getLogger(__name__)
 

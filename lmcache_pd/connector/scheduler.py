@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
-from lmcache_pd import landed_board
 from lmcache_pd.connector.metadata import (
     LoadRequest,
     PDConnectorMetadata,
@@ -25,6 +24,7 @@ from lmcache_pd.connector.metadata import (
 from lmcache_pd.errors import ProtocolError
 from lmcache_pd.first_token import NOTICE_KEY, FirstTokenNotice, NoticeSender, valid_address
 from lmcache_pd.protocol import DisaggSpec
+from lmcache_pd.transfer import landed_board
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import torch
 
 from lmcache_pd.affinity import unpin_this_thread
-from lmcache_pd.connector.paged_kv import COPIED, Copy
 from lmcache_pd.errors import (
     AllocationError,
     Incompatible,
@@ -35,10 +34,11 @@ from lmcache_pd.errors import (
     TransportUnusable,
     WriteTimeout,
 )
+from lmcache_pd.kernels.paged_kv import COPIED, Copy
 from lmcache_pd.keys import ChunkKey
-from lmcache_pd.producer import Producer
 from lmcache_pd.protocol import DEVICE_COPY_TIMEOUT_S, AbandonReason, DisaggSpec
 from lmcache_pd.trace import TraceFile
+from lmcache_pd.transfer.producer import Producer
 
 logger = logging.getLogger(__name__)
 

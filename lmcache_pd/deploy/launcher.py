@@ -26,18 +26,18 @@ import yaml
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from lmcache_pd.errors import ConfigError, PDError
-from lmcache_pd.metrics_scrape import scrape
-from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig, Timeouts
-from lmcache_pd.proxy.instance import (
+from lmcache_pd.deploy.instance import (
     Role,
     connector_config,
     instance_args,
     instance_env,
     transfer_settings,
 )
-from lmcache_pd.proxy.pools import InstanceSpec, PoolsConfig
-from lmcache_pd.vllm_server import VLLMServer
+from lmcache_pd.deploy.pools import InstanceSpec, PoolsConfig
+from lmcache_pd.deploy.vllm_server import VLLMServer
+from lmcache_pd.errors import ConfigError, PDError
+from lmcache_pd.metrics_scrape import scrape
+from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig, Timeouts
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,6 @@ import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from lmcache_pd.allocator import PageAllocator, PageState
 from lmcache_pd.errors import AllocationError, BufferFull, ProtocolError, RequestDropped
 from lmcache_pd.protocol import (
     BUFFER_FULL_RETRY_AFTER_S,
@@ -46,6 +45,7 @@ from lmcache_pd.protocol import (
     ReservedWriteDone,
     WriteDone,
 )
+from lmcache_pd.transfer.allocator import PageAllocator, PageState
 
 logger = logging.getLogger(__name__)
 

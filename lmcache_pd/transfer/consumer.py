@@ -21,11 +21,8 @@ import numpy as np
 import torch
 import zmq
 
-from lmcache_pd import landed_board, protocol
+from lmcache_pd import protocol
 from lmcache_pd.affinity import unpin_this_thread
-from lmcache_pd.allocator import PageAllocator
-from lmcache_pd.channel import Channel, NixlChannel
-from lmcache_pd.chunk_store import ChunkStore, LandedChunk
 from lmcache_pd.compat import KVProfile, incompatibilities
 from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import (
@@ -37,11 +34,15 @@ from lmcache_pd.errors import (
     RequestDropped,
     VersionMismatch,
 )
-from lmcache_pd.integrity import checksum
+from lmcache_pd.kernels.integrity import checksum
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.protocol import ErrorCode, ErrorReply, ProbeState
+from lmcache_pd.transfer import landed_board
+from lmcache_pd.transfer.allocator import PageAllocator
+from lmcache_pd.transfer.channel import Channel, NixlChannel
+from lmcache_pd.transfer.chunk_store import ChunkStore, LandedChunk
+from lmcache_pd.transfer.watchdog import Watchdog
 from lmcache_pd.transport import stack_identity
-from lmcache_pd.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 

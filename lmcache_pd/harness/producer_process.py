@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lmcache_pd.child_process import ChildProcess, CommandLoop
 from lmcache_pd.config import load_config
+from lmcache_pd.harness.child_process import ChildProcess, CommandLoop
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ BYTES_PER_TOKEN = 512
 
 
 class ProducerProcess(ChildProcess):
-    """Starts ``python -m lmcache_pd.producer_process CONFIG`` and talks to it."""
+    """Starts ``python -m lmcache_pd.harness.producer_process CONFIG`` and talks to it."""
 
     def __init__(
         self,
@@ -42,7 +42,7 @@ class ProducerProcess(ChildProcess):
     ) -> None:
         """``wrap`` runs it inside another command, e.g. ``ip netns exec NS``."""
         super().__init__(
-            "lmcache_pd.producer_process",
+            "lmcache_pd.harness.producer_process",
             [str(config_path)],
             env=env,
             log_path=log_path,
@@ -58,10 +58,10 @@ def _serve_commands(config_path: str) -> None:
     import torch
 
     from lmcache_pd.errors import PDError
-    from lmcache_pd.integrity import checksum
+    from lmcache_pd.kernels.integrity import checksum
     from lmcache_pd.keys import ChunkKeyer
-    from lmcache_pd.producer import Producer
     from lmcache_pd.protocol import DisaggSpec
+    from lmcache_pd.transfer.producer import Producer
     from lmcache_pd.transport import describe
 
     config = load_config(config_path)

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from lmcache_pd.channel import PeerName, RegisteredBuffer, XferState
 from lmcache_pd.errors import TransferError
+from lmcache_pd.transfer.channel import PeerName, RegisteredBuffer, XferState
 
 
 @dataclass

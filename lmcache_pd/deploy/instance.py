@@ -13,8 +13,8 @@ import msgspec
 import yaml
 
 from lmcache_pd.config import ENV_PREFIX, PDConfig
+from lmcache_pd.deploy.pools import InstanceSpec, PoolsConfig
 from lmcache_pd.errors import ConfigError
-from lmcache_pd.proxy.pools import InstanceSpec, PoolsConfig
 
 THREAD_CPUS_ENV = f"{ENV_PREFIX}THREAD_CPUS"  # read by the instance's transfer config
 

@@ -31,10 +31,14 @@ from collections.abc import Sequence
 
 import torch
 
-from lmcache_pd.channel import MAX_BACKOFF_S, SPIN_BEFORE_BACKOFF_S
-from lmcache_pd.connector.paged_kv import slot_mapping, token_chunk_format
+from lmcache_pd.backoff import SpinThenBackoff
 from lmcache_pd.errors import TransferError
-from lmcache_pd.kernels.token_layout import KVLayout, TokenKVCache
+from lmcache_pd.kernels.token_layout import (
+    KVLayout,
+    TokenKVCache,
+    slot_mapping,
+    token_chunk_format,
+)
 from lmcache_pd.kernels.triton_layout import TritonTokenKV
 from lmcache_pd.protocol import DEVICE_COPY_TIMEOUT_S
 
@@ -55,15 +59,12 @@ class CudaCopy:
 
     def wait(self, deadline: float) -> None:
         """Poll the event (a CUDA synchronize has no deadline); spin briefly, then back off."""
-        started = time.monotonic()
-        backoff = 0.0
+        pace = SpinThenBackoff()
         while not self._event.query():
             now = time.monotonic()
             if now >= deadline:
-                raise TransferError(f"GPU copy not done after {now - started:.3f} s")
-            if now - started > SPIN_BEFORE_BACKOFF_S:
-                backoff = min(MAX_BACKOFF_S, backoff * 2 or 0.00005)
-                time.sleep(backoff)
+                raise TransferError(f"GPU copy not done after {now - pace.started:.3f} s")
+            pace.pause()
 
 
 class CudaTokenKV:

@@ -30,13 +30,13 @@ from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from lmcache_pd.deploy.launcher import LaunchError, peer_text, proxy_config_for
+from lmcache_pd.deploy.pools import InstanceSpec, PoolsConfig
+from lmcache_pd.deploy.ray_instance import InstanceActor, InstanceState, quiet_actor_logging
+from lmcache_pd.deploy.vllm_server import START_TIMEOUT_S, WARM_UP_TIMEOUT_S
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig
-from lmcache_pd.proxy.launcher import LaunchError, peer_text, proxy_config_for
 from lmcache_pd.proxy.membership import Member, Outstanding
-from lmcache_pd.proxy.pools import InstanceSpec, PoolsConfig
-from lmcache_pd.proxy.ray_instance import InstanceActor, InstanceState, quiet_actor_logging
-from lmcache_pd.vllm_server import START_TIMEOUT_S, WARM_UP_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from typing import Any
 import msgspec
 import yaml
 
-from lmcache_pd.errors import ConfigError
-from lmcache_pd.k8s_workloads import (
+from lmcache_pd.deploy.instance import transfer_settings
+from lmcache_pd.deploy.k8s_workloads import (
     RECEIVER_HOST_ENV,
     TRACE_DIR,
     Manifest,
@@ -38,10 +38,10 @@ from lmcache_pd.k8s_workloads import (
     proxy_deployment,
     stateful_set,
 )
+from lmcache_pd.deploy.launcher import peer_text
+from lmcache_pd.deploy.pools import InstanceSpec, KubernetesSpec, PoolsConfig
+from lmcache_pd.errors import ConfigError
 from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig, Timeouts
-from lmcache_pd.proxy.instance import transfer_settings
-from lmcache_pd.proxy.launcher import peer_text
-from lmcache_pd.proxy.pools import InstanceSpec, KubernetesSpec, PoolsConfig
 
 
 def manifests(pools: PoolsConfig) -> list[Manifest]:

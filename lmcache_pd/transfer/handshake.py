@@ -22,7 +22,6 @@ import torch
 import zmq
 
 from lmcache_pd import protocol, transport
-from lmcache_pd.channel import Channel, RegisteredBuffer, wait_for_transfer
 from lmcache_pd.compat import KVProfile, incompatibilities
 from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import (
@@ -40,7 +39,8 @@ from lmcache_pd.errors import (
     VersionMismatch,
 )
 from lmcache_pd.protocol import DisaggSpec, ErrorCode
-from lmcache_pd.staging import Staging
+from lmcache_pd.transfer.channel import Channel, RegisteredBuffer, wait_for_transfer
+from lmcache_pd.transfer.staging import Staging
 
 logger = logging.getLogger(__name__)
 

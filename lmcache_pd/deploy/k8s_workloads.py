@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_pd.config import ENV_PREFIX
-from lmcache_pd.proxy.instance import Role, connector_config, instance_args, instance_env
-from lmcache_pd.proxy.pools import InstanceSpec, KubernetesSpec, PoolsConfig
-from lmcache_pd.vllm_server import server_env, vllm_command
+from lmcache_pd.deploy.instance import Role, connector_config, instance_args, instance_env
+from lmcache_pd.deploy.pools import InstanceSpec, KubernetesSpec, PoolsConfig
+from lmcache_pd.deploy.vllm_server import server_env, vllm_command
 
 Manifest = dict[str, Any]
 

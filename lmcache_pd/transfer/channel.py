@@ -22,15 +22,13 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from lmcache_pd.backoff import SpinThenBackoff
 from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import TransferError, WriteTimeout
 
 logger = logging.getLogger(__name__)
 
 PeerName = str
-# Busy-poll this long before backing off: a CPU transfer makes progress only inside our polls.
-SPIN_BEFORE_BACKOFF_S = 0.002
-MAX_BACKOFF_S = 0.0005
 # UCX backends are created one at a time on a host (ai-dynamo/nixl#1668: two agents creating
 # theirs at the same moment can hang in createBackend). One creation takes ~0.4-0.7 s here; past
 # this wait we go ahead anyway, and say so.
@@ -86,8 +84,7 @@ class Channel(Protocol):
 def wait_for_transfer(channel: Channel, handle: XferHandle, deadline: float, what: str) -> None:
     """Poll ``handle`` until DONE; raise ``TransferError`` on ERR and ``WriteTimeout`` at
     ``deadline`` (a ``time.monotonic()`` value). Spins first, then backs off."""
-    started = time.monotonic()
-    backoff = 0.0
+    pace = SpinThenBackoff()
     while True:
         state = channel.poll(handle)
         if state is XferState.DONE:
@@ -96,10 +93,8 @@ def wait_for_transfer(channel: Channel, handle: XferHandle, deadline: float, wha
             raise TransferError(f"{what}: transfer failed")
         now = time.monotonic()
         if now >= deadline:
-            raise WriteTimeout(f"{what}: transfer not done after {now - started:.3f} s")
-        if now - started > SPIN_BEFORE_BACKOFF_S:
-            backoff = min(MAX_BACKOFF_S, backoff * 2 or 0.00005)
-            time.sleep(backoff)
+            raise WriteTimeout(f"{what}: transfer not done after {now - pace.started:.3f} s")
+        pace.pause()
 
 
 def unique_agent_name(role: str) -> str:

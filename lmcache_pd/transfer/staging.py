@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import torch
 
 from lmcache_pd import protocol
-from lmcache_pd.allocator import PageAllocator
 from lmcache_pd.errors import AllocationError
+from lmcache_pd.transfer.allocator import PageAllocator
 
 
 class Staging:

@@ -26,9 +26,9 @@ import msgspec
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmcache_pd.proxy.launcher import Ports, receive_ports, start_instance
+from lmcache_pd.deploy.launcher import Ports, receive_ports, start_instance
+from lmcache_pd.deploy.pools import InstanceSpec, PoolsConfig
 from lmcache_pd.proxy.membership import Member
-from lmcache_pd.proxy.pools import InstanceSpec, PoolsConfig
 
 logger = logging.getLogger(__name__)
 

@@ -12,6 +12,10 @@ import threading
 
 from aiohttp import web
 
+from lmcache_pd.proxy.app import Proxy
+from lmcache_pd.proxy.config import ProxyConfig
+from lmcache_pd.proxy.membership import MemberSource
+
 
 class AppThread:
     """An aiohttp app on its own event loop in a thread of this process (the demo, tests and
@@ -53,3 +57,8 @@ class AppThread:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(self.STOP_TIMEOUT_S)
+
+
+def proxy_thread(config: ProxyConfig, members: MemberSource | None = None) -> AppThread:
+    """The proxy of ``config`` in a thread of this process (the demo, benchmarks, tests)."""
+    return AppThread(Proxy(config, members).app(), config.host, config.port)

@@ -26,7 +26,6 @@ import torch
 import zmq
 
 from lmcache_pd import protocol
-from lmcache_pd.channel import Channel, NixlChannel, wait_for_transfer
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import (
@@ -38,7 +37,10 @@ from lmcache_pd.errors import (
     ProtocolError,
     TransferError,
 )
-from lmcache_pd.handshake import (
+from lmcache_pd.kernels.integrity import checksum
+from lmcache_pd.protocol import AbandonReason, DisaggSpec
+from lmcache_pd.transfer.channel import Channel, NixlChannel, wait_for_transfer
+from lmcache_pd.transfer.handshake import (
     Count,
     Handshake,
     Peer,
@@ -48,9 +50,7 @@ from lmcache_pd.handshake import (
     receive,
     send,
 )
-from lmcache_pd.integrity import checksum
-from lmcache_pd.protocol import AbandonReason, DisaggSpec
-from lmcache_pd.staging import Staging
+from lmcache_pd.transfer.staging import Staging
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,13 @@ from typing import Protocol
 import torch
 
 from lmcache_pd.kernels.cpu_blocks import CpuKVCache, validate_chunk_size
-from lmcache_pd.kernels.token_layout import KVLayout, TokenKVCache
+from lmcache_pd.kernels.token_layout import (
+    KVLayout,
+    TokenKVCache,
+    dtype_name,
+    slot_mapping,
+    token_chunk_format,
+)
 
 # vLLM's resolved layout (``vllm/v1/kv_cache_layout.py``, or the older ``NHD``/``HND`` names)
 # as the physical order of a block's interior: token before head (NHD) or after it (HND).
@@ -117,7 +123,7 @@ class BlockKV:
         validate_chunk_size(chunk_size, self.block_size)
         sample = layers[0]
         shape = "x".join(str(n) for n in (len(layers), *sample.shape[1:]))
-        self.chunk_format = f"blocks:{shape}:{_dtype_name(sample.dtype)}"
+        self.chunk_format = f"blocks:{shape}:{dtype_name(sample.dtype)}"
         self.device = sample.device
 
     def chunk_nbytes(self, num_tokens: int) -> int:
@@ -209,23 +215,6 @@ class TokenKV:
         return None
 
 
-def token_chunk_format(cache: TokenKVCache) -> str:
-    """``tokens:KV_2LTD:<layers>x<heads*head size>:<dtype>``: what a token chunk's bytes are."""
-    hidden = cache.num_heads * cache.head_size
-    return f"tokens:KV_2LTD:{cache.num_layers}x{hidden}:{_dtype_name(cache.dtype)}"
-
-
-def slot_mapping(block_ids: Sequence[int], start: int, end: int, block_size: int) -> torch.Tensor:
-    """The slots of a request's tokens ``start .. end``: ``block * block_size + offset``."""
-    if not 0 <= start < end:
-        raise ValueError(f"no tokens in {start}..{end}")
-    if math.ceil(end / block_size) > len(block_ids):
-        raise ValueError(f"tokens up to {end} need more than the request's {len(block_ids)} blocks")
-    tokens = torch.arange(start, end)
-    blocks = torch.tensor(block_ids, dtype=torch.int64)[tokens // block_size]
-    return blocks * block_size + tokens % block_size
-
-
 def recognise(
     kv_caches: dict[str, torch.Tensor],
     chunk_size: int,
@@ -310,11 +299,7 @@ def _manager_blocks(view: torch.Tensor, block_size: int) -> torch.Tensor:
 def _token_kv(views: list[torch.Tensor], block_size: int) -> PagedKV:
     if views[0].device.type == "cuda":
         # Imported here: it needs a CUDA device (and Triton), which CPU machines lack.
-        from lmcache_pd.connector.cuda_kv import CudaTokenKV
+        from lmcache_pd.kernels.cuda_kv import CudaTokenKV
 
         return CudaTokenKV(views, block_size)
     return TokenKV(views, block_size)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

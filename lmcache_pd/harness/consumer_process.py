@@ -17,15 +17,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from lmcache_pd.child_process import ChildProcess, CommandLoop
 from lmcache_pd.config import load_config
 from lmcache_pd.errors import PeerTimeout
+from lmcache_pd.harness.child_process import ChildProcess, CommandLoop
 
 logger = logging.getLogger(__name__)
 
 
 class ConsumerProcess(ChildProcess):
-    """Starts ``python -m lmcache_pd.consumer_process CONFIG`` and talks to it."""
+    """Starts ``python -m lmcache_pd.harness.consumer_process CONFIG`` and talks to it."""
 
     def __init__(
         self,
@@ -39,7 +39,7 @@ class ConsumerProcess(ChildProcess):
     ) -> None:
         """``wrap`` runs it inside another command, e.g. ``ip netns exec NS``."""
         super().__init__(
-            "lmcache_pd.consumer_process",
+            "lmcache_pd.harness.consumer_process",
             [str(config_path), model_name, kv_dtype],
             env=env,
             log_path=log_path,
@@ -66,9 +66,9 @@ class ConsumerProcess(ChildProcess):
 
 def _serve_commands(config_path: str, model_name: str, kv_dtype: str) -> None:
     loop = CommandLoop()
-    from lmcache_pd.consumer import Consumer
-    from lmcache_pd.integrity import checksum
+    from lmcache_pd.kernels.integrity import checksum
     from lmcache_pd.keys import ChunkKeyer
+    from lmcache_pd.transfer.consumer import Consumer
 
     config = load_config(config_path)
     keyer = ChunkKeyer(

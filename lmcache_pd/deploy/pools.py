@@ -16,10 +16,10 @@ import msgspec
 import yaml
 
 from lmcache_pd.affinity import CPU_LIST
+from lmcache_pd.deploy.vllm_server import TINY_MODEL_ARGS
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.protocol import MAX_TP_RANKS, Port
 from lmcache_pd.proxy.config import MIN_DISAGG_TOKENS
-from lmcache_pd.vllm_server import TINY_MODEL_ARGS
 
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=3600)]
 

@@ -41,15 +41,15 @@ from typing import TypeVar
 import msgspec
 import torch
 
-from lmcache_pd import cuda_ipc
 from lmcache_pd.affinity import unpin_this_thread
-from lmcache_pd.chunk_store import LandedChunk
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig
-from lmcache_pd.consumer import Consumer, landed_view, receive_buffer_bytes
-from lmcache_pd.cuda_ipc import CudaBufferHandle
 from lmcache_pd.errors import PDError, PeerTimeout
 from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.transfer import cuda_ipc
+from lmcache_pd.transfer.chunk_store import LandedChunk
+from lmcache_pd.transfer.consumer import Consumer, landed_view, receive_buffer_bytes
+from lmcache_pd.transfer.cuda_ipc import CudaBufferHandle
 
 logger = logging.getLogger(__name__)
 

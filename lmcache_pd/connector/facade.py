@@ -1,0 +1,313 @@
+"""``LMCachePDConnector``, the class vLLM loads: a thin facade over the scheduler-side and
+worker-side halves.
+
+Load it with ``--kv-transfer-config '{"kv_connector": "LMCachePDConnector",
+"kv_connector_module_path": "lmcache_pd.connector", "kv_role": "kv_producer",
+"kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"config_path": "..."}}'``.
+
+vLLM makes one instance per process: role SCHEDULER in the engine core, role WORKER in each
+worker. The facade builds the half of its role (producer or consumer, scheduler or worker) and
+delegates every hook to it; the halves inherit "nothing to do" for hooks they do not use. Only
+the worker half owns sockets, NIXL and buffers. Blocks are never held past a request's end: the
+producer copies KV out of the paged cache during the step that computed it. Counters of either
+half reach vLLM's own ``/metrics`` through the connector stats hooks (``stats.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm import envs
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from lmcache_pd.compat import KVProfile
+from lmcache_pd.config import CONFIG_PATH_ENV, PDConfig, load_config
+from lmcache_pd.connector.consumer_worker import ConsumerWorker
+from lmcache_pd.connector.metadata import PDConnectorMetadata, PushProgress
+from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler, SchedulerHalf
+from lmcache_pd.connector.stats import PDConnectorStats, PDPromMetrics, StatsRecorder
+from lmcache_pd.connector.worker import CacheFacts, ProducerWorker, WorkerHalf
+from lmcache_pd.errors import ConfigError
+from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.transfer import landed_board
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def _show_our_logs(level: str) -> None:
+    """vLLM configures only its own loggers; without a handler ours would be silent in its
+    processes, and a request that fell back to recompute would leave no trace."""
+    ours = logging.getLogger("lmcache_pd")
+    if not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(
+            logging.Formatter(
+                "(lmcache-pd pid=%(process)d) %(asctime)s.%(msecs)03d %(levelname)s %(name)s: "
+                "%(message)s",
+                datefmt="%m-%d %H:%M:%S",
+            )
+        )
+        ours.addHandler(handler)
+        ours.setLevel(level)
+        ours.propagate = False
+
+
+def connector_config(vllm_config: VllmConfig) -> PDConfig:
+    """Our settings: the YAML named in ``kv_connector_extra_config.config_path`` (or
+    ``$LMCACHE_PD_CONFIG``), with vLLM's ``kv_role`` taking precedence."""
+    transfer = vllm_config.kv_transfer_config
+    path = transfer.get_from_extra_config("config_path", None) or os.environ.get(CONFIG_PATH_ENV)
+    role = transfer.kv_role
+    if role not in ("kv_producer", "kv_consumer"):
+        raise ConfigError(
+            f"LMCachePDConnector needs kv_role kv_producer or kv_consumer, got {role}"
+        )
+    return load_config(path, kv_role=role)
+
+
+def kv_dtype_name(vllm_config: VllmConfig) -> str:
+    """The KV cache's dtype as a plain name ("float32", "fp8_e4m3"...): part of every key."""
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype != "auto":
+        return cache_dtype
+    return str(vllm_config.model_config.dtype).removeprefix("torch.")
+
+
+def chunk_keyer(vllm_config: VllmConfig, config: PDConfig, rank: int) -> ChunkKeyer:
+    """Keys that differ wherever KV bytes would: model (as vLLM was given it), parallel
+    layout, rank, KV dtype."""
+    return ChunkKeyer(
+        model_name=vllm_config.model_config.model,
+        world_size=vllm_config.parallel_config.world_size,
+        worker_id=rank,
+        kv_dtype=kv_dtype_name(vllm_config),
+        chunk_size=config.chunk_size,
+    )
+
+
+def kv_profile(vllm_config: VllmConfig, config: PDConfig, rank: int) -> KVProfile:
+    """What a peer's KV must match to be loadable here, compared at handshake; the worker half
+    completes it from the cache (chunk format, page bytes: ``worker.rank_profile``)."""
+    parallel = vllm_config.parallel_config
+    return KVProfile(
+        chunk_size=config.chunk_size,
+        page_bytes=config.page_bytes,
+        model=vllm_config.model_config.model,  # as the chunk keys have it
+        kv_dtype=kv_dtype_name(vllm_config),
+        block_size=vllm_config.cache_config.block_size,
+        tp_size=parallel.tensor_parallel_size,
+        tp_rank=rank,
+    )
+
+
+def cache_facts(vllm_config: VllmConfig) -> CacheFacts:
+    """What vLLM says of its cache: the block size, the physical order of a block's interior
+    (its resolved layout: ``LBNHC``/``BLNHC`` put a token's heads together, NHD; the others
+    HND), and whether its attention backend packs whole blocks (vLLM's CPU engine)."""
+    from vllm.platforms import current_platform
+
+    return CacheFacts(
+        block_size=vllm_config.cache_config.block_size,
+        physical_order=physical_order(vllm_config),
+        packed_blocks=current_platform.is_cpu(),
+    )
+
+
+def physical_order(vllm_config: VllmConfig) -> str | None:
+    """ "NHD" or "HND" from vLLM's resolved KV cache layout (vLLM 0.32:
+    ``CacheConfig.get_resolved_kv_cache_layout``; older: ``get_kv_cache_layout``); None if this
+    vLLM has neither or has not resolved it yet."""
+    try:
+        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    except (AttributeError, ValueError):
+        try:
+            from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_cache_layout
+        except ImportError:
+            return None
+        name = str(get_kv_cache_layout())
+        return name if name in ("NHD", "HND") else None
+    # Logical block axes (H, N) = (2, 3) in vLLM's [L, B, H, N, C]: whichever comes first in
+    # memory is the outer one.
+    order = layout.stride_order
+    return "NHD" if order.index(3) < order.index(2) else "HND"
+
+
+class LMCachePDConnector(KVConnectorBase_V1):
+    """Producer pushes prompt KV to the consumer its request names; consumer loads it."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._config = connector_config(vllm_config)
+        _show_our_logs(self._config.log_level)
+        producer = self._config.kv_role == "kv_producer"
+        # The worker half needs the paged cache: it is made in register_kv_caches.
+        self._worker: WorkerHalf = WorkerHalf()
+        self._scheduler: SchedulerHalf = SchedulerHalf()
+        if role == KVConnectorRole.SCHEDULER:
+            self._stats = StatsRecorder("scheduler")
+            self._scheduler = (
+                ProducerScheduler()
+                if producer
+                else ConsumerScheduler(
+                    self._stats.add,
+                    chunk_size=self._config.chunk_size,
+                    boards=[
+                        self._board(rank) for rank in range(vllm_config.parallel_config.world_size)
+                    ]
+                    if self._config.sync_loads
+                    else [],
+                )
+            )
+        else:
+            from vllm.distributed.parallel_state import get_world_group
+
+            self._rank = get_world_group().rank
+            # Tensor parallelism: this rank's own receive ports, and the warm peers it pushes to.
+            self._config = self._config.for_rank(self._rank)
+            # Named by rank: gauges of several ranks are summed, not replaced.
+            self._stats = StatsRecorder(f"rank{self._rank}")
+        logger.info("LMCachePDConnector %s as %s", role.name, self._config.kv_role)
+
+    # ---- worker side ----
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Called once the paged cache exists: the worker half starts here, moving whole
+        blocks (vLLM's CPU engine) or tokens (GPU layouts) as the cache is (``paged_kv.py``)."""
+        keyer = chunk_keyer(self._vllm_config, self._config, self._rank)
+        profile = kv_profile(self._vllm_config, self._config, self._rank)
+        facts = cache_facts(self._vllm_config)
+        if self._config.kv_role == "kv_producer":
+            self._worker = ProducerWorker(
+                self._config, keyer, kv_caches, self._stats, profile, self._rank, facts
+            )
+            return
+        board = self._board(self._rank) if self._config.sync_loads else None
+        self._worker = ConsumerWorker(
+            self._config, keyer, kv_caches, self._stats, profile, self._rank, facts, board
+        )
+
+    def _board(self, rank: int) -> Path:
+        """Where ``rank``'s consumer process posts landed chunks (``landed_board.py``)."""
+        return landed_board.board_path(
+            Path(envs.VLLM_RPC_BASE_PATH), self._vllm_config.instance_id, rank
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Consumer: do this step's synchronous loads (their KV has landed) and queue the
+        others; they complete as their chunks land."""
+        self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are whole-request, done in ``start_load_kv`` or asynchronously; nothing
+        waits per layer."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Consumer: blocks of this step's synchronous loads that failed; vLLM recomputes
+        them (and drops what this step computed from them)."""
+        return self._worker.load_errors()
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Nothing per layer: the whole step's KV is gathered in ``wait_for_save``."""
+
+    def wait_for_save(self) -> None:
+        """Producer: copy out the chunks this step completed and queue their push."""
+        self._worker.wait_for_save(self._meta())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Consumer: the loads that completed or failed since the last step."""
+        received, failed = self._worker.finished_loads()
+        return KVConnectorTransferResults(finished_recving=received, failed_recving=failed)
+
+    def get_kv_connector_stats(self) -> PDConnectorStats | None:
+        """This half's counters since the last call (either process; vLLM adds them up)."""
+        return self._stats.take()
+
+    def shutdown(self) -> None:
+        self._worker.close()
+        self._scheduler.close()
+
+    def _meta(self) -> PDConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PDConnectorMetadata)
+        return meta
+
+    # ---- scheduler side ----
+
+    def get_finished_count(self) -> int:
+        """Every worker reports each load (received, and failed where it failed): vLLM counts a
+        request received only once all ``world_size`` ranks have its KV, and failed if any one
+        rank's load failed (``KVOutputAggregator``), so the request is then recomputed."""
+        return self._vllm_config.parallel_config.world_size
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Never delays the free (the KV was copied out); returns ``first_tok`` if asked."""
+        return False, self._scheduler.request_finished(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        """Producer: pushes still running; vLLM keeps stepping (their counters flush)."""
+        return self._scheduler.has_pending_push_work()
+
+    def build_connector_worker_meta(self) -> PushProgress | None:
+        return self._worker.progress()
+
+    # ---- metrics (API-server process) ----
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PDConnectorStats:
+        return PDConnectorStats(data=data) if data is not None else PDConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PDPromMetrics:
+        return PDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
