@@ -1,0 +1,59 @@
+"""Commands that write files: ``make-model`` (the tiny local model) and ``k8s`` (a pools file's
+Kubernetes manifests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lmcache_pd.cli.common import app, setup_logging
+from lmcache_pd.deploy.pools import load_pools
+
+
+@app.command("make-model")
+def make_model_command(
+    directory: Annotated[Path, typer.Argument(help="the Hugging Face folder to write")],
+    seed: Annotated[int, typer.Option(help="seeds the random weights")] = 0,
+    force: Annotated[bool, typer.Option(help="rebuild even if this build is there")] = False,
+) -> None:
+    """Write the tiny random Llama that vLLM serves offline here, and print its folder.
+
+    A folder already holding this seed's build is kept unless --force."""
+    from lmcache_pd.harness.model_maker import ensure_model, make_model
+
+    setup_logging("info")
+    built = make_model(directory, seed=seed) if force else ensure_model(directory, seed=seed)
+    typer.echo(built)
+
+
+@app.command()
+def k8s(
+    pools: Annotated[Path, typer.Argument(help="pools YAML")],
+    output: Annotated[
+        Path | None, typer.Option(help="write one file per object into this folder")
+    ] = None,
+) -> None:
+    """Write the Kubernetes manifests of POOLS (its `kubernetes:` section says the image,
+    namespace, names and model volume): decode and prefill as StatefulSets with headless
+    Services, the proxy as a Deployment with a Service, their YAMLs as ConfigMaps. Printed as
+    one YAML stream, or with --output one file per object; then `kubectl apply -f`."""
+    from lmcache_pd.deploy.k8s import file_name, manifests, to_yaml
+    from lmcache_pd.errors import ConfigError
+
+    try:
+        objects = manifests(load_pools(pools))
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint="POOLS") from None
+    if output is None:
+        typer.echo(to_yaml(objects), nl=False)
+        return
+    output.mkdir(parents=True, exist_ok=True)
+    for index, manifest in enumerate(objects):
+        (output / file_name(index, manifest)).write_text(to_yaml([manifest]))
+    typer.echo(f"{len(objects)} objects written to {output}", err=True)
+
+
+if __name__ == "__main__":
+    app()
