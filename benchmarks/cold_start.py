@@ -13,7 +13,6 @@ writes ``benchmarks/results/cold_start.json``.
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import tempfile
@@ -27,6 +26,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.common import write_json
 from lmcache_pd.deploy.launcher import PoolLauncher
 from lmcache_pd.deploy.pools import load_pools
 from lmcache_pd.harness.app_thread import proxy_thread
@@ -150,8 +150,7 @@ def main(
         "command": f"python -m benchmarks.cold_start --pools {pools} --starts {starts}",
         "workdir": str(workdir),
     }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"summary": summary, "starts": records}, indent=2) + "\n")
+    write_json(output, {"summary": summary, "starts": records})
     table = Table(title=f"{starts} fresh starts of {pools.name}, {concurrency} requests each")
     for column in ("requests", "errors", f"over {goal_s:g} s", "median s", "max s", "timeouts"):
         table.add_column(column, justify="right")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import statistics
@@ -31,6 +30,7 @@ import aiohttp
 import typer
 from rich.console import Console
 
+from benchmarks.common import write_json
 from benchmarks.environment import run_environment
 from benchmarks.serving import DEFAULT_MODEL, installed_packages
 from benchmarks.serving_systems import DECODE_CPUS
@@ -191,8 +191,7 @@ def main(
         / medians["http"]["first_token_ms_p50"],
         "api_server_first_token_ms": saved,
     }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(record, indent=2) + "\n")
+    write_json(output, record)
     console.print(f"medians: {medians}")
     console.print(f"vLLM's API server adds {saved:.1f} ms to the first token; wrote {output}")
 

@@ -45,10 +45,7 @@ Reproduce (medians of 7 runs; table on stdout, JSON in benchmarks/results/kernel
 
 from __future__ import annotations
 
-import json
 import logging
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -60,6 +57,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.common import LOG_FORMAT, interleaved_samples, throughput, write_json
 from benchmarks.environment import run_environment
 from lmcache_pd.kernels import (
     CpuKVCache,
@@ -112,21 +110,6 @@ MODELS = {
 }
 
 
-def _interleaved_samples(
-    kernel: Callable[[], None], ceiling: Callable[[], None], runs: int
-) -> tuple[list[float], list[float]]:
-    """Seconds of ``kernel`` and ``ceiling``, interleaved run by run after warm-up runs."""
-    samples: tuple[list[float], list[float]] = ([], [])
-    for run in range(-WARMUP_RUNS, runs):
-        for step, times in zip((kernel, ceiling), samples, strict=True):
-            started = time.perf_counter()
-            step()
-            elapsed = time.perf_counter() - started
-            if run >= 0:
-                times.append(elapsed)
-    return samples
-
-
 def _record(
     op: str,
     shape: ModelShape,
@@ -135,10 +118,14 @@ def _record(
     samples: tuple[list[float], list[float]],
     regime: str = "hot",
 ) -> dict[str, Any]:
-    kernel_s, memcpy_s = (statistics.median(times) for times in samples)
-    gbps, memcpy_gbps = nbytes / kernel_s / 1e9, nbytes / memcpy_s / 1e9
+    rates = throughput(nbytes, samples)
     logger.info(
-        "%s %s (%s): %.2f GB/s, memcpy %.2f GB/s", shape.name, op, regime, gbps, memcpy_gbps
+        "%s %s (%s): %.2f GB/s, memcpy %.2f GB/s",
+        shape.name,
+        op,
+        regime,
+        rates["gbps"],
+        rates["memcpy_gbps"],
     )
     return {
         "op": op,
@@ -146,12 +133,7 @@ def _record(
         "model": shape.name,
         "layout": layout,
         **{field: value for field, value in asdict(shape).items() if field != "name"},
-        "bytes": nbytes,
-        "seconds": kernel_s,
-        "gbps": gbps,
-        "memcpy_gbps": memcpy_gbps,
-        "ratio_vs_memcpy": gbps / memcpy_gbps,
-        "samples_s": {"kernel": samples[0], "memcpy": samples[1]},
+        **rates,
     }
 
 
@@ -234,7 +216,7 @@ def measure_cpu_blocks(
             shape,
             "cpu",
             chunk.numel(),
-            _interleaved_samples(step, memcpy, runs * HOT_SAMPLES_PER_RUN),
+            interleaved_samples(step, memcpy, runs * HOT_SAMPLES_PER_RUN, warmup_runs=WARMUP_RUNS),
         )
         for op, step in steps.items()
     ]
@@ -289,7 +271,7 @@ def measure_cpu_blocks_streaming(
     }
     records = []
     for op, step in steps.items():
-        kernel_s, memcpy_s = _interleaved_samples(step, memcpy, runs)
+        kernel_s, memcpy_s = interleaved_samples(step, memcpy, runs, warmup_runs=WARMUP_RUNS)
         per_chunk = ([t / count for t in kernel_s], [t / count for t in memcpy_s])
         record = _record(op, shape, "cpu", chunk_bytes, per_chunk, "streaming")
         records.append(record | {"chunks_per_sample": count})
@@ -348,7 +330,7 @@ def measure_tokens(
             shape,
             layout.value,
             chunk.numel(),
-            _interleaved_samples(step, memcpy, runs * HOT_SAMPLES_PER_RUN),
+            interleaved_samples(step, memcpy, runs * HOT_SAMPLES_PER_RUN, warmup_runs=WARMUP_RUNS),
         )
         | {"block_size": GPU_BLOCK_SIZE}
         for op, step in steps.items()
@@ -437,9 +419,7 @@ def main(
     ] = None,
 ) -> None:
     """Run the benchmark, print the table and write the JSON."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     names = [name.strip() for name in models.split(",") if name.strip()]
     unknown = sorted(set(names) - set(MODELS))
     if unknown:
@@ -467,8 +447,7 @@ def main(
         )
         output = output or DEFAULT_OUTPUT
     print_table(document)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(document, indent=2) + "\n")
+    write_json(output, document)
     logger.info("wrote %s", output)
 
 

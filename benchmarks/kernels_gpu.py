@@ -3,9 +3,9 @@ and their GB/s against a device-to-device copy of the same bytes, timed in the s
 
 Why: on a GPU the producer gathers every chunk out of vLLM's paged cache with the Triton kernel
 (``kernels/triton_layout.py``) and the consumer scatters it back; the torch path is the reference
-it must match bit for bit. Run by ``benchmarks/kernels.py --device cuda``, which writes
-``benchmarks/results/kernels_gpu.json`` naming the device. Per model shape and layout (NHD, HND;
-block size 16, a chunk of a request's blocks filled in order):
+it must match bit for bit. Run by ``.venv/bin/python -m benchmarks.kernels --device cuda``, which
+writes ``benchmarks/results/kernels_gpu.json`` naming the device. Per model shape and layout
+(NHD, HND; block size 16, a chunk of a request's blocks filled in order):
 
 - ``triton_gather_*`` / ``triton_scatter_*``: the Triton path, CUDA-event timed, medians;
 - ``torch_gather_*`` / ``torch_scatter_*``: the torch path on the same CUDA tensors;
@@ -19,12 +19,12 @@ interleaved with it. Every record says whether the Triton result was bit-exact
 from __future__ import annotations
 
 import logging
-import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from benchmarks.common import interleaved_samples, throughput
 from benchmarks.environment import run_environment
 from lmcache_pd.kernels import KVLayout, TokenKVCache, TritonTokenKV, triton_available
 
@@ -43,34 +43,17 @@ def _cuda_seconds(step: Callable[[], None]) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def _interleaved(
-    kernel: Callable[[], None], ceiling: Callable[[], None], runs: int
-) -> tuple[list[float], list[float]]:
-    samples: tuple[list[float], list[float]] = ([], [])
-    for run in range(-WARMUP_RUNS, runs):
-        for step, times in zip((kernel, ceiling), samples, strict=True):
-            elapsed = _cuda_seconds(step)
-            if run >= 0:
-                times.append(elapsed)
-    return samples
-
-
 def _record(op: str, model: str, layout: str, nbytes: int, samples, exact: bool) -> dict[str, Any]:
-    kernel_s, copy_s = (statistics.median(times) for times in samples)
-    gbps, memcpy_gbps = nbytes / kernel_s / 1e9, nbytes / copy_s / 1e9
-    logger.info("%s %s %s: %.1f GB/s, device copy %.1f GB/s", model, op, layout, gbps, memcpy_gbps)
-    return {
-        "op": op,
-        "model": model,
-        "layout": layout,
-        "bytes": nbytes,
-        "seconds": kernel_s,
-        "gbps": gbps,
-        "memcpy_gbps": memcpy_gbps,
-        "ratio_vs_memcpy": gbps / memcpy_gbps,
-        "bit_exact": exact,
-        "samples_s": {"kernel": samples[0], "memcpy": samples[1]},
-    }
+    rates = throughput(nbytes, samples)
+    logger.info(
+        "%s %s %s: %.1f GB/s, device copy %.1f GB/s",
+        model,
+        op,
+        layout,
+        rates["gbps"],
+        rates["memcpy_gbps"],
+    )
+    return {"op": op, "model": model, "layout": layout, **rates, "bit_exact": exact}
 
 
 def measure_layout(
@@ -121,11 +104,16 @@ def measure_layout(
         f"torch_scatter_{name}": lambda: torch_target.scatter(chunk, slots),
         "d2h_pinned": lambda: pinned.copy_(chunk, non_blocking=True),
     }
-    return [
-        _record(op, shape.name, layout.value, nbytes, _interleaved(step, device_copy, runs), exact)
-        | {"dtype": shape.dtype, "regime": "hot", "block_size": block_size}
-        for op, step in steps.items()
-    ]
+    records = []
+    for op, step in steps.items():
+        samples = interleaved_samples(
+            step, device_copy, runs, warmup_runs=WARMUP_RUNS, seconds=_cuda_seconds
+        )
+        records.append(
+            _record(op, shape.name, layout.value, nbytes, samples, exact)
+            | {"dtype": shape.dtype, "regime": "hot", "block_size": block_size}
+        )
+    return records
 
 
 def run_gpu_benchmark(

@@ -17,6 +17,10 @@ side, ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py``):
 
 The first P->D request pays a one-off NIXL handshake between the two (DESIGN.md: 5-12 s; here
 also 0.7-1.4 s): call ``warm_up()`` before measuring.
+
+Measured as the serving benchmark's system ``nixl``::
+
+    .venv/bin/python -m benchmarks.serving --systems lmcache-pd,nixl
 """
 
 from __future__ import annotations

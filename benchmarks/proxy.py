@@ -36,10 +36,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -59,7 +57,9 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.common import LOG_FORMAT, free_ports, write_json
 from benchmarks.environment import run_environment
+from lmcache_pd.protocol import DisaggSpec, KVTransferParams
 from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
 
 logger = logging.getLogger(__name__)
@@ -115,15 +115,6 @@ def serve_standin(port: int, first_delay_s: float, token_delay_s: float) -> None
         shutdown_timeout=1.0,
         loop=loop,
     )
-
-
-def _free_ports(count: int) -> list[int]:
-    """Ports the kernel just handed out: fixed ports collide with tests running alongside."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
 
 
 class _Child:
@@ -194,7 +185,7 @@ class Servers:
 def start_servers(workdir: Path, first_delay_s: float, token_delay_s: float) -> Iterator[Servers]:
     """Start prefill and decode stand-ins and the proxy in front of them, wait until all three
     are healthy, and stop them all on leaving, also on failure."""
-    ports = dict(zip(("proxy", "prefill", "decode"), _free_ports(3), strict=True))
+    ports = dict(zip(("proxy", "prefill", "decode"), free_ports(3), strict=True))
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     host, init_port, alloc_port = RECEIVER
     config = {
@@ -329,15 +320,9 @@ class LoadGenerator:
     async def _direct(self, client: ClientRequest) -> Sample:
         """Prefill for the first token, then decode's stream, as the proxy would."""
         req_id = f"bench-{uuid.uuid4().hex}"
-        host, init_port, alloc_port = RECEIVER
-        spec = {
-            "req_id": req_id,
-            "receiver_host": host,
-            "receiver_init_port": init_port,
-            "receiver_alloc_port": alloc_port,
-        }
+        spec = DisaggSpec(req_id, *RECEIVER)
         headers = {"Content-Type": "application/json", "X-Request-Id": req_id}
-        prefill = client.prefill_body({"ret_first_tok": True, "disagg_spec": spec})
+        prefill = client.prefill_body(KVTransferParams(ret_first_tok=True, disagg_spec=spec))
         arrivals: list[float] = []
         started = time.perf_counter()
         async with self._session.post(
@@ -351,7 +336,8 @@ class LoadGenerator:
         answer = msgspec.json.decode(raw)
         arrivals.append(time.perf_counter())
         first = answer["kv_transfer_params"]["first_tok"]
-        decode = client.decode_body(answer["prompt_token_ids"], first, {"disagg_spec": spec})
+        params = KVTransferParams(disagg_spec=spec)
+        decode = client.decode_body(answer["prompt_token_ids"], first, params)
         async with self._session.post(
             f"{self._servers.decode_url}{Endpoint.COMPLETIONS.value}",
             data=msgspec.json.encode(decode),
@@ -595,9 +581,7 @@ def main(
     """Run the benchmark, print the tables and write the JSON."""
     import tempfile
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health poll otherwise
     counts = [int(item) for item in concurrency.split(",") if item.strip()]
     if not counts or min(counts) < 1:
@@ -614,8 +598,7 @@ def main(
             workdir=Path(workdir),
         )
     print_tables(document)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(document, indent=2) + "\n")
+    write_json(output, document)
     logger.info("wrote %s", output)
 
 

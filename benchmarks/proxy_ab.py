@@ -1,11 +1,11 @@
 """A proxy setting measured A/B inside one running lmcache-pd: paired runs, not separate starts.
 
-``serving.py --interleave`` starts each system afresh per run, and on this shared machine the
-speed drifts ~2x between starts, which buries a change of a few milliseconds. Here one set of
-prefill and decode instances serves both sides: side A through the system's own proxy, side B
-through a second proxy whose config differs in one setting (``--setting``, by default
-``first_token_notices=false``). Runs alternate A B, B A, ... on fresh prompts (no prefix is
-cached from another run), and each pair's ratio A / B is taken while the machine is in one
+``python -m benchmarks.serving --interleave`` starts each system afresh per run, and on this
+shared machine the speed drifts ~2x between starts, which buries a change of a few milliseconds.
+Here one set of prefill and decode instances serves both sides: side A through the system's own
+proxy, side B through a second proxy whose config differs in one setting (``--setting``, by
+default ``first_token_notices=false``). Runs alternate A B, B A, ... on fresh prompts (no prefix
+is cached from another run), and each pair's ratio A / B is taken while the machine is in one
 phase.
 
     .venv/bin/python -m benchmarks.proxy_ab --pairs 10

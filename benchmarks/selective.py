@@ -26,7 +26,6 @@ Reproduce (~3 min a background level here; JSON and Markdown in benchmarks/resul
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
 import sys
 import tempfile
@@ -41,7 +40,8 @@ import openai
 import typer
 from rich.console import Console
 
-from benchmarks.chaos import CLIENT_TIMEOUT_S, _pools_file, _warm_up, proxy_url
+from benchmarks.chaos.pools import CLIENT_TIMEOUT_S, pools_file, proxy_url, warm_up
+from benchmarks.common import write_json
 from benchmarks.environment import run_environment
 from lmcache_pd.deploy.launcher import PoolLauncher, unused_port
 from lmcache_pd.harness.app_thread import proxy_thread
@@ -286,7 +286,7 @@ def main(
     console = Console(width=None if sys.stdout.isatty() else 160)
     levels = background or [0, 4]
     workdir = workdir or Path(tempfile.mkdtemp(prefix="lmcache-pd-selective-"))
-    config = _pools_file(pools)
+    config = pools_file(pools)
     ensure_model(Path(config.model))
     started = time.monotonic()
     records = []
@@ -300,8 +300,8 @@ def main(
             ),
         }
         with proxy_thread(proxies["pd"]), proxy_thread(proxies["alone"]):
-            _warm_up(proxies["pd"])
-            _warm_up(proxies["alone"])
+            warm_up(proxies["pd"])
+            warm_up(proxies["alone"])
             urls = {route: f"{proxy_url(p)}/v1" for route, p in proxies.items()}
             for level in levels:
                 records.append(measure(urls, base.model, level, repeats, console))
@@ -319,8 +319,7 @@ def main(
         "recommended_min_disagg_tokens": recommended(records),
         "results": records,
     }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(document, indent=2) + "\n")
+    write_json(output, document)
     text = markdown(records) + (
         f"- recommended min_disagg_tokens: {document['recommended_min_disagg_tokens']}\n"
     )

@@ -22,7 +22,7 @@ PNG plots beside it (TTFT and inter-token latency CDFs, lmcache-pd's per-request
 
 Reproduce::
 
-    .venv/bin/lmcache-pd bench                      # all defaults, ~15 min here
+    .venv/bin/python -m benchmarks.serving          # all defaults, ~15 min here
     .venv/bin/python -m benchmarks.serving --systems lmcache-pd,colocated \\
         --workloads 1024/32 --num-prompts 8 --runs 2 --output /tmp/serving.json
     # the consumer's cache on vs off, taking turns so that drift falls on both alike
@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
-import json
 import logging
 import os
 import statistics
@@ -51,6 +50,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from benchmarks.common import write_json
 from benchmarks.environment import run_environment
 from benchmarks.serving_load import (
     Workload,
@@ -447,8 +447,7 @@ def main(
         "results": records,
         "goals": found,
     }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(document, indent=2) + "\n")
+    write_json(output, document)
     output.with_suffix(".md").write_text(markdown(records, found))
     if plots:
         write_plots(raw, output.parent / output.stem)

@@ -20,7 +20,6 @@ Reproduce (~4 min a layout here; JSON and Markdown in benchmarks/results/)::
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import sys
@@ -34,20 +33,10 @@ import openai
 import typer
 from rich.console import Console
 
-from benchmarks.chaos import (
-    CLIENT_TIMEOUT_S,
-    Answer,
-    CounterTrack,
-    Prompt,
-    _pools_file,
-    _refresh_gauges,
-    _warm_up,
-    alive_groups,
-    compute_references,
-    judge,
-    proxy_url,
-    read_counters,
-)
+from benchmarks.chaos.counters import CounterTrack, read_counters, refresh_gauges
+from benchmarks.chaos.judge import Answer, Prompt, compute_references, judge
+from benchmarks.chaos.pools import CLIENT_TIMEOUT_S, alive_groups, pools_file, proxy_url, warm_up
+from benchmarks.common import write_json
 from benchmarks.environment import run_environment
 from lmcache_pd.deploy.launcher import PoolLauncher
 from lmcache_pd.harness.app_thread import proxy_thread
@@ -156,7 +145,7 @@ def holds_end(launcher: PoolLauncher, model: str) -> dict[str, Any]:
     chunks nobody holds), and the pages it keeps cached then."""
     started = time.monotonic()
     while True:
-        _refresh_gauges(launcher, model)
+        refresh_gauges(launcher, model)
         gauges = [
             read_counters(launcher, name, "metrics") or {}
             for name in launcher.servers
@@ -215,7 +204,7 @@ def main(
     console = Console(width=None if sys.stdout.isatty() else 160)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="lmcache-pd-shared-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    config = _pools_file(pools)
+    config = pools_file(pools)
     layout = f"{len(config.prefill)}P{len(config.decode)}D"
     output = output or RESULTS / f"shared_prefix-{layout.lower()}.json"
     ensure_model(Path(config.model))
@@ -239,7 +228,7 @@ def main(
                     timeout=CLIENT_TIMEOUT_S,
                 ) as client,
             ):
-                _warm_up(proxy)
+                warm_up(proxy)
                 for index, batch in enumerate(prompts):
                     record = {"pools": layout, "round": index}
                     record |= run_round(launcher, client, proxy.model, batch, references)
@@ -266,8 +255,7 @@ def main(
         "after_run": after_run,
         "results": records,
     }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(document, indent=2) + "\n")
+    write_json(output, document)
     output.with_suffix(".md").write_text(markdown(records))
     console.print(markdown(records))
     console.print(f"wrote {output} and {output.with_suffix('.md')} (logs in {workdir})")

@@ -43,12 +43,9 @@ Reproduce (medians of 7 runs; table on stdout, JSON in benchmarks/results/transf
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import logging
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,6 +62,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.common import LOG_FORMAT, free_ports, write_json
 from benchmarks.environment import run_environment
 from lmcache_pd.config import PDConfig, load_config
 from lmcache_pd.harness import netns
@@ -103,15 +101,6 @@ def parse_sizes(text: str) -> list[int]:
     if not sizes or min(sizes) < 1:
         raise ValueError(f"no positive sizes in {text!r}")
     return sizes
-
-
-def _free_ports(count: int) -> list[int]:
-    """Ports the kernel just handed out: fixed ports collide with tests running alongside."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
 
 
 class _Source:
@@ -213,7 +202,7 @@ def _measure(
 ) -> dict[str, Any]:
     """One record: medians and samples of every method for ``count`` chunks of ``chunk_bytes``;
     the consumer in network namespace ``consumer_netns`` at ``consumer_host`` if given."""
-    init_port, alloc_port = _free_ports(2)
+    init_port, alloc_port = free_ports(2)
     overrides = {
         **settings,
         "receiver_host": consumer_host,
@@ -401,9 +390,7 @@ def main(
     command: Annotated[str | None, typer.Option(hidden=True)] = None,
 ) -> None:
     """Run the benchmark, print the table and write the JSON."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     if across_netns:
         _rerun_across_namespaces(output if output != DEFAULT_OUTPUT else NETNS_OUTPUT)
         return
@@ -420,8 +407,7 @@ def main(
         consumer_host=consumer_host,
     )
     print_table(document)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(document, indent=2) + "\n")
+    write_json(output, document)
     logger.info("wrote %s", output)
 
 

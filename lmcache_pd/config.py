@@ -17,17 +17,13 @@ import yaml
 from lmcache_pd import protocol
 from lmcache_pd.affinity import CPU_LIST
 from lmcache_pd.errors import ConfigError
+from lmcache_pd.peers import PeerText, format_peer, rank_peer
 
 ENV_PREFIX = "LMCACHE_PD_"
 # Names the YAML file itself; never an override of a field.
 CONFIG_PATH_ENV = "LMCACHE_PD_CONFIG"
 
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=3600)]
-# A consumer's receive address: "host:init_port:alloc_port", or for a tensor-parallel consumer
-# "host:i0,i1:a0,a1" (one port per rank, indexed by rank).
-PeerAddressText = Annotated[
-    str, msgspec.Meta(pattern=r"^[A-Za-z0-9.-]+:[0-9]{1,5}(,[0-9]{1,5})*:[0-9]{1,5}(,[0-9]{1,5})*$")
-]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
 
@@ -66,7 +62,7 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     cache_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
     # Producer: consumer ranks to shake hands with ahead of their first request (the launcher
     # names every decode rank here), so that no request waits for NIXL's connect.
-    warm_peers: list[PeerAddressText] = msgspec.field(default_factory=list)
+    warm_peers: list[PeerText] = msgspec.field(default_factory=list)
     max_alloc_retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = protocol.MAX_ALLOC_RETRIES
     # Producer: a push of at most this many chunks writes at once into pages its consumer rank
     # reserved for it ahead (asked for, a few pushes' worth at a time, while a write is in
@@ -142,7 +138,7 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
                     f"{len(init)} rank(s); give one port per tensor-parallel rank"
                 )
             own = 0  # a producer binds none: any listed value stays valid
-        peers = [peer for text in self.warm_peers if (peer := _peer_of_rank(text, rank))]
+        peers = [format_peer(*peer) for text in self.warm_peers if (peer := rank_peer(text, rank))]
         return replace(self, init_port=init[own], alloc_port=alloc[own], warm_peers=peers)
 
     @property
@@ -178,15 +174,6 @@ def _as_list(ports: int | list[int]) -> list[int]:
 
 def _count(ports: int | list[int]) -> int:
     return len(_as_list(ports))
-
-
-def _peer_of_rank(text: str, rank: int) -> str | None:
-    """``host:i0,i1:a0,a1`` -> rank's ``host:ir:ar``; None if that peer has no such rank."""
-    host, init_ports, alloc_ports = text.rsplit(":", 2)
-    init, alloc = init_ports.split(","), alloc_ports.split(",")
-    if rank >= len(init) or rank >= len(alloc):
-        return None
-    return f"{host}:{init[rank]}:{alloc[rank]}"
 
 
 def replace(config: PDConfig, **changes: object) -> PDConfig:

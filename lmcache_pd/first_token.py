@@ -7,7 +7,8 @@ before the proxy knows that token (its prompt ends with it), so that delay fell 
 between the first and the second token. Now the producer's scheduler half sends a small notice
 (``FirstTokenNotice``: the request, its prompt's token ids, the token) to the proxy the moment the
 request ends in its engine, and the proxy asks decode on whichever comes first, the notice or the
-answer.
+answer. The proxy names where the notice goes in the request's ``KVTransferParams.first_tok_to``
+(``protocol.py``).
 
 A notice is only a head start, never what the client sees: the proxy streams the first token
 from prefill's HTTP answer (its text, logprobs and finish reason come from there) and keeps
@@ -21,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import re
 import socket
 from urllib.parse import urlsplit
 
@@ -31,9 +31,6 @@ import zmq.asyncio
 
 logger = logging.getLogger(__name__)
 
-# The kv_transfer_params key that asks prefill for a notice, and where to: "tcp://host:port".
-NOTICE_KEY = "first_tok_to"
-ADDRESS = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$")
 # Notices queued for a proxy not (yet) connected before more are dropped: each is one request's
 # head start, stale within a second.
 SEND_QUEUE = 64
@@ -56,11 +53,6 @@ class FirstTokenNotice(msgspec.Struct, frozen=True, array_like=True):
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(FirstTokenNotice)
-
-
-def valid_address(address: object) -> str | None:
-    """``address`` if it is a "tcp://host:port" a notice can go to, else None."""
-    return address if isinstance(address, str) and ADDRESS.match(address) else None
 
 
 class NoticeSender:

@@ -30,12 +30,17 @@ Protocol history:
   (no version change) DisaggSpec, which travels in HTTP bodies and on no socket of ours, may
      give its ports as lists indexed by rank (tensor parallelism); single integers still mean
      a consumer of one rank.
+  (no version change) ``KVTransferParams`` and ``KVTransferReturn`` type the keys of vLLM's
+     ``kv_transfer_params`` that the proxy and the connector always sent as plain JSON objects;
+     the JSON is unchanged.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Generic, TypeVar
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, Generic, TypeVar
 
 import msgspec
 
@@ -67,6 +72,9 @@ HANDSHAKE_TIMEOUT_S = 5.0
 # A GPU worker's copy of a chunk between the KV cache and the staging buffer, on the
 # connector's own CUDA stream: the sender waits this long for it before giving the push up.
 DEVICE_COPY_TIMEOUT_S = 10.0
+# A child process of ours asked to stop (the consumer's service process, a test's consumer or
+# producer) gets this long to exit before it is killed, and as long again after.
+PROCESS_EXIT_TIMEOUT_S = 10.0
 # A self-test's write and notification take well under a millisecond when the transport works;
 # one that misses this deadline never arrives (measured: "PROC" for minutes).
 PROBE_TIMEOUT_S = 1.0
@@ -210,6 +218,69 @@ class DisaggSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def _as_list(ports: int | list[int]) -> list[int]:
     return [ports] if isinstance(ports, int) else ports
+
+
+# Where a prefill engine sends a request's first-token notice (``first_token.py``).
+NOTICE_ADDRESS = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$")
+# The key of ``KVTransferParams.first_tok_to`` in the JSON, for logs and tests.
+NOTICE_KEY = "first_tok_to"
+
+
+class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Our keys of the ``kv_transfer_params`` in a request to prefill or decode: a JSON object
+    that the proxy sets (a client may not) and vLLM hands our connector's scheduler as a dict.
+
+    Prefill is asked for ``ret_first_tok`` and, when decode goes on, sent the ``disagg_spec``
+    and (with first-token notices) ``first_tok_to``, a "tcp://host:port"; decode is sent the
+    same ``disagg_spec`` alone. Fields at their default are left out and the fields' order is
+    the keys' order, so the JSON is what the proxy built by hand before this type existed."""
+
+    ret_first_tok: bool = False
+    disagg_spec: DisaggSpec | None = None
+    first_tok_to: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object for a request body."""
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> KVTransferParams:
+        """Our keys of a request's params as vLLM hands them over (others are left alone).
+        Raises ``ProtocolError`` naming the field for a malformed ``disagg_spec``. A
+        ``first_tok_to`` that is not "tcp://host:port" is left out: a notice is only a head
+        start, so the request goes on without one (the caller may log ``raw[NOTICE_KEY]``)."""
+        raw = raw or {}
+        spec = raw.get("disagg_spec")
+        address = raw.get(NOTICE_KEY)
+        return cls(
+            ret_first_tok=bool(raw.get("ret_first_tok")),
+            disagg_spec=None if spec is None else DisaggSpec.from_dict(spec),
+            first_tok_to=address
+            if isinstance(address, str) and NOTICE_ADDRESS.match(address)
+            else None,
+        )
+
+
+class KVTransferReturn(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Our keys of the ``kv_transfer_params`` in prefill's answer, returned by its connector
+    when asked (``ret_first_tok``): the request's first output token, and the DisaggSpec's
+    ``req_id``."""
+
+    first_tok: int | None = None
+    disagg_req_id: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object that vLLM puts in the answer."""
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_dict(cls, raw: object) -> KVTransferReturn:
+        """Read prefill's returned params (none: an empty one; keys not ours are left alone);
+        raises ``ProtocolError`` naming the field if they are malformed."""
+        try:
+            return msgspec.convert(raw or {}, cls)
+        except msgspec.ValidationError as exc:
+            raise ProtocolError(f"invalid kv_transfer_params: {exc}") from exc
 
 
 class Message(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):

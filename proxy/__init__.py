@@ -1,1 +1,1 @@
-"""The routing proxy (prefill, first token streamed at once, then decode) and the pool launcher."""
+"""The routing proxy: prefill, the first token streamed at once, then decode."""

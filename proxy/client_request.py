@@ -14,6 +14,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from lmcache_pd.protocol import KVTransferParams
+
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 TokenIds = list[NonNegative]
@@ -165,7 +167,7 @@ class ClientRequest:
         """False when prefill's one token is the whole answer: no KV needs to move."""
         return self.max_tokens is None or self.max_tokens > 1
 
-    def prefill_body(self, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    def prefill_body(self, kv_transfer_params: KVTransferParams) -> dict[str, Any]:
         """The client's request, cut to one non-streamed token that returns the prompt's ids."""
         body = {
             key: value
@@ -177,12 +179,12 @@ class ClientRequest:
             "max_tokens": 1,
             "min_tokens": min(self.min_tokens, 1),
             "return_token_ids": True,
-            "kv_transfer_params": kv_transfer_params,
+            "kv_transfer_params": kv_transfer_params.to_dict(),
         }
         return body
 
     def decode_body(
-        self, prompt_token_ids: list[int], first_token: int, kv_transfer_params: dict[str, Any]
+        self, prompt_token_ids: list[int], first_token: int, kv_transfer_params: KVTransferParams
     ) -> dict[str, Any]:
         """A streamed completion that continues after the first token, on the same token ids."""
         body = {key: self.body[key] for key in SAMPLING_FIELDS if key in self.body}
@@ -194,6 +196,6 @@ class ClientRequest:
             "logprobs": self.logprobs,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "kv_transfer_params": kv_transfer_params,
+            "kv_transfer_params": kv_transfer_params.to_dict(),
         }
         return body

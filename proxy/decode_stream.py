@@ -15,9 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-import msgspec
-
-from lmcache_pd.protocol import DisaggSpec
+from lmcache_pd.protocol import DisaggSpec, KVTransferParams
 from lmcache_pd.proxy.client_request import ClientRequest
 from lmcache_pd.proxy.openai_format import Piece, Usage
 from lmcache_pd.proxy.routing import Upstream
@@ -41,9 +39,7 @@ class DecodeStream:
     ) -> None:
         """Send the request now (it needs a running event loop)."""
         self.prompt_token_ids, self.first_token = prompt_token_ids, first_token
-        body = client.decode_body(
-            prompt_token_ids, first_token, {"disagg_spec": msgspec.structs.asdict(spec)}
-        )
+        body = client.decode_body(prompt_token_ids, first_token, KVTransferParams(disagg_spec=spec))
         self.sent_at = time.time()
         self._batches = flow.decode(member, req_id, body)
         self._first = asyncio.get_running_loop().create_task(self._first_batch())

@@ -1,5 +1,6 @@
-"""One disaggregated request's two upstream calls: prefill for the first token (retried once on
-another prefill instance if it fails before answering), then decode's stream of the rest.
+"""The proxy's upstream calls: prefill for the first token (retried once on another prefill
+instance if it fails before answering), decode's stream of the rest, and a short prompt's own
+request served by decode alone; and the reading of their answers.
 
 Every call has a connect and a read deadline; every failure becomes an ``UpstreamFailed`` that
 names the instance, counted and logged by the caller. Cancelling the calling task (the client
@@ -18,7 +19,9 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from lmcache_pd.first_token import NOTICE_KEY, NoticeBoard
+from lmcache_pd.errors import ProtocolError
+from lmcache_pd.first_token import NoticeBoard
+from lmcache_pd.protocol import KVTransferParams, KVTransferReturn
 from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
 from lmcache_pd.proxy.config import Timeouts
 from lmcache_pd.proxy.metrics import ProxyMetrics
@@ -67,13 +70,14 @@ class Prefilled:
 
 
 def _prefilled(endpoint: Endpoint, answer: dict[str, Any]) -> Prefilled | None:
-    """Read prefill's JSON answer; None if it lacks what decode needs."""
+    """Read prefill's JSON answer; None if it lacks what decode needs, ``ProtocolError`` if
+    its ``kv_transfer_params`` are malformed."""
     choices = answer.get("choices") or []
     if len(choices) != 1:
         return None
     choice = choices[0]
     prompt_ids = choice.get("prompt_token_ids") or answer.get("prompt_token_ids")
-    first = (answer.get("kv_transfer_params") or {}).get("first_tok")
+    first = KVTransferReturn.from_dict(answer.get("kv_transfer_params")).first_tok
     if first is None and choice.get("token_ids"):
         first = choice["token_ids"][0]
     if not prompt_ids or not isinstance(first, int):
@@ -112,7 +116,7 @@ class Disaggregator:
         )
 
     async def prefill(
-        self, request: ClientRequest, req_id: str, kv_transfer_params: dict[str, Any]
+        self, request: ClientRequest, req_id: str, kv_transfer_params: KVTransferParams
     ) -> Prefilled:
         """The first token, from the least busy prefill instance, or from a second one if the
         first fails without answering. A 4xx is the client's problem and is not retried."""
@@ -130,8 +134,9 @@ class Disaggregator:
                     "req %s: retrying prefill on %s after: %s", req_id, member.url, failed
                 )
             params = kv_transfer_params
-            if self._notices is not None and "disagg_spec" in params:
-                params = params | {NOTICE_KEY: self._notices.address_for(member.url)}
+            if self._notices is not None and params.disagg_spec is not None:
+                address = self._notices.address_for(member.url)
+                params = msgspec.structs.replace(params, first_tok_to=address)
             body = request.prefill_body(params)
             try:
                 with member.busy():
@@ -171,7 +176,7 @@ class Disaggregator:
             raise UpstreamFailed(member, "connect", f"cannot reach it: {exc!r}") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamFailed(member, "broken", f"answer cut short: {exc!r}") from exc
-        except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+        except (msgspec.DecodeError, ProtocolError, KeyError, TypeError, ValueError) as exc:
             raise UpstreamFailed(member, "bad_answer", f"unreadable answer: {exc}") from exc
 
     async def _prefill_once(

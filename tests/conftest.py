@@ -1,13 +1,81 @@
-"""Fixtures shared by the tests."""
+"""Fixtures shared by the tests: a chunk keyer, the tiny model and the reference vLLM; and the
+hooks that hold each test to its lane (tests/lanes.py) and stop the reference vLLM once its last
+user is done."""
+
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.keys import ChunkKeyer
-from tests.helpers import CHUNK_SIZE
+from tests.helpers import make_keyer
+from tests.lanes import in_fast_lane, processes_refused
+from tests.vllm_support import MODEL_DIR, PlainVLLM
+
+PLAIN_VLLM = pytest.StashKey[PlainVLLM]()
+LAST_PLAIN_VLLM_USER = pytest.StashKey[bool]()
 
 
 @pytest.fixture
 def keyer() -> ChunkKeyer:
-    return ChunkKeyer(
-        model_name="demo", world_size=1, worker_id=0, kv_dtype="float32", chunk_size=CHUNK_SIZE
-    )
+    return make_keyer()
+
+
+@pytest.fixture(scope="session")
+def model() -> Path:
+    """The tiny Llama every vLLM test serves, built once (and kept between runs)."""
+    return ensure_model(MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def plain_vllm(
+    model: Path, tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+) -> Iterator[PlainVLLM]:
+    """The reference vLLM (core 0, the shared server arguments), one for every module that
+    compares with it: started by the first test that needs it, stopped after the last one."""
+    plain = PlainVLLM(model, tmp_path_factory.mktemp("plain-vllm") / "plain.log")
+    pytestconfig.stash[PLAIN_VLLM] = plain
+    try:
+        yield plain
+    finally:
+        plain.stop()
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    users = [item for item in items if "plain_vllm" in getattr(item, "fixturenames", ())]
+    if users:
+        users[-1].stash[LAST_PLAIN_VLLM_USER] = True
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    """The reference vLLM stops as soon as no test left needs it, not at the session's end:
+    the tests after it get its core and memory back."""
+    result = yield
+    if item.stash.get(LAST_PLAIN_VLLM_USER, False) and PLAIN_VLLM in item.config.stash:
+        item.config.stash[PLAIN_VLLM].stop()
+    return result
+
+
+def _in_its_lane(item: pytest.Item) -> Iterator[None]:
+    """One phase of a test; in the fast lane, with every way to start a process refused."""
+    if not in_fast_lane(item):
+        return (yield)
+    with processes_refused(item.nodeid) as refusals:
+        result = yield
+    if refusals:  # refused in a thread, or caught by the code under test
+        pytest.fail(refusals[0], pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    # Setup too: a module's fixtures are set up within its first test's setup.
+    return (yield from _in_its_lane(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    return (yield from _in_its_lane(item))

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from lmcache_pd.config import PDConfig, load_config
-from lmcache_pd.keys import ChunkKey
+from lmcache_pd.keys import ChunkKey, ChunkKeyer
 from lmcache_pd.protocol import DisaggSpec
 
 CHUNK_SIZE = 256
@@ -24,6 +24,25 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def make_keyer(
+    *,
+    model_name: str = "demo",
+    world_size: int = 1,
+    worker_id: int = 0,
+    kv_dtype: str = "float32",
+    chunk_size: int = CHUNK_SIZE,
+) -> ChunkKeyer:
+    """A chunk keyer; by default keyed as the test producers (in this process or a child) key
+    their chunks."""
+    return ChunkKeyer(
+        model_name=model_name,
+        world_size=world_size,
+        worker_id=worker_id,
+        kv_dtype=kv_dtype,
+        chunk_size=chunk_size,
+    )
 
 
 def write_config(directory: Path, name: str, **fields: object) -> Path:

@@ -72,6 +72,7 @@ def test_one_cpu_written_bare_in_yaml_is_a_cpu_list(tmp_path, written: str) -> N
         load_config(path, environ={"LMCACHE_PD_THREAD_CPUS": "1,,2"})
 
 
+@pytest.mark.processes
 def test_process_cpus_the_host_lacks_are_refused_before_anything_starts(tmp_path: Path) -> None:
     """A CPU outside this process's affinity fails at once with the setting named; a CPU it
     has (control) gets past the check, to the server's start (here: a command that exits)."""

@@ -12,9 +12,7 @@ from typer.testing import CliRunner
 
 from benchmarks.serving import app
 from benchmarks.serving_load import Workload
-
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-MODEL = Path(__file__).parent.parent / ".cache" / "tiny-llama"
+from tests.vllm_support import MODEL_DIR
 
 
 def test_workload_specs_parse_and_prompts_are_unique_or_share_their_prefix() -> None:
@@ -43,6 +41,8 @@ def test_prompts_can_come_from_a_jsonl_file(tmp_path: Path) -> None:
     assert workload.prompts(5, seed=0) == [("hello there", 5), ([11, 12, 13], 32)]
 
 
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
 def test_a_short_run_of_every_default_system_writes_sane_results(tmp_path: Path) -> None:
     output = tmp_path / "serving.json"
     run = CliRunner().invoke(
@@ -55,7 +55,7 @@ def test_a_short_run_of_every_default_system_writes_sane_results(tmp_path: Path)
             "--runs",
             "1",
             "--model-dir",
-            str(MODEL),
+            str(MODEL_DIR),
             "--output",
             str(output),
         ],

@@ -8,8 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.proxy import FIGURES, LATENCIES, MODES, PROCESSES
 
+pytestmark = pytest.mark.processes  # the benchmark runs as a child process
 CONCURRENCY = (1, 4)
 RUNS = 2
 BENCHMARK_TIMEOUT_S = 90.0

@@ -1,4 +1,4 @@
-"""The chaos suite's short run (benchmarks/chaos.py --short): 1P1D behind the proxy, a steady
+"""The chaos suite's short run (python -m benchmarks.chaos --short): 1P1D behind the proxy, a steady
 stream of requests, and three faults in turn (SIGKILL of decode then its restart, clients that
 disconnect after their first token, malformed ``disagg_spec``s sent straight to prefill).
 
@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.chaos import SHORT_FAULTS, alive_groups
+from benchmarks.chaos.faults import SHORT_FAULTS
+from benchmarks.chaos.pools import alive_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 # Reference vLLM, then the pools (~40-60 s each to start), then three faults, one a restart.

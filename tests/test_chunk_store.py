@@ -27,7 +27,8 @@ from lmcache_pd.protocol import (
     WriteDone,
 )
 from lmcache_pd.transfer.allocator import PageAllocator, PageState
-from lmcache_pd.transfer.chunk_store import HOLD_LAPSED, RELEASED, ChunkStore, LandedChunk
+from lmcache_pd.transfer.chunk_store import HOLD_LAPSED, RELEASED, ChunkStore
+from lmcache_pd.transfer.receive_buffer import LandedChunk
 
 PAGE_BYTES = 64
 LEASE_S = 3.0

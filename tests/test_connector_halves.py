@@ -27,12 +27,12 @@ from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler
 from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.connector.worker import ProducerWorker
 from lmcache_pd.errors import AllocationError, BufferFull, PeerTimeout, TransferError
-from lmcache_pd.first_token import NOTICE_KEY, FirstTokenNotice
+from lmcache_pd.first_token import FirstTokenNotice
 from lmcache_pd.keys import ChunkKeyer
-from lmcache_pd.protocol import CANCEL_TIMEOUT_S, PROBE_AREA_BYTES, DisaggSpec
+from lmcache_pd.protocol import CANCEL_TIMEOUT_S, NOTICE_KEY, PROBE_AREA_BYTES, DisaggSpec
 from lmcache_pd.transfer import landed_board
 from lmcache_pd.transfer.producer import Producer
-from tests.helpers import free_port, wait_for
+from tests.helpers import free_port, make_keyer, wait_for
 
 BLOCK = 32
 CHUNK = 64
@@ -246,9 +246,7 @@ class Workers:
 @pytest.fixture
 def workers(tmp_path: Path):
     init_port, alloc_port = free_port(), free_port()
-    keyer = ChunkKeyer(
-        model_name="m", world_size=1, worker_id=0, kv_dtype="float32", chunk_size=CHUNK
-    )
+    keyer = make_keyer(model_name="m", chunk_size=CHUNK)
     common = {
         "chunk_size": CHUNK,
         "buffer_size_bytes": 64 << 20,
@@ -306,6 +304,7 @@ def load(req_id: str, disagg_req_id: str, prompt: list[int], blocks: list[int]):
     return PDConnectorMetadata(loads=[LoadRequest(req_id, disagg_req_id, prompt, blocks, 0)])
 
 
+@pytest.mark.processes
 def test_kv_moves_from_producer_blocks_to_consumer_blocks_over_nixl(workers: Workers) -> None:
     prompt = list(range(1000, 1150))  # 2 full chunks and a partial one, over chunked prefill
     src_blocks = [7, 3, 12, 20, 5]
@@ -329,6 +328,7 @@ def test_kv_moves_from_producer_blocks_to_consumer_blocks_over_nixl(workers: Wor
     assert workers.producer._saving == {}  # nothing kept of a finished request
 
 
+@pytest.mark.processes
 def test_a_load_past_decodes_own_hit_writes_only_the_blocks_it_lacks(workers: Workers) -> None:
     """Decode's own cache holds the prompt's first block (shared with other requests): the
     load starts there, inside the first chunk, and scatters only that chunk's later blocks."""
@@ -349,6 +349,7 @@ def test_a_load_past_decodes_own_hit_writes_only_the_blocks_it_lacks(workers: Wo
 
 
 @pytest.mark.parametrize("corrupted", [True, False])
+@pytest.mark.processes
 def test_a_chunk_that_fails_its_checksum_while_scattered_fails_the_load(
     workers: Workers, corrupted: bool
 ) -> None:
@@ -371,6 +372,7 @@ def test_a_chunk_that_fails_its_checksum_while_scattered_fails_the_load(
     wait_for(lambda: workers.consumer_used_pages() == 0, what="pages back")
 
 
+@pytest.mark.processes
 def test_a_chunk_decode_has_itself_is_not_written_when_its_claim_comes_first(
     workers: Workers,
 ) -> None:
@@ -393,6 +395,7 @@ def test_a_chunk_decode_has_itself_is_not_written_when_its_claim_comes_first(
     assert (totals["chunks_pushed"], totals["chunks_skipped"]) == (2, 1)
 
 
+@pytest.mark.processes
 def test_chunks_decode_needs_no_more_are_released_at_once(workers: Workers) -> None:
     prompt = list(range(3000, 3150))
     workers.producer.wait_for_save(save("p", workers.spec, prompt, [7, 3, 12, 20, 5], 150))
@@ -404,6 +407,7 @@ def test_chunks_decode_needs_no_more_are_released_at_once(workers: Workers) -> N
     wait_for(lambda: workers.consumer_used_pages() == 0, timeout_s=2.0, what="pages back")
 
 
+@pytest.mark.processes
 def test_kv_that_never_lands_fails_the_load_at_its_deadline(workers: Workers) -> None:
     started = time.monotonic()
     workers.consumer.start_load_kv(load("c", "never", list(range(70)), [1, 2, 3]))
@@ -413,6 +417,7 @@ def test_kv_that_never_lands_fails_the_load_at_its_deadline(workers: Workers) ->
     assert workers.consumer_stats.totals()["load_timeouts"] == 1
 
 
+@pytest.mark.processes
 def test_a_request_that_ends_while_its_kv_is_awaited_is_released_at_once(
     workers: Workers,
 ) -> None:
@@ -429,6 +434,7 @@ def test_a_request_that_ends_while_its_kv_is_awaited_is_released_at_once(
     assert not any(layer.any() for layer in workers.target.values())
 
 
+@pytest.mark.processes
 def test_staging_full_on_the_producer_fails_the_load_at_once(workers: Workers) -> None:
     """The producer cannot copy the KV out: it tells the consumer, whose load fails within a
     second (not at its 2 s deadline), and its later steps push nothing of that request."""
@@ -449,6 +455,7 @@ def test_staging_full_on_the_producer_fails_the_load_at_once(workers: Workers) -
     assert (totals["staging_full"], totals["pushes_abandoned"], totals["pushes"]) == (1, 1, 0)
 
 
+@pytest.mark.processes
 def test_a_prefill_aborted_midway_fails_the_load_at_once(workers: Workers) -> None:
     prompt = list(range(200))
     workers.producer.wait_for_save(save("p", workers.spec, prompt, [7, 3], 64))
@@ -462,6 +469,7 @@ def test_a_prefill_aborted_midway_fails_the_load_at_once(workers: Workers) -> No
     wait_for(lambda: workers.consumer_used_pages() == 0, what="pages back")
 
 
+@pytest.mark.processes
 def test_a_consumer_that_never_answers_delays_no_push_to_another(workers: Workers) -> None:
     """A peer stuck in its handshake (here: an init port that takes requests and never
     answers) holds up only its own pushes: each consumer has its own sender thread."""
@@ -479,6 +487,7 @@ def test_a_consumer_that_never_answers_delays_no_push_to_another(workers: Worker
         assert workers.producer.progress().outstanding == 1  # the stuck one, still running
 
 
+@pytest.mark.processes
 def test_a_backlog_for_an_unreachable_consumer_fails_fast_after_its_first_handshake(
     workers: Workers,
 ) -> None:
@@ -504,6 +513,7 @@ def test_a_backlog_for_an_unreachable_consumer_fails_fast_after_its_first_handsh
     assert workers.producer_stats.totals()["push_failures"] == 4
 
 
+@pytest.mark.processes
 def test_a_notice_the_consumer_missed_is_sent_again(
     workers: Workers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -529,6 +539,7 @@ def test_a_notice_the_consumer_missed_is_sent_again(
     assert workers.consumer_stats.totals()["loads_abandoned"] == 1
 
 
+@pytest.mark.processes
 def test_known_consumers_are_connected_before_the_first_request(workers: Workers) -> None:
     peer = f"127.0.0.1:{workers.common['init_port']}:{workers.common['alloc_port']}"
     warm = workers.producer_with(warm_peers=[peer])
@@ -549,6 +560,7 @@ def test_known_consumers_are_connected_before_the_first_request(workers: Workers
     ],
     ids=["nixl_error", "timeout", "refused", "buffer_full"],
 )
+@pytest.mark.processes
 def test_each_kind_of_push_failure_has_the_decode_recompute_at_once(
     workers: Workers,
     monkeypatch: pytest.MonkeyPatch,
@@ -570,6 +582,7 @@ def test_each_kind_of_push_failure_has_the_decode_recompute_at_once(
     assert workers.producer_stats.totals()["push_failures"] == 1
 
 
+@pytest.mark.processes
 def test_a_sender_survives_an_unexpected_error_and_serves_on(
     workers: Workers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -612,6 +625,7 @@ def test_a_request_back_after_its_load_computes_its_prompt(preempted: bool) -> N
     assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)
 
 
+@pytest.mark.processes
 def test_a_consumer_process_that_dies_fails_the_pending_loads_at_once(workers: Workers) -> None:
     """Its KV can no longer land: the loads waiting for it are recomputed at the next step,
     not at their deadline, and later loads fail the same way."""
@@ -662,6 +676,7 @@ def wait_landed(workers: Workers, chunks: int) -> None:
 
 
 @pytest.mark.parametrize("corrupted", [False, True])
+@pytest.mark.processes
 def test_a_synchronous_load_is_done_before_the_forward_pass(
     workers: Workers, corrupted: bool
 ) -> None:
@@ -691,6 +706,7 @@ def test_a_synchronous_load_is_done_before_the_forward_pass(
     wait_for(lambda: workers.consumer_used_pages() == 0, what="pages back")
 
 
+@pytest.mark.processes
 def test_a_synchronous_load_whose_kv_is_gone_or_unanswered_fails_within_its_bound(
     workers: Workers,
 ) -> None:

@@ -21,24 +21,17 @@ import pytest
 from lmcache_pd.config import load_config
 from lmcache_pd.harness.producer_process import ProducerProcess
 from lmcache_pd.kernels.integrity import checksum
-from lmcache_pd.keys import ChunkKeyer
-from lmcache_pd.transfer.chunk_store import LandedChunk
 from lmcache_pd.transfer.consumer import Consumer
 from lmcache_pd.transfer.consumer_service import ConsumerService, LoadQuery
-from tests.helpers import CHUNK_SIZE, consumer_fields, wait_for, write_config
+from lmcache_pd.transfer.receive_buffer import LandedChunk
+from tests.helpers import CHUNK_SIZE, consumer_fields, make_keyer, wait_for, write_config
 
+pytestmark = pytest.mark.processes
 HOLD_GIL_S = 3.0
 # The producer gives up on an unanswered handshake or allocation after this: well inside
 # HOLD_GIL_S.
 ANSWER_TIMEOUT_S = 1.0
 TOKENS = 3 * CHUNK_SIZE
-
-
-def keyer() -> ChunkKeyer:
-    # As the producer process keys its chunks.
-    return ChunkKeyer(
-        model_name="demo", world_size=1, worker_id=0, kv_dtype="float32", chunk_size=CHUNK_SIZE
-    )
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +80,7 @@ def test_the_consumer_process_serves_pushes_while_its_worker_holds_the_gil(
     producer: ProducerProcess,
 ) -> None:
     fields = consumer_fields()
-    service = ConsumerService(load_config(None, environ={}, **fields), keyer())
+    service = ConsumerService(load_config(None, environ={}, **fields), make_keyer())
     try:
         outcome = push_while_holding_the_gil(producer, fields, "held")
         assert outcome["ok"], outcome
@@ -115,7 +108,7 @@ def landed_checksum(service: ConsumerService, chunk: LandedChunk) -> int:
 def test_control_a_consumer_inside_the_worker_stalls_with_it(producer: ProducerProcess) -> None:
     """Negative control: the same push to a consumer whose thread shares the held GIL fails."""
     fields = consumer_fields()
-    with Consumer(load_config(None, environ={}, **fields), keyer()):
+    with Consumer(load_config(None, environ={}, **fields), make_keyer()):
         outcome = push_while_holding_the_gil(producer, fields, "stalled")
     assert not outcome["ok"], outcome["seconds"]
     # no answer to its handshake (or, had that been done, to its allocation) in time
@@ -178,7 +171,7 @@ def test_the_consumer_process_ends_with_its_worker_and_frees_its_ports(tmp_path:
         stop_group(owner)
     assert not board.exists()
     # its ports can be bound again by the instance that replaces it
-    with Consumer(load_config(None, environ={}, **fields), keyer()) as again:
+    with Consumer(load_config(None, environ={}, **fields), make_keyer()) as again:
         assert again.used_pages == 0
 
 

@@ -24,12 +24,10 @@ import yaml
 
 from lmcache_pd.deploy.launcher import PoolLauncher
 from lmcache_pd.deploy.pools import InstanceSpec, PoolsConfig, ProxySpec
-from lmcache_pd.deploy.vllm_server import VLLMServer, worker_leftovers
 from lmcache_pd.harness.app_thread import proxy_thread
-from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source
 from tests.helpers import free_port
-from tests.test_e2e_vllm import assert_close_answer, body, prompt
+from tests.vllm_support import SERVER_ARGS, PlainVLLM, assert_close_answer, body, prompt
 
 logger = logging.getLogger(__name__)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -39,7 +37,6 @@ CORES = "0|1"  # one core per rank; vLLM's NUMA auto-bind fails here without it
 LENGTHS = [1, 255, 257, 1000, 3000]
 CONCURRENT = 4
 OUTPUT_TOKENS = 4
-SERVER_ARGS = ["--max-num-batched-tokens", "1024"]
 COUNTERS_TIMEOUT_S = 20.0
 HEALTH_TIMEOUT_S = 30.0
 ALLOC_TIMEOUT_S = 20.0  # vLLM publishes connector counters after a step
@@ -60,22 +57,15 @@ def complete(url: str, model: Path, tokens: list[int]) -> tuple[list, list]:
 
 
 @pytest.fixture(scope="module")
-def model() -> Path:
-    return ensure_model(Path(__file__).parent.parent / ".cache" / "tiny-llama")
-
-
-@pytest.fixture(scope="module")
 def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
     """One plain TP-2 vLLM's answers."""
-    logs = tmp_path_factory.mktemp("reference")
+    log = tmp_path_factory.mktemp("reference") / "plain.log"
     args = [*SERVER_ARGS, "--tensor-parallel-size", str(RANKS)]
-    with VLLMServer(model, free_port(), logs / "plain.log", cpu=CORES, extra_args=args) as plain:
-        answers = {name: complete(plain.url, model, tokens) for name, tokens in PROMPTS.items()}
-        running = [path for path in worker_leftovers(plain.log_path) if path.exists()]
+    with PlainVLLM(model, log, cpu=CORES, extra_args=args) as plain:
+        answers = plain.answers(PROMPTS, OUTPUT_TOKENS)
     # What vLLM's TP workers leave (their meeting file, their all-reduce's shared memory) went
-    # with the instance.
-    assert any("cpushm" in path.name for path in running), running
-    assert not any(path.exists() for path in running)
+    # with the instance (its stop checks that).
+    assert any("cpushm" in path.name for path in plain.leftovers), plain.leftovers
     return answers
 
 
@@ -98,7 +88,7 @@ def pools(model: Path, decode_ranks: int, workdir: Path) -> PoolsConfig:
             )
         ],
         proxy=ProxySpec(port=free_port(), min_disagg_tokens=0),  # every prompt through P and D
-        vllm_args=SERVER_ARGS,
+        vllm_args=list(SERVER_ARGS),
         trace=True,
     )
 

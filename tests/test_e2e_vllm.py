@@ -1,15 +1,15 @@
 """End to end with real vLLM: a producer instance pushes prompt KV into a consumer instance,
 whose greedy output must equal a plain instance's token for token and logprob for logprob.
 
-The plain instance runs first (its answers are the reference), then the producer and the
-consumer side by side, each pinned to its own core. Every check also reads the consumer's
-counters, so a run that silently recomputed instead of loading fails.
+The plain instance (the reference vLLM the vLLM test modules share, tests/conftest.py) answers
+first, then the producer and the consumer start side by side, each pinned to its own core.
+Every check also reads the consumer's counters, so a run that silently recomputed instead of
+loading fails.
 """
 
 from __future__ import annotations
 
 import contextlib
-import random
 import threading
 import time
 from collections import defaultdict
@@ -26,14 +26,21 @@ import zmq
 
 from lmcache_pd import protocol
 from lmcache_pd.config import load_config
-from lmcache_pd.deploy.vllm_server import VLLMServer, worker_leftovers
-from lmcache_pd.harness.model_maker import ensure_model
-from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.deploy.vllm_server import VLLMServer
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
 from lmcache_pd.protocol import DisaggSpec
 from lmcache_pd.transfer import landed_board
 from lmcache_pd.transfer.producer import Producer
-from tests.helpers import free_port, wait_for
+from tests.helpers import free_port, make_keyer, wait_for
+from tests.vllm_support import (
+    LOGPROB_TOLERANCE,
+    SERVER_ARGS,
+    PlainVLLM,
+    answer,
+    assert_close_answer,
+    body,
+    prompt,
+)
 
 # Starting three vLLM instances takes minutes on two cores: the first test pays for it.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -41,15 +48,6 @@ LENGTHS = [1, 31, 255, 256, 257, 1000, 3000]
 BATCH = 8
 OUTPUT_TOKENS = 6
 LOAD_TIMEOUT_S = 8.0
-# Prefill in steps of at most this many tokens, so that long prompts are pushed chunk by chunk
-# as prefill goes (the same on every instance, so that all compute alike).
-SERVER_ARGS = ("--max-num-batched-tokens", "1024")
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    generator = random.Random(seed)
-    return [generator.randrange(10, 1500) for _ in range(length)]
-
 
 PROMPTS = {f"len-{n}": prompt(n, n) for n in LENGTHS}
 PROMPTS |= {f"batch-{i}": prompt(300 + 97 * i, 10_000 + i) for i in range(BATCH)}
@@ -86,61 +84,10 @@ PROMPTS |= {
 PROMPTS["while-busy"] = prompt(900, 35)
 
 
-def body(model: Path, tokens: list[int], max_tokens: int, params: dict | None = None) -> dict:
-    request: dict[str, Any] = {
-        "model": str(model),
-        "prompt": tokens,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "logprobs": 1,
-    }
-    if params is not None:
-        request["kv_transfer_params"] = params
-    return request
-
-
-# vLLM's own fp32 results move in the last bits when its step shapes change: one plain instance
-# answering the batch below concurrently instead of one by one differed from itself by up to
-# 5.5e-6 in logprobs (same tokens), and a prompt recomputed together with its first token (as a
-# recompute does) differed from prefill-then-decode by 2.9e-6 (1000 tokens; 0 for 700), measured
-# 2026-11-23. Where the consumer's steps cannot have the reference's shapes, logprobs are held to
-# this bound instead of bit equality; wrong KV moves them by far more (see the control below).
-LOGPROB_TOLERANCE = 1e-4
-
-
-def assert_close_answer(got: tuple[list, list], want: tuple[list, list], name: str = "") -> None:
-    """Same tokens, and logprobs within ``LOGPROB_TOLERANCE``."""
-    assert got[0] == want[0], name
-    assert got[1] == pytest.approx(want[1], abs=LOGPROB_TOLERANCE, rel=0), name
-
-
-def answer(response: dict) -> tuple[list[str], list[float]]:
-    logprobs = response["choices"][0]["logprobs"]
-    return logprobs["tokens"], logprobs["token_logprobs"]
-
-
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_model(Path(__file__).parent.parent / ".cache" / "tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
-    logs = tmp_path_factory.mktemp("reference")
-    with VLLMServer(model, free_port(), logs / "plain.log", cpu=0, extra_args=SERVER_ARGS) as plain:
-        answers = {
-            name: answer(plain.complete(body(model, tokens, OUTPUT_TOKENS)))
-            for name, tokens in PROMPTS.items()
-        }
-        sockets = list(plain.runtime_dir.iterdir())
-        left = [path for path in worker_leftovers(plain.log_path) if path.exists()]
-    # vLLM put its IPC sockets in the instance's own folder, and they went with it; so did its
-    # worker's torch.distributed file, which vLLM leaves.
-    assert sockets, "vLLM did not use the instance's runtime_dir"
-    assert not plain.runtime_dir.exists()
-    assert left, "no worker file found in vLLM's log"
-    assert not any(path.exists() for path in left)
-    return answers
+def reference(plain_vllm: PlainVLLM) -> dict[str, tuple]:
+    """The plain vLLM's answers (its stop checks that it took its files with it)."""
+    return plain_vllm.answers(PROMPTS, OUTPUT_TOKENS)
 
 
 class PDPair:
@@ -455,13 +402,7 @@ class RogueProducer:
 
     def __init__(self, pair: PDPair) -> None:
         self.pair = pair
-        self.keyer = ChunkKeyer(
-            model_name=str(pair.model),
-            world_size=1,
-            worker_id=0,
-            kv_dtype="float32",
-            chunk_size=256,
-        )
+        self.keyer = make_keyer(model_name=str(pair.model), chunk_size=CHUNK_TOKENS)
 
     def chunks(self, tokens: list[int]) -> list[tuple[bytes, torch.Tensor]]:
         """Finite but wrong KV for every chunk of ``tokens``, under the real keys and sizes."""

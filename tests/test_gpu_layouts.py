@@ -25,9 +25,8 @@ from lmcache_pd.connector.worker import CacheFacts, ProducerWorker
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.kernels import KVLayout, triton_available
 from lmcache_pd.kernels.paged_kv import BlockKV, TokenKV, recognise, shape_order
-from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.protocol import DisaggSpec
-from tests.helpers import free_port, wait_for
+from tests.helpers import free_port, make_keyer, wait_for
 
 LAYERS, HEADS, HEAD, BLOCK = 3, 8, 128, 16  # Llama-3-8B's layer, few layers
 NUM_BLOCKS = 48
@@ -115,9 +114,7 @@ def make_pair(
     source: dict[str, torch.Tensor], target: dict[str, torch.Tensor], **overrides: object
 ) -> tuple[Pair, StatsRecorder, StatsRecorder]:
     init_port, alloc_port = free_port(), free_port()
-    keyer = ChunkKeyer(
-        model_name="m", world_size=1, worker_id=0, kv_dtype="bfloat16", chunk_size=CHUNK
-    )
+    keyer = make_keyer(model_name="m", kv_dtype="bfloat16", chunk_size=CHUNK)
     common = {
         "chunk_size": CHUNK,
         "buffer_size_bytes": 64 << 20,
@@ -207,7 +204,7 @@ LAYOUT_PAIRS = [
 ]
 
 
-@pytest.mark.nixl
+@pytest.mark.processes
 @pytest.mark.parametrize(
     ("producer_layout", "consumer_layout"),
     LAYOUT_PAIRS,
@@ -238,7 +235,7 @@ def test_chunks_land_tokens_major_and_scatter_bit_exact_across_layouts(
     assert consumer_stats.totals()["tokens_loaded"] == 150
 
 
-@pytest.mark.nixl
+@pytest.mark.processes
 def test_a_load_past_decodes_own_hit_writes_only_the_later_tokens(pairs: list[Pair]) -> None:
     """Decode's own cache holds the prompt's first block (inside chunk 0): only the tokens
     after it are written, across layouts (HND producer, NHD consumer)."""
@@ -254,7 +251,7 @@ def test_a_load_past_decodes_own_hit_writes_only_the_later_tokens(pairs: list[Pa
     assert not any(token_kv(target, KVLayout.NHD, s).view(torch.uint8).any() for s in first)
 
 
-@pytest.mark.nixl
+@pytest.mark.processes
 def test_a_wrong_slot_mapping_is_caught_by_the_comparison(pairs: list[Pair]) -> None:
     """The negative control: decode given a block table with two blocks swapped. The bytes do
     arrive (they match where that table put them), so the comparison against the table the
@@ -271,7 +268,7 @@ def test_a_wrong_slot_mapping_is_caught_by_the_comparison(pairs: list[Pair]) -> 
     assert not tokens_match(source, KVLayout.NHD, src, target, KVLayout.HND, dst, tokens)
 
 
-@pytest.mark.nixl
+@pytest.mark.processes
 def test_a_block_format_producer_and_a_token_format_consumer_refuse_each_other(
     pairs: list[Pair], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -333,6 +330,7 @@ def test_a_layer_whose_block_size_equals_its_heads_is_read_by_vllms_layout() -> 
     assert shape_order(torch.zeros(2, 4, 16, 8, 16), 16, None) is KVLayout.NHD
 
 
+@pytest.mark.processes
 def test_cpu_caches_never_import_cuda_code_or_triton() -> None:
     """The CUDA path (and Triton through it) is imported only for a cache on a GPU."""
     check = (
@@ -409,7 +407,7 @@ def test_vllms_kernel_blocks_are_read_as_its_blocks_where_they_follow_each_other
         recognise({"l": hnd}, CHUNK, block_size=32, packed_blocks=False)
 
 
-@pytest.mark.nixl
+@pytest.mark.processes
 @pytest.mark.skipif(not triton_available(), reason="needs a CUDA device and Triton")
 @pytest.mark.parametrize("buffer_device", ["cpu", "cuda"], ids=["pinned_host", "vram"])
 def test_on_a_gpu_chunks_move_by_triton_on_the_copy_stream(

@@ -2,16 +2,15 @@
 
 import subprocess
 import sys
+from functools import partial
 
 import numpy as np
 import pytest
 
-from lmcache_pd.keys import ChunkKeyer
+from tests.helpers import make_keyer
 
-
-def keyer(**changes: object) -> ChunkKeyer:
-    fields = {"model_name": "m", "world_size": 2, "worker_id": 0, "kv_dtype": "float32"}
-    return ChunkKeyer(**{**fields, "chunk_size": 4, **changes})
+# Tiny chunks, and two ranks (so that a worker id can be out of range); a test changes the rest.
+keyer = partial(make_keyer, model_name="m", world_size=2, chunk_size=4)
 
 
 def test_chunks_cover_the_tokens_with_a_partial_last_chunk() -> None:
@@ -44,6 +43,7 @@ def test_key_includes_model_world_worker_and_dtype(change: dict) -> None:
     assert keyer().chunk_keys(tokens)[0].key != keyer(**change).chunk_keys(tokens)[0].key
 
 
+@pytest.mark.processes
 def test_keys_are_identical_in_another_process_with_another_hash_seed() -> None:
     script = (
         "from lmcache_pd.keys import ChunkKeyer;"

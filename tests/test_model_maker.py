@@ -131,6 +131,7 @@ def test_cli_make_model_keeps_an_existing_build(built: Path) -> None:
     assert digests(built) == before
 
 
+@pytest.mark.processes
 def test_importing_the_cli_and_maker_loads_no_model_libraries() -> None:
     code = (
         "import sys, lmcache_pd.cli, lmcache_pd.harness.model_maker; "

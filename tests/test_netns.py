@@ -27,7 +27,7 @@ from lmcache_pd.harness.producer_process import ProducerProcess
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 pytestmark = [
-    pytest.mark.nixl,
+    pytest.mark.processes,
     pytest.mark.skipif(netns.unavailable() is not None, reason=f"{netns.unavailable()}"),
 ]
 # The defaults' ports: each namespace has its own, so the defaults are free there.

@@ -17,11 +17,10 @@ import pytest
 from lmcache_pd.deploy.vllm_server import START_TIMEOUT_S, VLLMServer
 from lmcache_pd.harness import netns
 from lmcache_pd.harness.app_thread import proxy_thread
-from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.metrics_scrape import scrape
 from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig
 from tests.helpers import free_port
-from tests.test_e2e_vllm import answer, assert_close_answer, body, prompt
+from tests.vllm_support import SERVER_ARGS, PlainVLLM, answer, assert_close_answer, body, prompt
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 pytestmark = [
@@ -29,7 +28,6 @@ pytestmark = [
     pytest.mark.timeout(900),
     pytest.mark.skipif(netns.unavailable() is not None, reason=f"{netns.unavailable()}"),
 ]
-SERVER_ARGS = ("--max-num-batched-tokens", "1024")
 OUTPUT_TOKENS = 6
 PROMPTS = {f"len-{n}": prompt(n, 500 + n) for n in (31, 300, 1000, 2600)}
 # The consumer config's own ports: free in decode's fresh namespace.
@@ -47,13 +45,11 @@ def connector(role: str, config: str) -> dict:
     }
 
 
-def test_prefill_and_decode_in_two_namespaces_answer_as_one_plain_vllm(tmp_path: Path) -> None:
-    model = ensure_model(Path(__file__).parent.parent / ".cache" / "tiny-llama")
+def test_prefill_and_decode_in_two_namespaces_answer_as_one_plain_vllm(
+    model: Path, plain_vllm: PlainVLLM, tmp_path: Path
+) -> None:
     with netns.veth_pair("lmpd-e2e") as pair:
         left, right = pair.left, pair.right
-        plain = VLLMServer(
-            model, free_port(), tmp_path / "plain.log", cpu=0, extra_args=SERVER_ARGS, wait=False
-        )
         prefill = VLLMServer(
             model,
             8100,
@@ -78,14 +74,10 @@ def test_prefill_and_decode_in_two_namespaces_answer_as_one_plain_vllm(tmp_path:
             host=right.address,
             wrap=right.wrap,
         )
-        with plain, prefill, decode:
-            plain.wait_until_healthy()
+        with prefill, decode:
+            reference = plain_vllm.answers(PROMPTS, OUTPUT_TOKENS)  # while they start
             left.call(prefill.wait_until_healthy, START_TIMEOUT_S + 10)
             right.call(decode.wait_until_healthy, START_TIMEOUT_S + 10)
-            reference = {
-                name: answer(plain.complete(body(model, tokens, OUTPUT_TOKENS)))
-                for name, tokens in PROMPTS.items()
-            }
             config = ProxyConfig(
                 model=str(model),
                 prefill=[PrefillInstance(prefill.url)],

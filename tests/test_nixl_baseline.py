@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,9 +25,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks.nixl_baseline import PREFILL_PARAMS, NixlBaseline, NixlRouter
 from lmcache_pd.deploy.vllm_server import VLLMServer
 from lmcache_pd.harness.app_thread import AppThread
-from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.harness.standin import Fault, Standin, StandinState, next_token
 from tests.helpers import free_port, wait_for
+from tests.vllm_support import (
+    LOGPROB_TOLERANCE,
+    SERVER_ARGS,
+    Answer,
+    PlainVLLM,
+    answer,
+    prompt,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -189,28 +195,19 @@ def test_malformed_body_is_a_400(routed) -> None:
 
 # ---- the real thing: vLLM with NixlConnector ----
 
-SERVER_ARGS = ["--max-num-batched-tokens", "1024"]
 LENGTHS = [40, 300, 1000]
 MODES = ["whole", "streamed"]
 OUTPUT_TOKENS = 8
-# vLLM's own fp32 results move in the last bits when its step shapes differ (here: D's steps
-# after a load against a plain instance's prefill); wrong KV moves them by far more. See
-# tests/test_e2e_vllm.py.
-LOGPROB_TOLERANCE = 1e-4
-
-
-def token_prompt(length: int, seed: int) -> list[int]:
-    generator = random.Random(seed)
-    return [generator.randrange(10, 1500) for _ in range(length)]
-
+# D's steps after a load differ from a plain instance's prefill: logprobs are compared within
+# LOGPROB_TOLERANCE (see tests/vllm_support.py).
 
 # A prompt of its own per mode: one seen before would be served partly from the prefix cache.
 PROMPTS = {
-    f"len-{n}-{mode}": token_prompt(n, 1000 * n + index)
+    f"len-{n}-{mode}": prompt(n, 1000 * n + index)
     for n in LENGTHS
     for index, mode in enumerate(MODES)
 }
-PROMPTS["control"] = token_prompt(300, 7)
+PROMPTS["control"] = prompt(300, 7)
 
 
 def body(model: Path, tokens: list[int], stream: bool = False) -> dict[str, Any]:
@@ -222,14 +219,6 @@ def body(model: Path, tokens: list[int], stream: bool = False) -> dict[str, Any]
         "logprobs": 1,
         "stream": stream,
     }
-
-
-Answer = tuple[list[str], list[float]]
-
-
-def answer(response: dict[str, Any]) -> Answer:
-    logprobs = response["choices"][0]["logprobs"]
-    return logprobs["tokens"], logprobs["token_logprobs"]
 
 
 def streamed_answer(url: str, request: dict[str, Any]) -> tuple[Answer, float]:
@@ -270,17 +259,8 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
 
 
 @pytest.fixture(scope="module")
-def model() -> Path:
-    return ensure_model(Path(__file__).parent.parent / ".cache" / "tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Answer]:
-    log = tmp_path_factory.mktemp("plain") / "plain.log"
-    with VLLMServer(model, free_port(), log, cpu=0, extra_args=SERVER_ARGS) as plain:
-        return {
-            name: answer(plain.complete(body(model, tokens))) for name, tokens in PROMPTS.items()
-        }
+def reference(plain_vllm: PlainVLLM) -> dict[str, Answer]:
+    return plain_vllm.answers(PROMPTS, OUTPUT_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -200,3 +200,38 @@ def test_a_receiver_host_zmq_cannot_connect_to_is_refused_at_the_door(host: str)
         assert DisaggSpec.from_dict({**good, "receiver_host": fine}).receiver_host == fine
     with pytest.raises(ProtocolError, match="receiver_host"):
         DisaggSpec.from_dict({**good, "receiver_host": host})
+
+
+def test_kv_transfer_params_travel_as_the_json_the_proxy_always_sent() -> None:
+    """The keys, their order and the defaults left out are the hand-built dicts' of before."""
+    spec = DisaggSpec("r", "h", 1, [2])
+    spec_json = (
+        b'{"req_id":"r","receiver_host":"h","receiver_init_port":1,"receiver_alloc_port":[2]}'
+    )
+    to_prefill = protocol.KVTransferParams(True, spec, "tcp://p:5")
+    assert msgspec.json.encode(to_prefill.to_dict()) == (
+        b'{"ret_first_tok":true,"disagg_spec":' + spec_json + b',"first_tok_to":"tcp://p:5"}'
+    )
+    assert protocol.KVTransferParams(ret_first_tok=True).to_dict() == {"ret_first_tok": True}
+    to_decode = protocol.KVTransferParams(disagg_spec=spec).to_dict()
+    assert msgspec.json.encode(to_decode) == b'{"disagg_spec":' + spec_json + b"}"
+    assert protocol.KVTransferParams.from_dict(to_decode).disagg_spec == spec
+    returned = protocol.KVTransferReturn(first_tok=7, disagg_req_id="r").to_dict()
+    assert returned == {"first_tok": 7, "disagg_req_id": "r"}
+    assert protocol.KVTransferReturn.from_dict(returned) == protocol.KVTransferReturn(7, "r")
+
+
+def test_kv_transfer_params_refuse_a_bad_spec_and_leave_out_a_bad_notice_address() -> None:
+    spec = {"req_id": "r", "receiver_host": "h", "receiver_init_port": 1, "receiver_alloc_port": 2}
+    read = protocol.KVTransferParams.from_dict
+    assert read(None) == protocol.KVTransferParams()
+    with pytest.raises(ProtocolError, match="disagg_spec"):
+        read({"disagg_spec": {**spec, "receiver_init_port": "x"}})
+    for bad in ("127.0.0.1; rm -rf", 5):
+        params = read({"disagg_spec": spec, protocol.NOTICE_KEY: bad, "ret_first_tok": 1})
+        assert (params.first_tok_to, params.ret_first_tok) == (None, True)
+        assert params.disagg_spec == DisaggSpec.from_dict(spec)
+    assert read({protocol.NOTICE_KEY: "tcp://[::1]:9"}).first_tok_to == "tcp://[::1]:9"
+    with pytest.raises(ProtocolError, match="first_tok"):
+        protocol.KVTransferReturn.from_dict({"first_tok": "seven"})
+    assert protocol.KVTransferReturn.from_dict({"first_tok": 3, "other": 1}).first_tok == 3

@@ -27,9 +27,9 @@ import zmq
 
 from lmcache_pd import protocol
 from lmcache_pd.deploy.vllm_server import wait_until_healthy
-from lmcache_pd.first_token import NOTICE_KEY
 from lmcache_pd.harness.app_thread import AppThread, proxy_thread
 from lmcache_pd.harness.standin import Fault, Standin, StandinState, next_token
+from lmcache_pd.protocol import NOTICE_KEY
 from lmcache_pd.proxy.config import proxy_config
 from lmcache_pd.proxy.routing import NoHealthyInstance, Pool, Role, Upstream
 from tests.helpers import free_port, metric_sample, wait_for
@@ -688,6 +688,7 @@ def _loop_thread_cpus(pid: int) -> set[str]:
     reason="needs Linux's /proc and two CPUs to tell a pinned proxy from a free one",
 )
 @pytest.mark.parametrize("cpus", ["0", None])
+@pytest.mark.processes
 def test_the_proxy_runs_on_the_cpus_it_is_given(cpus: str | None, tmp_path: Path) -> None:
     """``lmcache-pd proxy`` in its own process, in front of a stand-in pair: the threads that
     serve on ``cpus`` (a pools file's ``proxy: {cpus}``); None (control): not."""

@@ -30,10 +30,10 @@ import pytest
 import yaml
 
 from lmcache_pd.deploy.vllm_server import VLLMServer
-from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
 from lmcache_pd.proxy.config import MIN_DISAGG_TOKENS
 from tests.helpers import free_port, metric_sample, wait_for
+from tests.vllm_support import SERVER_ARGS, PlainVLLM
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 SERVE_TIMEOUT_S = 300.0
@@ -44,7 +44,6 @@ DECODE_HOLD_S = 2.0
 # How long the relay in front of prefill holds each answer: far longer than a notice takes, so
 # that with notices decode is always asked before the answer reaches the proxy.
 PREFILL_ANSWER_HOLD_S = 1.0
-SERVER_ARGS = ["--max-num-batched-tokens", "1024"]
 MODES = ["whole", "streamed"]
 LENGTHS = [31, 300, 1000]
 
@@ -80,7 +79,7 @@ class Served:
         pools = {
             "model": str(model),
             "proxy": {"host": "127.0.0.1", "port": self.port},
-            "vllm_args": SERVER_ARGS,
+            "vllm_args": list(SERVER_ARGS),
             "prefill": [{"config": "configs/producer.yaml", "cpus": "0", "process_cpus": "0"}],
             "decode": [{"config": "configs/consumer.yaml", "cpus": "1"}],
         }
@@ -123,25 +122,16 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def model() -> Path:
-    return ensure_model(Path(__file__).parent.parent / ".cache" / "tiny-llama")
-
-
-@pytest.fixture(scope="module")
 def served_and_plain(
-    model: Path, tmp_path_factory: pytest.TempPathFactory
+    model: Path, plain_vllm: PlainVLLM, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Served, VLLMServer]]:
-    workdir = tmp_path_factory.mktemp("served")
-    served = Served(model, workdir)
-    plain = VLLMServer(
-        model, free_port(), workdir / "plain.log", cpu=0, extra_args=SERVER_ARGS, wait=False
-    )
+    """The served pools, and the reference vLLM (if not up yet, it starts alongside)."""
+    served = Served(model, tmp_path_factory.mktemp("served"))
     try:
-        plain.wait_until_healthy()
+        plain = plain_vllm.server
         served.wait_until_serving()
         yield served, plain
     finally:
-        plain.stop()
         served.stop()
 
 

@@ -30,12 +30,9 @@ import httpx
 import pytest
 import yaml
 
-from lmcache_pd.deploy.vllm_server import VLLMServer
 from lmcache_pd.harness import netns
-from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.metrics_scrape import decode_sources, scrape
-from tests.helpers import free_port
-from tests.test_e2e_vllm import SERVER_ARGS, answer, assert_close_answer, body, prompt
+from tests.vllm_support import SERVER_ARGS, PlainVLLM, assert_close_answer, body, prompt
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
 openai = pytest.importorskip("openai")
@@ -241,18 +238,8 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def model() -> Path:
-    return ensure_model(ROOT / ".cache" / "tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
-    logs = tmp_path_factory.mktemp("reference")
-    with VLLMServer(model, free_port(), logs / "plain.log", cpu=0, extra_args=SERVER_ARGS) as plain:
-        return {
-            name: answer(plain.complete(body(model, tokens, OUTPUT_TOKENS)))
-            for name, tokens in PROMPTS.items()
-        }
+def reference(plain_vllm: PlainVLLM) -> dict[str, tuple]:
+    return plain_vllm.answers(PROMPTS, OUTPUT_TOKENS)
 
 
 def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(

@@ -27,11 +27,10 @@ from lmcache_pd.connector.worker import ProducerWorker
 from lmcache_pd.deploy.launcher import peer_text
 from lmcache_pd.deploy.pools import InstanceSpec, load_pools
 from lmcache_pd.errors import ConfigError, ProtocolError
-from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.protocol import AbandonReason, DisaggSpec
 from lmcache_pd.proxy.config import DecodeInstance
 from lmcache_pd.proxy.kv_drop import KVDropper
-from tests.helpers import free_port
+from tests.helpers import free_port, make_keyer
 from tests.test_proxy import AllocChannel
 
 BLOCK = 32
@@ -123,12 +122,6 @@ def profile(rank: int) -> KVProfile:
     return KVProfile(chunk_size=CHUNK, page_bytes=1, tp_size=RANKS, tp_rank=rank)
 
 
-def keyer(rank: int) -> ChunkKeyer:
-    return ChunkKeyer(
-        model_name="m", world_size=RANKS, worker_id=rank, kv_dtype="float32", chunk_size=CHUNK
-    )
-
-
 @dataclass
 class Rank:
     producer: ProducerWorker
@@ -156,7 +149,7 @@ def ranks() -> Iterator[tuple[list[Rank], DisaggSpec]]:
             consumer_stats, producer_stats = StatsRecorder(f"c{rank}"), StatsRecorder(f"p{rank}")
             consumer = ConsumerWorker(
                 consumer_config.for_rank(rank),
-                keyer(rank),
+                make_keyer(model_name="m", world_size=RANKS, worker_id=rank, chunk_size=CHUNK),
                 target,
                 consumer_stats,
                 profile(rank),
@@ -164,7 +157,7 @@ def ranks() -> Iterator[tuple[list[Rank], DisaggSpec]]:
             )
             producer = ProducerWorker(
                 producer_config.for_rank(rank),
-                keyer(rank),
+                make_keyer(model_name="m", world_size=RANKS, worker_id=rank, chunk_size=CHUNK),
                 source,
                 producer_stats,
                 profile(rank),
@@ -201,6 +194,7 @@ def push_and_load(
     return results  # type: ignore[return-value]
 
 
+@pytest.mark.processes
 def test_each_producer_rank_pushes_its_shard_to_the_consumer_rank_of_its_index(ranks) -> None:
     workers, spec = ranks
     prompt, blocks = list(range(500, 700)), [3, 9, 1, 12, 5, 14, 0]  # 3 chunks + part
@@ -214,6 +208,7 @@ def test_each_producer_rank_pushes_its_shard_to_the_consumer_rank_of_its_index(r
     assert not torch.equal(workers[0].target["layer.0"], workers[1].target["layer.0"])
 
 
+@pytest.mark.processes
 def test_a_shard_pushed_to_the_wrong_rank_is_refused_at_handshake(ranks) -> None:
     """Producer rank 1 told to push to consumer rank 0 (a spec with its ports swapped): the
     profiles' tp_rank differ, the handshake is refused naming both, and both consumer ranks
@@ -231,6 +226,7 @@ def test_a_shard_pushed_to_the_wrong_rank_is_refused_at_handshake(ranks) -> None
         assert not rank.target["layer.0"].any()  # nothing landed anywhere
 
 
+@pytest.mark.processes
 def test_a_producer_rank_the_spec_has_no_consumer_rank_for_pushes_nothing(ranks) -> None:
     """A TP-2 producer with a one-rank spec: rank 1 pushes nothing and says so; rank 0's
     handshake (tp_size 2 against 2 here) goes on as usual."""
@@ -242,6 +238,7 @@ def test_a_producer_rank_the_spec_has_no_consumer_rank_for_pushes_nothing(ranks)
     assert workers[1].producer.progress().outstanding == 0
 
 
+@pytest.mark.processes
 def test_a_load_that_fails_on_one_rank_fails_the_request_in_vllms_aggregation(ranks) -> None:
     """Rank 1 never gets its shard (its producer rank is not run) and fails at its load
     deadline while rank 0 loads: vLLM's own aggregation of the two workers' reports, with

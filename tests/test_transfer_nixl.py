@@ -29,7 +29,9 @@ from lmcache_pd.errors import (
 from lmcache_pd.harness.consumer_process import ConsumerProcess
 from lmcache_pd.kernels.integrity import checksum
 from lmcache_pd.keys import ChunkKeyer
-from lmcache_pd.transfer.producer import RESERVE_BATCH, Producer
+from lmcache_pd.transfer.peer_state import PeerState
+from lmcache_pd.transfer.producer import Producer
+from lmcache_pd.transfer.reservations import RESERVE_BATCH
 from tests.helpers import (
     BYTES_PER_TOKEN,
     CHUNK_SIZE,
@@ -40,7 +42,7 @@ from tests.helpers import (
     write_config,
 )
 
-pytestmark = pytest.mark.nixl
+pytestmark = pytest.mark.processes
 NUM_PAGES = 32
 REPLY_TIMEOUT_MS = 2000
 
@@ -382,23 +384,20 @@ def test_pages_allocated_but_never_written_come_back_after_the_lease(
     assert consumer.logged("req r-never-writes: write not confirmed")
 
 
-class KillsConsumerAfterAllocating(Producer):
-    """A producer whose consumer dies between the allocation and the write."""
-
-    victim: ConsumerProcess
-
-    def _allocate(self, *args, **kwargs):
-        response = super()._allocate(*args, **kwargs)
-        self.victim.kill()
-        return response
-
-
 def test_consumer_killed_mid_transfer_fails_the_push_within_its_deadline(
-    tmp_path: Path, keyer: ChunkKeyer
+    tmp_path: Path, keyer: ChunkKeyer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     node = Consumer(tmp_path)
-    with KillsConsumerAfterAllocating(producer_config(transfer_timeout_s=2.0)) as producer:
-        producer.victim = node.process
+    allocate = PeerState.allocate
+
+    def allocate_then_kill(state: PeerState, *args, **kwargs) -> protocol.AllocResponse:
+        """The consumer dies between the allocation and the write."""
+        response = allocate(state, *args, **kwargs)
+        node.process.kill()
+        return response
+
+    monkeypatch.setattr(PeerState, "allocate", allocate_then_kill)
+    with Producer(producer_config(transfer_timeout_s=2.0)) as producer:
         tokens = list(range(4 * CHUNK_SIZE))
         started = time.monotonic()
         with pytest.raises((TransferError, PeerTimeout), match="r-orphaned"):

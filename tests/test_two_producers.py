@@ -10,25 +10,19 @@ from pathlib import Path
 import pytest
 
 from lmcache_pd.harness.consumer_process import ConsumerProcess
-from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.transfer.producer import Producer
 from tests.helpers import (
     CHUNK_SIZE,
     consumer_fields,
     make_chunks,
+    make_keyer,
     producer_config,
     spec_for,
     write_config,
 )
 
-pytestmark = pytest.mark.nixl
+pytestmark = pytest.mark.processes
 PUSHES = 3
-
-
-def keyer() -> ChunkKeyer:
-    return ChunkKeyer(
-        model_name="demo", world_size=1, worker_id=0, kv_dtype="float32", chunk_size=CHUNK_SIZE
-    )
 
 
 def push_from_own_process(fields: dict, name: str, done: multiprocessing.Queue) -> None:
@@ -37,7 +31,7 @@ def push_from_own_process(fields: dict, name: str, done: multiprocessing.Queue) 
     with Producer(producer_config(num_pages=16)) as producer:
         for index in range(PUSHES):
             tokens = [hash((name, index, t)) % 50_000 for t in range(3 * CHUNK_SIZE)]
-            chunks = make_chunks(keyer().chunk_keys(tokens), seed=index)
+            chunks = make_chunks(make_keyer().chunk_keys(tokens), seed=index)
             sent += producer.push(spec_for(fields, f"{name}-{index}"), chunks).chunks_sent
     done.put((name, sent))
 

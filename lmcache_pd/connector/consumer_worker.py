@@ -36,7 +36,7 @@ import torch
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig, replace
 from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata
-from lmcache_pd.connector.stats import StatsRecorder
+from lmcache_pd.connector.stats import CONSUMER_PREFIX, StatsRecorder
 from lmcache_pd.connector.worker import (
     UNKNOWN,
     CacheFacts,
@@ -50,41 +50,20 @@ from lmcache_pd.kernels.paged_kv import COPIED, Copy
 from lmcache_pd.keys import ChunkKey, ChunkKeyer
 from lmcache_pd.protocol import DEVICE_COPY_TIMEOUT_S
 from lmcache_pd.trace import TraceFile
-from lmcache_pd.transfer.chunk_store import LandedChunk
-from lmcache_pd.transfer.consumer import check_landed
 from lmcache_pd.transfer.consumer_service import (
     ConsumerService,
     ConsumerServiceDown,
     LoadQuery,
     LoadState,
 )
+from lmcache_pd.transfer.consumer_stats import EXPORTED_COUNTERS, EXPORTED_GAUGES
+from lmcache_pd.transfer.receive_buffer import LandedChunk, check_landed
 
 logger = logging.getLogger(__name__)
 
 # How long a synchronous load waits for its consumer's process to say where its chunks are (they
 # have landed by then; the answer takes well under a millisecond): the step waits meanwhile.
 SYNC_LOAD_WAIT_S = 0.05
-
-# Counters of ``ConsumerStats`` that reach /metrics as ``lmcache_pd_consumer_<name>_total``.
-CONSUMER_COUNTERS = (
-    "chunks_landed",
-    "chunks_landed_reserved",
-    "bytes_landed",
-    "requests_abandoned",
-    "refused_dropped",
-    "refused_buffer_full",
-    "holds_expired",
-    "leases_expired",
-    "malformed_messages",
-    "internal_errors",
-    "service_stalls",
-    "cache_hits",
-    "cache_misses",
-    "cache_evictions",
-    "cache_bytes_not_resent",
-    "cache_not_needed",
-    "handshakes_refused",
-)
 
 
 @dataclass(slots=True)
@@ -272,15 +251,13 @@ class ConsumerWorker(WorkerHalf):
         snapshot = self._service.stats
         if not snapshot:
             return  # no answer from the consumer's process yet
-        for name in CONSUMER_COUNTERS:
+        for name in EXPORTED_COUNTERS:
             delta = snapshot[name] - self._consumer_counts.get(name, 0)
             if delta:
-                self._stats.add(f"consumer_{name}", delta)
+                self._stats.add(CONSUMER_PREFIX + name, delta)
                 self._consumer_counts[name] = snapshot[name]
-        self._stats.set_gauge("consumer_used_pages", snapshot["used_pages"])
-        self._stats.set_gauge("consumer_cached_pages", snapshot["cached_pages"])
-        self._stats.set_gauge("consumer_held_requests", snapshot["held_requests"])
-        self._stats.set_gauge("consumer_reserved_pages", snapshot["reserved_pages"])
+        for name in EXPORTED_GAUGES:
+            self._stats.set_gauge(CONSUMER_PREFIX + name, snapshot[name])
 
     def _release_copied(self) -> None:
         """Give back the pages of loads whose copy out of them is done."""

@@ -283,7 +283,8 @@ class LMCachePDConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Never delays the free (the KV was copied out); returns ``first_tok`` if asked."""
+        """Never delays the free (the KV was copied out); returns ``first_tok`` if asked (a
+        ``KVTransferReturn`` as a dict: vLLM passes it on in the response)."""
         return False, self._scheduler.request_finished(request)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

@@ -22,8 +22,8 @@ from lmcache_pd.connector.metadata import (
     SaveRequest,
 )
 from lmcache_pd.errors import ProtocolError
-from lmcache_pd.first_token import NOTICE_KEY, FirstTokenNotice, NoticeSender, valid_address
-from lmcache_pd.protocol import DisaggSpec
+from lmcache_pd.first_token import FirstTokenNotice, NoticeSender
+from lmcache_pd.protocol import NOTICE_KEY, DisaggSpec, KVTransferParams, KVTransferReturn
 from lmcache_pd.transfer import landed_board
 
 if TYPE_CHECKING:
@@ -35,18 +35,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def disagg_spec_of(request: Request) -> DisaggSpec | None:
-    """The request's DisaggSpec, None if it has none; a malformed one is logged and ignored
-    (the request is then served without disaggregation, never with wrong KV)."""
-    params = request.kv_transfer_params or {}
-    raw = params.get("disagg_spec")
-    if raw is None:
-        return None
+def transfer_params_of(request: Request) -> KVTransferParams:
+    """The request's params; none at all if its DisaggSpec is malformed (logged): the request
+    is then served without disaggregation, never with wrong KV."""
     try:
-        return DisaggSpec.from_dict(raw)
+        return KVTransferParams.from_dict(request.kv_transfer_params)
     except ProtocolError as exc:
         logger.warning("req %s: ignoring kv_transfer_params: %s", request.request_id, exc)
-        return None
+        return KVTransferParams()
 
 
 class SchedulerHalf:
@@ -66,7 +62,7 @@ class SchedulerHalf:
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         """Called once per request as it ends; what it returns goes back to the client as the
-        response's ``kv_transfer_params``."""
+        response's ``kv_transfer_params`` (a ``KVTransferReturn``'s JSON object)."""
         return None
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -107,26 +103,27 @@ class ProducerScheduler(SchedulerHalf):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        spec = disagg_spec_of(request)
-        if spec is not None and request.request_id not in self._pushes:
-            params = request.kv_transfer_params or {}
-            asked = params.get(NOTICE_KEY)
-            notice_to = valid_address(asked)
-            if asked is not None and notice_to is None:
+        params = transfer_params_of(request)
+        if params.disagg_spec is None or request.request_id in self._pushes:
+            return
+        notice_to = params.first_tok_to
+        if notice_to is None:
+            asked = (request.kv_transfer_params or {}).get(NOTICE_KEY)
+            if asked is not None:  # left out of params: not an address a notice can go to
                 logger.warning(
                     "req %s: ignoring %s=%r (not tcp://host:port)",
                     request.request_id,
                     NOTICE_KEY,
                     asked,
                 )
-            if notice_to is not None:
-                self._notices.connect(notice_to)  # up by the time the first token exists
-            self._pushes[request.request_id] = _Push(
-                spec,
-                list(request.prompt_token_ids or []),
-                bool(params.get("ret_first_tok")),
-                notice_to,
-            )
+        else:
+            self._notices.connect(notice_to)  # up by the time the first token exists
+        self._pushes[request.request_id] = _Push(
+            params.disagg_spec,
+            list(request.prompt_token_ids or []),
+            params.ret_first_tok,
+            notice_to,
+        )
 
     def build_connector_meta(self, output: SchedulerOutput) -> PDConnectorMetadata:
         meta = PDConnectorMetadata(finished=self._ended, aborted=self._aborted)
@@ -175,15 +172,15 @@ class ProducerScheduler(SchedulerHalf):
             self._aborted.add(request.request_id)
         if not request.output_token_ids:
             return None
+        first = int(request.output_token_ids[0])
         if push.notice_to is not None and request.status == RequestStatus.FINISHED_LENGTH_CAPPED:
             # Stopped by its token limit, not by EOS: decode goes on from this token.
-            first = int(request.output_token_ids[0])
             self._notices.send(
                 push.notice_to, FirstTokenNotice(push.spec.req_id, push.prompt, first)
             )
         if not push.ret_first_tok:
             return None
-        return {"first_tok": int(request.output_token_ids[0]), "disagg_req_id": push.spec.req_id}
+        return KVTransferReturn(first_tok=first, disagg_req_id=push.spec.req_id).to_dict()
 
     @staticmethod
     def _save(
@@ -230,7 +227,7 @@ class ConsumerScheduler(SchedulerHalf):
         """All of the prompt past decode's own hit (``num_computed``, which vLLM ends on a block
         boundary) but its last token (the producer's first output, computed here). A hit that
         ends inside a chunk is fine: only that chunk's later blocks are loaded."""
-        spec = disagg_spec_of(request)
+        spec = transfer_params_of(request).disagg_spec
         if spec is None:
             return 0, False
         if request.request_id in self._loaded:
@@ -261,7 +258,7 @@ class ConsumerScheduler(SchedulerHalf):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        spec = disagg_spec_of(request)
+        spec = transfer_params_of(request).disagg_spec
         if spec is None or request.request_id in self._loaded:
             return
         self._loaded.add(request.request_id)

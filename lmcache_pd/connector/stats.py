@@ -45,8 +45,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from lmcache_pd.metrics_scrape import METRIC_PREFIX
+from lmcache_pd.transfer.consumer_stats import EXPORTED_COUNTERS, EXPORTED_GAUGES
 
 logger = logging.getLogger(__name__)
+
+# Names of the consumer rank's own counters and gauges (``consumer_stats.py``) among ours.
+CONSUMER_PREFIX = "consumer_"
 
 COUNTERS: Mapping[str, str] = MappingProxyType(
     {
@@ -87,33 +91,11 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "consumer_process_down": "Times the consumer rank's own process was found gone; "
         "every load of that rank is recomputed from then on.",
         # The consumer rank's own counters (its process), as deltas each step.
-        "consumer_chunks_landed": "Chunks whose write the consumer saw confirmed.",
-        "consumer_chunks_landed_reserved": "Of those, chunks written into pages reserved "
-        "ahead, with no allocation round trip.",
-        "consumer_bytes_landed": "Bytes of chunks the consumer saw confirmed.",
-        "consumer_requests_abandoned": "KVAbandoned notices the consumer received.",
-        "consumer_refused_dropped": "Pushes refused: their request was let go already.",
-        "consumer_refused_buffer_full": "Allocations refused for a full receive buffer.",
-        "consumer_holds_expired": "Requests whose pages lapsed unclaimed or unreleased.",
-        "consumer_leases_expired": "Allocations whose write never came, taken back.",
-        "consumer_malformed_messages": "Malformed or out-of-bounds messages refused.",
-        "consumer_internal_errors": "Unexpected errors caught in the consumer's process.",
-        "consumer_service_stalls": "Times the consumer's service loop stopped turning for 2 s.",
-        "consumer_cache_hits": "Chunks asked for that had landed already: not written again.",
-        "consumer_cache_misses": "Chunks given a fresh page of the receive buffer.",
-        "consumer_cache_evictions": "Cached chunks nobody held, evicted for room.",
-        "consumer_cache_bytes_not_resent": "Bytes of chunks not written again (cache hits).",
-        "consumer_cache_not_needed": "Chunks decode's own prefix cache had: not written.",
-        "consumer_handshakes_refused": "Producer handshakes refused for incompatible KV.",
+        **{CONSUMER_PREFIX + name: text for name, text in EXPORTED_COUNTERS.items()},
     }
 )
 GAUGES: Mapping[str, str] = MappingProxyType(
-    {
-        "consumer_used_pages": "Pages of the consumer's receive buffer held or being written.",
-        "consumer_cached_pages": "Pages keeping a landed chunk nobody holds, for reuse.",
-        "consumer_held_requests": "Requests whose chunks the consumer holds.",
-        "consumer_reserved_pages": "Pages reserved ahead for producers, not written yet.",
-    }
+    {CONSUMER_PREFIX + name: text for name, text in EXPORTED_GAUGES.items()}
 )
 
 # Keys of PDConnectorStats.data.

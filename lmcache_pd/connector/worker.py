@@ -33,16 +33,11 @@ from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.errors import AllocationError, ProtocolError
 from lmcache_pd.kernels.paged_kv import COPIED, Copy, PagedKV, recognise
 from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.peers import parse_peer
 from lmcache_pd.protocol import AbandonReason
 from lmcache_pd.trace import TraceFile
 from lmcache_pd.transfer.producer import Producer
-from lmcache_pd.transfer.sender import (
-    AbandonJob,
-    PushJob,
-    Saving,
-    SenderPool,
-    parse_peer,
-)
+from lmcache_pd.transfer.sender import AbandonJob, PushJob, Saving, SenderPool
 from lmcache_pd.transfer.staging import Staging
 
 logger = logging.getLogger(__name__)

@@ -37,6 +37,7 @@ from lmcache_pd.deploy.pools import InstanceSpec, PoolsConfig
 from lmcache_pd.deploy.vllm_server import VLLMServer
 from lmcache_pd.errors import ConfigError, PDError
 from lmcache_pd.metrics_scrape import scrape
+from lmcache_pd.peers import format_peer
 from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig, Timeouts
 
 logger = logging.getLogger(__name__)
@@ -96,12 +97,8 @@ def receive_ports(ports: Ports, ranks: int) -> dict[str, int | list[int]]:
 
 
 def peer_text(decode: DecodeInstance) -> str:
-    """``host:init:alloc`` for a producer's ``warm_peers``, ports comma-separated per rank."""
-
-    def joined(ports: int | list[int]) -> str:
-        return ",".join(str(p) for p in ports) if isinstance(ports, list) else str(ports)
-
-    return f"{decode.receiver_host}:{joined(decode.init_port)}:{joined(decode.alloc_port)}"
+    """``decode``'s receive address as a producer's ``warm_peers`` names it."""
+    return format_peer(decode.receiver_host, decode.init_port, decode.alloc_port)
 
 
 def start_instance(

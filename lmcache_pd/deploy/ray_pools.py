@@ -46,7 +46,8 @@ PoolName = Literal["prefill", "decode"]
 # new incarnation's start).
 DESCRIBE_TIMEOUT_S = 2.0
 READY_TIMEOUT_S = START_TIMEOUT_S + WARM_UP_TIMEOUT_S
-STOP_TIMEOUT_S = 60.0
+# An instance actor's stop (its vLLM server's), and the controller's stop of every instance.
+ACTOR_STOP_TIMEOUT_S = 60.0
 # Without a word from any proxy for this many discovery intervals, a drain goes by vLLM's own
 # count of requests alone.
 SILENT_PROXY_INTERVALS = 5
@@ -261,7 +262,7 @@ class PoolsController:
 
     async def _stop(self, instance: _Instance) -> None:
         try:
-            await asyncio.wait_for(instance.handle.stop.remote(), STOP_TIMEOUT_S)
+            await asyncio.wait_for(instance.handle.stop.remote(), ACTOR_STOP_TIMEOUT_S)
         except Exception as exc:  # dead already, or stuck: the kill below ends it either way
             logger.warning("%s: stopping its server failed: %r", instance.name, exc)
         ray.kill(instance.handle, no_restart=True)
@@ -344,7 +345,7 @@ class RayPools:
         """Stop every instance, then the controller; leave the cluster."""
         if self._controller is not None:
             try:
-                ray.get(self._controller.shutdown.remote(), timeout=STOP_TIMEOUT_S)
+                ray.get(self._controller.shutdown.remote(), timeout=ACTOR_STOP_TIMEOUT_S)
             except (GetTimeoutError, RayActorError) as exc:
                 logger.warning("the controller did not stop the instances: %r", exc)
             ray.kill(self._controller, no_restart=True)

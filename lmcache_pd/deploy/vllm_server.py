@@ -46,7 +46,9 @@ PR_SET_PDEATHSIG = 1
 DIST_INIT_FILE = re.compile(r"distributed_init_method=file://(\S*/vllm_dist_[0-9a-f]{32})\b")
 SHARED_MEMORY = Path("/dev/shm")
 LOG_HEAD_BYTES = 1 << 20  # vLLM names its workers' group file while it starts
-STOP_TIMEOUT_S = 20.0
+# Each wait for a stopping server: for its process, then for the rest of its process group,
+# after SIGTERM and again after SIGKILL.
+SERVER_STOP_TIMEOUT_S = 20.0
 # Batch sizes of the requests ``warm_up`` sends. vLLM compiles its logprobs kernel
 # (``batched_count_greater_than``, torch.compile'd even with --enforce-eager) on first use, once
 # for one sequence and again, shape-generic, for a batch; each time on the model thread, with C++
@@ -318,7 +320,7 @@ class VLLMServer:
 
     def stop(self) -> None:
         """SIGTERM the server's whole process group (vLLM's engine processes are in it) and
-        wait until every member is gone; SIGKILL whatever outlives ``STOP_TIMEOUT_S``; then
+        wait until every member is gone; SIGKILL whatever outlives ``SERVER_STOP_TIMEOUT_S``; then
         remove its ``runtime_dir`` and what its workers left (``worker_leftovers``). Idempotent."""
         group = self._process.pid  # process_group=0: the group id is the server's pid
         if self._process.poll() is None:
@@ -327,15 +329,15 @@ class VLLMServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGCONT)
         try:
-            self._process.wait(STOP_TIMEOUT_S)
-            stopped = _group_gone(group, STOP_TIMEOUT_S)
+            self._process.wait(SERVER_STOP_TIMEOUT_S)
+            stopped = _group_gone(group, SERVER_STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             stopped = False
         if not stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)
-            self._process.wait(STOP_TIMEOUT_S)
-            _group_gone(group, STOP_TIMEOUT_S)
+            self._process.wait(SERVER_STOP_TIMEOUT_S)
+            _group_gone(group, SERVER_STOP_TIMEOUT_S)
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
         self._log.close()
         for path in worker_leftovers(self.log_path):

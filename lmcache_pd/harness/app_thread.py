@@ -22,7 +22,8 @@ class AppThread:
     stand-ins); a context manager that stops it on exit."""
 
     START_TIMEOUT_S = 10.0
-    STOP_TIMEOUT_S = 10.0
+    # How long leaving waits for the app's thread to clean up and end.
+    JOIN_TIMEOUT_S = 10.0
 
     def __init__(self, app: web.Application, host: str, port: int) -> None:
         self.url = f"http://{host}:{port}"
@@ -56,7 +57,7 @@ class AppThread:
     def __exit__(self, *exc: object) -> None:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(self.STOP_TIMEOUT_S)
+        self._thread.join(self.JOIN_TIMEOUT_S)
 
 
 def proxy_thread(config: ProxyConfig, members: MemberSource | None = None) -> AppThread:

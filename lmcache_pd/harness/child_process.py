@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_pd.errors import IntegrityError, PeerTimeout
+from lmcache_pd.protocol import PROCESS_EXIT_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 60.0
 COMMAND_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
 EXIT_GRACE_S = 2.0
 
 
@@ -90,14 +90,14 @@ class ChildProcess:
         """SIGKILL, as a crash would."""
         if self._process.poll() is None:
             self._process.send_signal(signal.SIGKILL)
-        self._process.wait(STOP_TIMEOUT_S)
+        self._process.wait(PROCESS_EXIT_TIMEOUT_S)
 
     def stop(self) -> None:
         """Ask the child to exit; kill it if it does not."""
         if self._process.poll() is None:
             try:
-                self.call("stop", timeout_s=STOP_TIMEOUT_S)
-                self._process.wait(STOP_TIMEOUT_S)
+                self.call("stop", timeout_s=PROCESS_EXIT_TIMEOUT_S)
+                self._process.wait(PROCESS_EXIT_TIMEOUT_S)
             except (PeerTimeout, OSError, RuntimeError, subprocess.TimeoutExpired):
                 logger.warning("child process %d did not stop, killing it", self.pid)
         self.kill()

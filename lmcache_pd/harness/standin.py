@@ -17,7 +17,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from lmcache_pd.first_token import NOTICE_KEY, FirstTokenNotice, NoticeSender
+from lmcache_pd.first_token import FirstTokenNotice, NoticeSender
+from lmcache_pd.protocol import NOTICE_KEY
 
 EOS = 2
 VOCAB = 1000

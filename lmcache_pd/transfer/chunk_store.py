@@ -46,6 +46,8 @@ from lmcache_pd.protocol import (
     WriteDone,
 )
 from lmcache_pd.transfer.allocator import PageAllocator, PageState
+from lmcache_pd.transfer.consumer_stats import CacheCounts
+from lmcache_pd.transfer.receive_buffer import LandedChunk
 
 logger = logging.getLogger(__name__)
 
@@ -94,26 +96,6 @@ class Allocation:
     @property
     def new_pages(self) -> int:
         return sum(page is not None for page in self.pages)
-
-
-@dataclass(frozen=True, slots=True)
-class LandedChunk:
-    """Where a landed chunk's bytes are and what they should hash to."""
-
-    page: int
-    nbytes: int
-    checksum: int | None
-
-
-@dataclass(slots=True)
-class CacheCounts:
-    """What the cache of landed chunks saved and cost."""
-
-    hits: int = 0  # chunks asked for that had landed here already: not written again
-    misses: int = 0  # chunks given a fresh page
-    evictions: int = 0  # idle cached pages freed for room
-    bytes_not_resent: int = 0
-    not_needed: int = 0  # chunks decode's own prefix cache had: not written at all
 
 
 class ChunkStore:

@@ -1,21 +1,23 @@
 """The consumer rank: serves the init and alloc ports, receives chunks, hands them out by key.
 
 One service thread owns both ZMQ sockets and every NIXL call after start-up (NIXL is not
-thread-safe); the public methods, called from any thread, share the chunk store under one lock.
-A chunk counts as landed only once the producer's WriteDone notification, which NIXL delivers
-after the write's data, has been read.
+thread-safe): each turn it reads NIXL's notifications, answers the requests queued on the init
+port (``init_port.py``) and the alloc port (``alloc_port.py``), and takes back what lapsed. The
+public methods, called from any thread, share the chunk store under one lock. A chunk counts as
+landed only once the producer's WriteDone notification, which NIXL delivers after the write's
+data, has been read.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -23,28 +25,25 @@ import zmq
 
 from lmcache_pd import protocol
 from lmcache_pd.affinity import unpin_this_thread
-from lmcache_pd.compat import KVProfile, incompatibilities
+from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig
-from lmcache_pd.errors import (
-    AllocationError,
-    BufferFull,
-    ConfigError,
-    IntegrityError,
-    ProtocolError,
-    RequestDropped,
-    VersionMismatch,
-)
-from lmcache_pd.kernels.integrity import checksum
+from lmcache_pd.errors import ConfigError, IntegrityError, ProtocolError, VersionMismatch
 from lmcache_pd.keys import ChunkKeyer
-from lmcache_pd.protocol import ErrorCode, ErrorReply, ProbeState
+from lmcache_pd.protocol import ErrorCode, ErrorReply
 from lmcache_pd.transfer import landed_board
+from lmcache_pd.transfer.alloc_port import AllocPort
 from lmcache_pd.transfer.allocator import PageAllocator
 from lmcache_pd.transfer.channel import Channel, NixlChannel
-from lmcache_pd.transfer.chunk_store import ChunkStore, LandedChunk
+from lmcache_pd.transfer.chunk_store import ChunkStore
+from lmcache_pd.transfer.consumer_stats import ConsumerStats
+from lmcache_pd.transfer.init_port import InitPort
+from lmcache_pd.transfer.receive_buffer import LandedChunk, landed_bytes, receive_buffer_bytes
+from lmcache_pd.transfer.sockets import bind_router, refusal
 from lmcache_pd.transfer.watchdog import Watchdog
-from lmcache_pd.transport import stack_identity
 
 logger = logging.getLogger(__name__)
+
+Request = TypeVar("Request")
 
 # The service loop's wait when no write is pending; with one pending it polls NIXL every
 # BUSY_POLL_S so that a landed chunk is seen within ~0.1 ms.
@@ -52,86 +51,13 @@ IDLE_POLL_MS = 5
 BUSY_POLL_S = 0.0001
 # Messages handled per socket per loop turn, so that one flooding peer cannot starve the rest.
 MAX_MESSAGES_PER_TURN = 64
-STOP_TIMEOUT_S = 5.0
+# How long closing waits for the service thread to end its turn and stop.
+SERVICE_JOIN_TIMEOUT_S = 5.0
 # After an unexpected error in a turn of the service loop: a pause, so that an error that
 # repeats every turn logs a few lines a second rather than spinning a core.
 ERROR_PAUSE_S = 0.1
 # A service loop silent this long is stuck somewhere: the watchdog logs where.
 SERVICE_STALL_S = 2.0
-
-
-@dataclass(slots=True)
-class ConsumerStats:
-    """Counters of one consumer rank since it started."""
-
-    init_requests: int = 0
-    alloc_requests: int = 0
-    malformed_messages: int = 0
-    version_mismatches: int = 0
-    refused_buffer_full: int = 0
-    refused_too_large: int = 0
-    refused_dropped: int = 0
-    requests_abandoned: int = 0
-    chunks_allocated: int = 0
-    chunks_already_held: int = 0
-    chunks_landed: int = 0
-    bytes_landed: int = 0
-    pages_reserved: int = 0  # handed out ahead of any push (ReserveRequest)
-    chunks_landed_reserved: int = 0  # of chunks_landed, written into pages reserved ahead
-    unknown_notifications: int = 0
-    allocations_cancelled: int = 0
-    internal_errors: int = 0
-    service_stalls: int = 0
-    leases_expired: int = 0
-    holds_expired: int = 0
-    integrity_failures: int = 0
-    handshakes_refused: int = 0
-    self_tests_landed: int = 0
-
-
-@dataclass(slots=True)
-class _Probe:
-    """A transport self-test handed out: its slot, when, and what was seen of it."""
-
-    slot: int
-    issued_at: float
-    state: ProbeState = ProbeState.PENDING
-
-
-@dataclass(slots=True)
-class _Probes:
-    """Self-tests handed out, by nonce; the service thread's own."""
-
-    by_nonce: dict[bytes, _Probe] = field(default_factory=dict)
-    next_slot: int = 0
-
-
-def receive_buffer_bytes(config: PDConfig) -> int:
-    """Size of a consumer's registered buffer: its pages, then the self-test slots."""
-    return config.num_pages * config.page_bytes + protocol.PROBE_AREA_BYTES
-
-
-def landed_view(buffer: torch.Tensor, page_bytes: int, landed: LandedChunk) -> torch.Tensor:
-    """The view of ``buffer`` a landed chunk occupies, unchecked: for a caller that checks it
-    in the pass that copies it out (``check_landed``)."""
-    start = landed.page * page_bytes
-    return buffer[start : start + landed.nbytes]
-
-
-def check_landed(landed: LandedChunk, digest: int | None) -> None:
-    """Raise ``IntegrityError`` (logged) unless ``digest``, the hash of the chunk's bytes as
-    read, is the producer's checksum (or the producer sent none)."""
-    if landed.checksum is not None and digest != landed.checksum:
-        logger.error("chunk in page %d fails its checksum", landed.page)
-        raise IntegrityError(f"chunk in page {landed.page} fails its checksum")
-
-
-def landed_bytes(buffer: torch.Tensor, page_bytes: int, landed: LandedChunk) -> torch.Tensor:
-    """The view of ``buffer`` a landed chunk occupies, once its bytes match the producer's
-    checksum (a pass of its own over them); raises ``IntegrityError`` if they do not."""
-    view = landed_view(buffer, page_bytes, landed)
-    check_landed(landed, None if landed.checksum is None else checksum(view))
-    return view
 
 
 class Consumer:
@@ -163,11 +89,9 @@ class Consumer:
         self.profile = profile or KVProfile(
             chunk_size=config.chunk_size, page_bytes=config.page_bytes
         )
-        self._stack = stack_identity()
         self._board = board
         # Chunks landed (or were found held) since the last post: the service thread's alone.
         self._landed_changed = False
-        self._probes = _Probes()
         self._lock = threading.Lock()
         allocator = PageAllocator(
             num_pages=config.num_pages, page_bytes=config.page_bytes, lease_s=config.alloc_lease_s
@@ -180,7 +104,6 @@ class Consumer:
         )
         # Zeroed now so that every page is faulted in here, not on the first transfers. The
         # self-test slots follow the pages.
-        self._pages_bytes = config.num_pages * config.page_bytes
         size = receive_buffer_bytes(config)
         if buffer is not None and (buffer.dtype != torch.uint8 or buffer.numel() != size):
             raise ConfigError(f"a receive buffer must be {size} bytes of uint8")
@@ -188,17 +111,25 @@ class Consumer:
         self._channel = channel or NixlChannel.from_config(config, role="consumer")
         self._context = zmq.Context()
         self._stop = threading.Event()
+        self._alloc_port = AllocPort(
+            agent_name=self._channel.agent_name,
+            store=self._store,
+            stats=self.stats,
+            lock=self._lock,
+            on_found_held=self._mark_landed,
+        )
         try:
-            self._registered = self._channel.register(self._buffer)
-            self._agent_metadata = protocol.AgentMetadata(
-                version=protocol.PROTOCOL_VERSION,
-                agent_name=self._channel.agent_name,
-                metadata=self._channel.local_metadata(),
+            self._init_port = InitPort(
+                config,
                 profile=self.profile,
-                stack=self._stack,
+                channel=self._channel,
+                registered=self._channel.register(self._buffer),
+                buffer=self._buffer,
+                stats=self.stats,
+                lock=self._lock,
             )
-            self._init_socket = self._bind(config.init_port)
-            self._alloc_socket = self._bind(config.alloc_port)
+            self._init_socket = bind_router(self._context, config.receiver_host, config.init_port)
+            self._alloc_socket = bind_router(self._context, config.receiver_host, config.alloc_port)
         except BaseException:
             self._close_resources()
             raise
@@ -318,13 +249,13 @@ class Consumer:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._thread.join(STOP_TIMEOUT_S)
+        self._thread.join(SERVICE_JOIN_TIMEOUT_S)
         self._watchdog.close()
         if self._thread.is_alive():
             logger.error(
                 "consumer service thread did not stop in %.1f s; its sockets and NIXL agent are "
                 "left to the process's exit",
-                STOP_TIMEOUT_S,
+                SERVICE_JOIN_TIMEOUT_S,
             )
             return
         self._close_resources()
@@ -393,7 +324,7 @@ class Consumer:
             if len(body) != 1:
                 self.stats.malformed_messages += 1
                 logger.warning("refused a malformed message: %d body frames, not 1", len(body))
-                reply = self._refuse(ErrorCode.MALFORMED, f"expected 1 body frame, got {len(body)}")
+                reply = refusal(ErrorCode.MALFORMED, f"expected 1 body frame, got {len(body)}")
             else:
                 reply = self._handle(handler, body[0])
             with contextlib.suppress(zmq.ZMQError):
@@ -408,202 +339,34 @@ class Consumer:
         except Exception:
             self.stats.internal_errors += 1
             logger.exception("internal error while answering a %d-byte message", len(body))
-            return self._refuse(ErrorCode.INTERNAL, "internal error, see the consumer's log")
+            return refusal(ErrorCode.INTERNAL, "internal error, see the consumer's log")
 
-    def _decode(self, codec: protocol.Codec, body: bytes) -> object | ErrorReply:
+    def _decode(self, codec: protocol.Codec[Request], body: bytes) -> Request | ErrorReply:
         try:
             return codec.decode(body)
         except VersionMismatch as exc:
             self.stats.version_mismatches += 1
             logger.warning("refused a message: %s", exc)
-            return self._refuse(ErrorCode.VERSION, str(exc))
+            return refusal(ErrorCode.VERSION, str(exc))
         except ProtocolError as exc:
             self.stats.malformed_messages += 1
             logger.warning("refused a malformed message (%d bytes): %s", len(body), exc)
-            return self._refuse(ErrorCode.MALFORMED, str(exc))
+            return refusal(ErrorCode.MALFORMED, str(exc))
 
     def _on_init(self, body: bytes) -> protocol.Message:
         message = self._decode(protocol.INIT_REQUESTS, body)
-        if isinstance(message, ErrorReply):
-            return message
-        if isinstance(message, protocol.ProbeCheck):
-            return self._on_probe_check(message)
-        self.stats.init_requests += 1
-        if isinstance(message, protocol.BufferRequest):
-            return self._buffer_descriptors()
-        problems = incompatibilities(message.profile, self.profile)
-        if problems:
-            with self._lock:
-                self.stats.handshakes_refused += 1
-            detail = "; ".join(problems)
-            logger.warning("refused a producer's handshake (stack %s): %s", message.stack, detail)
-            return self._refuse(ErrorCode.INCOMPATIBLE, f"incompatible KV: {detail}")
-        return self._agent_metadata
-
-    def _buffer_descriptors(self) -> protocol.BufferDescriptors:
-        """The registered buffer, and a fresh self-test slot for the producer to write."""
-        probes = self._probes
-        now = time.monotonic()
-        for nonce in [
-            n for n, p in probes.by_nonce.items() if now - p.issued_at > protocol.PROBE_TICKET_TTL_S
-        ]:
-            del probes.by_nonce[nonce]
-        slot = probes.next_slot
-        probes.next_slot = (slot + 1) % protocol.PROBE_SLOTS
-        # A slot is handed out again only PROBE_SLOTS self-tests later: forget its last one.
-        for nonce in [n for n, p in probes.by_nonce.items() if p.slot == slot]:
-            del probes.by_nonce[nonce]
-        nonce = secrets.token_bytes(protocol.PROBE_NONCE_BYTES)
-        probes.by_nonce[nonce] = _Probe(slot, now)
-        registered = self._registered
-        return protocol.BufferDescriptors(
-            version=protocol.PROTOCOL_VERSION,
-            agent_name=self._channel.agent_name,
-            mem_type=registered.mem_type,
-            device_id=registered.device_id,
-            base_addr=registered.base_addr,
-            page_bytes=self.config.page_bytes,
-            num_pages=self.config.num_pages,
-            alloc_lease_s=self.config.alloc_lease_s,
-            probe_addr=registered.base_addr + self._slot_offset(slot),
-            probe_nonce=nonce,
-        )
-
-    def _slot_offset(self, slot: int) -> int:
-        return self._pages_bytes + slot * protocol.PROBE_NONCE_BYTES
-
-    def _on_probe_check(self, check: protocol.ProbeCheck) -> protocol.ProbeResult:
-        probe = self._probes.by_nonce.get(check.nonce)
-        state = ProbeState.UNKNOWN if probe is None else probe.state
-        return protocol.ProbeResult(
-            version=protocol.PROTOCOL_VERSION, nonce=check.nonce, state=state
-        )
-
-    def _on_probe_done(self, peer: str, done: protocol.ProbeDone) -> None:
-        """A self-test's notification: NIXL delivers it after its data, so the slot must hold
-        the nonce by now."""
-        probe = self._probes.by_nonce.get(done.nonce)
-        if probe is None:
-            logger.info("self-test notification from %s for a slot no longer known", peer)
-            return
-        start = self._slot_offset(probe.slot)
-        # .cpu(): a GPU receive buffer (buffer_device cuda) is read by a 16-byte copy.
-        nonce_bytes = self._buffer[start : start + protocol.PROBE_NONCE_BYTES].cpu()
-        landed = bytes(nonce_bytes.numpy())
-        probe.state = ProbeState.LANDED if landed == done.nonce else ProbeState.CORRUPT
-        if probe.state is ProbeState.LANDED:
-            with self._lock:
-                self.stats.self_tests_landed += 1
-        else:
-            logger.warning("self-test from %s: notification arrived, data did not", peer)
+        return message if isinstance(message, ErrorReply) else self._init_port.answer(message)
 
     def _on_alloc(self, body: bytes) -> protocol.Message:
         request = self._decode(protocol.ALLOC_REQUESTS, body)
-        if isinstance(request, ErrorReply):
-            return request
-        if isinstance(request, protocol.AllocCancel):
-            return self._on_cancel(request)
-        if isinstance(request, protocol.KVAbandoned):
-            return self._on_abandoned(request)
-        if isinstance(request, protocol.ReserveRequest):
-            return self._on_reserve(request)
-        req_id = request.req_id
-        with self._lock:
-            self.stats.alloc_requests += 1
-            try:
-                allocation = self._store.allocate(request, time.monotonic())
-            except RequestDropped as exc:
-                self.stats.refused_dropped += 1
-                logger.info("req %s: push refused, the request was let go (%s)", req_id, exc.reason)
-                return self._refuse(ErrorCode.DROPPED, str(exc), req_id)
-            except BufferFull as exc:
-                self.stats.refused_buffer_full += 1
-                logger.warning("req %s: buffer full: %s", req_id, exc)
-                return self._refuse(ErrorCode.BUFFER_FULL, str(exc), req_id, exc.retry_after_s)
-            except AllocationError as exc:
-                self.stats.refused_too_large += 1
-                logger.warning("req %s: refused: %s", req_id, exc)
-                return self._refuse(ErrorCode.TOO_LARGE, str(exc), req_id)
-            except ProtocolError as exc:
-                self.stats.malformed_messages += 1
-                logger.warning("req %s: bad request: %s", req_id, exc)
-                return self._refuse(ErrorCode.BAD_REQUEST, str(exc), req_id)
-            self.stats.chunks_allocated += allocation.new_pages
-            self.stats.chunks_already_held += len(allocation.pages) - allocation.new_pages
-        self._landed_changed |= allocation.new_pages < len(allocation.pages)
-        logger.debug(
-            "req %s: alloc %d, %d chunks to write, %d already held",
-            req_id,
-            allocation.alloc_id,
-            allocation.new_pages,
-            len(allocation.pages) - allocation.new_pages,
-        )
-        return protocol.AllocResponse(
-            version=protocol.PROTOCOL_VERSION,
-            req_id=req_id,
-            agent_name=self._channel.agent_name,
-            alloc_id=allocation.alloc_id,
-            pages=allocation.pages,
-        )
-
-    def _on_reserve(self, request: protocol.ReserveRequest) -> protocol.Message:
-        with self._lock:
-            try:
-                reservation_id, pages = self._store.reserve(request.pages, time.monotonic())
-            except BufferFull as exc:
-                # Not an error of anyone's: the producer asks for pages per push meanwhile.
-                logger.debug("no pages to reserve ahead: %s", exc)
-                return self._refuse(ErrorCode.BUFFER_FULL, str(exc), "", exc.retry_after_s)
-            self.stats.pages_reserved += len(pages)
-        return protocol.Reservation(
-            version=protocol.PROTOCOL_VERSION,
-            agent_name=self._channel.agent_name,
-            reservation_id=reservation_id,
-            pages=pages,
-        )
-
-    def _on_cancel(self, cancel: protocol.AllocCancel) -> protocol.CancelAck:
-        with self._lock:
-            known = self._store.cancel(cancel)
-            self.stats.allocations_cancelled += known
-        logger.info(
-            "req %s: producer cancelled alloc %d (%s)",
-            cancel.req_id,
-            cancel.alloc_id,
-            "pages released" if known else "nothing pending",
-        )
-        return protocol.CancelAck(
-            version=protocol.PROTOCOL_VERSION,
-            req_id=cancel.req_id,
-            alloc_id=cancel.alloc_id,
-            known=known,
-        )
-
-    def _on_abandoned(self, abandoned: protocol.KVAbandoned) -> protocol.AbandonAck:
-        """The request's KV will not come, or is not wanted: free what it holds, fail its load
-        at the next step, refuse its later pushes."""
-        req_id = abandoned.req_id
-        with self._lock:
-            known = self._store.knows(req_id)
-            if not abandoned.write_in_flight:
-                self._store.cancel_writes_of(req_id)
-            self._store.release(req_id, time.monotonic(), abandoned.reason.value)
-            self.stats.requests_abandoned += 1
-        logger.warning(
-            "req %s: KV abandoned (%s%s)%s",
-            req_id,
-            abandoned.reason.value,
-            f": {abandoned.detail}" if abandoned.detail else "",
-            "; its pages are freed" if known else "",
-        )
-        return protocol.AbandonAck(version=protocol.PROTOCOL_VERSION, req_id=req_id, known=known)
+        return request if isinstance(request, ErrorReply) else self._alloc_port.answer(request)
 
     def _on_notifications(self) -> None:
         for peer, message in self._channel.notifications():
             try:
                 done = protocol.NOTIFICATIONS.decode(message)
                 if isinstance(done, protocol.ProbeDone):
-                    self._on_probe_done(peer, done)
+                    self._init_port.on_probe_done(peer, done)
                     continue
                 with self._lock:
                     if isinstance(done, protocol.ReservedWriteDone):
@@ -643,34 +406,13 @@ class Consumer:
 
     # ---- helpers ----
 
+    def _mark_landed(self) -> None:
+        self._landed_changed = True
+
     def _count_stall(self) -> None:
         # Not under the lock: the stuck thread may be holding it. The watchdog's thread is
         # this counter's only writer.
         self.stats.service_stalls += 1
-
-    @staticmethod
-    def _refuse(
-        code: ErrorCode, detail: str, req_id: str = "", retry_after_s: float = 0.0
-    ) -> ErrorReply:
-        return ErrorReply(
-            version=protocol.PROTOCOL_VERSION,
-            code=code,
-            detail=detail[: protocol.MAX_ERROR_DETAIL_CHARS],
-            req_id=req_id[: protocol.MAX_REQ_ID_CHARS],
-            retry_after_s=retry_after_s,
-        )
-
-    def _bind(self, port: int) -> zmq.Socket:
-        socket = self._context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 0)
-        # zmq drops a peer that sends a larger frame before we would allocate for it.
-        socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
-        try:
-            socket.bind(f"tcp://{self.config.receiver_host}:{port}")
-        except zmq.ZMQError as exc:
-            socket.close()
-            raise ConfigError(f"cannot bind {self.config.receiver_host}:{port}: {exc}") from exc
-        return socket
 
     def _close_resources(self) -> None:
         for name in ("_init_socket", "_alloc_socket"):

@@ -46,10 +46,11 @@ from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import PDError, PeerTimeout
 from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.protocol import PROCESS_EXIT_TIMEOUT_S
 from lmcache_pd.transfer import cuda_ipc
-from lmcache_pd.transfer.chunk_store import LandedChunk
-from lmcache_pd.transfer.consumer import Consumer, landed_view, receive_buffer_bytes
+from lmcache_pd.transfer.consumer import Consumer
 from lmcache_pd.transfer.cuda_ipc import CudaBufferHandle
+from lmcache_pd.transfer.receive_buffer import LandedChunk, landed_view, receive_buffer_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,6 @@ Reply = TypeVar("Reply")
 READY_TIMEOUT_S = 120.0
 # How long a step waits for the answer to its progress question before leaving it to the next.
 REPLY_WAIT_S = 0.001
-STOP_TIMEOUT_S = 10.0
 PARENT_CHECK_S = 1.0
 
 
@@ -245,7 +245,7 @@ class ConsumerService:
 
     def chunk(self, landed: LandedChunk) -> torch.Tensor:
         """A landed chunk's bytes, unchecked: the worker checks them in the pass that scatters
-        them (``consumer.check_landed``)."""
+        them (``receive_buffer.check_landed``)."""
         return landed_view(self.buffer, self.page_bytes, landed)
 
     def close(self) -> None:
@@ -254,7 +254,7 @@ class ConsumerService:
             with contextlib.suppress(ConsumerServiceDown):
                 self._send(Stop())
             try:
-                self._process.wait(STOP_TIMEOUT_S)
+                self._process.wait(PROCESS_EXIT_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 logger.warning("consumer service %d did not stop, killing it", self.pid)
         self._kill()
@@ -263,7 +263,7 @@ class ConsumerService:
     def _kill(self) -> None:
         if self._process.poll() is None:
             self._process.kill()
-        self._process.wait(STOP_TIMEOUT_S)
+        self._process.wait(PROCESS_EXIT_TIMEOUT_S)
 
     def _send(self, message: msgspec.Struct) -> None:
         if self._down is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,21 +25,17 @@ from lmcache_pd import protocol, transport
 from lmcache_pd.compat import KVProfile, incompatibilities
 from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import (
-    AllocationError,
-    BufferFull,
     Incompatible,
     PDError,
-    PeerError,
     PeerTimeout,
     PeerUnreachable,
     ProtocolError,
-    RequestDropped,
     TransferError,
     TransportUnusable,
-    VersionMismatch,
 )
 from lmcache_pd.protocol import DisaggSpec, ErrorCode
 from lmcache_pd.transfer.channel import Channel, RegisteredBuffer, wait_for_transfer
+from lmcache_pd.transfer.sockets import ask, dealer, error_from_reply
 from lmcache_pd.transfer.staging import Staging
 
 logger = logging.getLogger(__name__)
@@ -65,6 +61,12 @@ class Peer:
     # How long after its AllocRequest a write may still go into the pages (the consumer's lease
     # less a margin, capped by our own transfer_timeout_s).
     write_budget_s: float
+
+    def check_pages(self, req_id: str, pages: Sequence[int | None]) -> None:
+        """Never write where the consumer's own buffer does not reach."""
+        for page in pages:
+            if page is not None and page >= self.num_pages:
+                raise ProtocolError(f"req {req_id}: page {page} outside {self.num_pages}")
 
 
 class Handshake:
@@ -304,56 +306,3 @@ def _reachable(
         raise PeerUnreachable(
             f"consumer {spec.receiver_host}:{spec.receiver_init_port} unreachable: {exc}"
         ) from exc
-
-
-def dealer(context: zmq.Context, host: str, port: int) -> zmq.Socket:
-    """A DEALER socket to ``host:port`` that never lingers or takes an oversized frame."""
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
-    socket.connect(f"tcp://{host}:{port}")
-    return socket
-
-
-def ask(
-    socket: zmq.Socket,
-    message: protocol.Message,
-    codec: protocol.Codec,
-    deadline: float,
-    req_id: str,
-) -> object:
-    """Send one request and wait for its reply until ``deadline``."""
-    send(socket, message, req_id)
-    return receive(socket, type(message).__name__, codec, deadline, req_id)
-
-
-def send(socket: zmq.Socket, message: protocol.Message, req_id: str) -> None:
-    """Send one request without waiting; its reply is the next one ``receive`` reads."""
-    try:
-        socket.send(protocol.encode(message), zmq.NOBLOCK)
-    except zmq.ZMQError as exc:
-        raise PeerTimeout(f"req {req_id}: cannot send {type(message).__name__}: {exc}") from exc
-
-
-def receive(
-    socket: zmq.Socket, asked: str, codec: protocol.Codec, deadline: float, req_id: str
-) -> object:
-    """The reply to the request named ``asked``, sent earlier, by ``deadline``."""
-    remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-    if not socket.poll(remaining_ms, zmq.POLLIN):
-        raise PeerTimeout(f"req {req_id}: no reply to {asked} in time")
-    return codec.decode(socket.recv())
-
-
-def error_from_reply(req_id: str, reply: protocol.ErrorReply) -> PDError:
-    """The exception a consumer's ErrorReply stands for."""
-    detail = f"req {req_id}: consumer refused: {reply.detail}"
-    if reply.code is ErrorCode.BUFFER_FULL:
-        return BufferFull(detail, reply.retry_after_s)
-    if reply.code is ErrorCode.TOO_LARGE:
-        return AllocationError(detail)
-    if reply.code is ErrorCode.VERSION:
-        return VersionMismatch(detail)
-    if reply.code is ErrorCode.DROPPED:
-        return RequestDropped(detail, "dropped")
-    return PeerError(reply.code.value, detail)

@@ -36,13 +36,14 @@ from lmcache_pd.errors import (
 )
 from lmcache_pd.kernels.paged_kv import COPIED, Copy
 from lmcache_pd.keys import ChunkKey
+from lmcache_pd.peers import PeerAddress
 from lmcache_pd.protocol import DEVICE_COPY_TIMEOUT_S, AbandonReason, DisaggSpec
 from lmcache_pd.trace import TraceFile
+from lmcache_pd.transfer.handshake import Count
 from lmcache_pd.transfer.producer import Producer
 
 logger = logging.getLogger(__name__)
 
-PeerAddress = tuple[str, int, int]  # receiver host, init port, alloc port
 # How often an idle sender looks at its stop flag, and retries connecting to a known peer.
 SENDER_POLL_S = 0.1
 WARM_RETRY_S = (0.25, 2.0)  # first and longest pause between two connect attempts
@@ -60,20 +61,11 @@ REFUSED_BACKOFF_S = 10.0
 # MAX_UNTOLD notices wait at once (the oldest is given up).
 RETELL_AFTER_S = (1.0, 2.0, 4.0, 8.0, 16.0)
 MAX_UNTOLD = 64
-STOP_TIMEOUT_S = 10.0
+# How long closing a pool waits for all its sender threads to end (one may be stuck in NIXL).
+SENDERS_JOIN_TIMEOUT_S = 10.0
 # A producer talks to a handful of decode ranks; a flood of distinct addresses (bad specs) must
 # not become a flood of threads and NIXL agents.
 MAX_PEERS = 64
-
-
-def address_of(spec: DisaggSpec) -> PeerAddress:
-    return (spec.receiver_host, spec.receiver_init_port, spec.receiver_alloc_port)
-
-
-def parse_peer(text: str) -> PeerAddress:
-    """``host:init_port:alloc_port``, as in the producer's ``warm_peers``."""
-    host, init_port, alloc_port = text.rsplit(":", 2)
-    return host, int(init_port), int(alloc_port)
 
 
 @dataclass(slots=True)
@@ -127,10 +119,6 @@ class _Untold:
     due: float
     attempt: int
     job: AbandonJob
-
-
-# (counter name, increment), as StatsRecorder.add takes them.
-Count = Callable[[str, int], None]
 
 
 def _reason(exc: Exception) -> AbandonReason:
@@ -470,7 +458,7 @@ class SenderPool:
             self._senders[address] = self._start(address, warm=True)
 
     def submit(self, job: Job) -> None:
-        address = address_of(job.request.spec)
+        address = PeerAddress.of(job.request.spec)
         sender = self._senders.get(address)
         if sender is None:
             if len(self._senders) >= MAX_PEERS:
@@ -496,14 +484,14 @@ class SenderPool:
         """Stop every sender and wait for it (it closes its own NIXL agent)."""
         for sender in self._senders.values():
             sender.stop()
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+        deadline = time.monotonic() + SENDERS_JOIN_TIMEOUT_S
         for sender in self._senders.values():
             if not sender.join(max(0.0, deadline - time.monotonic())):
                 logger.error(
                     "sender for %s:%d did not stop within %.0f s (stuck in NIXL?); its agent is "
                     "left to the process's exit",
                     *sender.address[:2],
-                    STOP_TIMEOUT_S,
+                    SENDERS_JOIN_TIMEOUT_S,
                 )
         self._senders.clear()
 

@@ -21,7 +21,8 @@ from lmcache_pd.affinity import unpin_this_thread
 logger = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 0.5
-STOP_TIMEOUT_S = 2.0
+# How long closing waits for the watchdog's thread, which wakes every CHECK_EVERY_S.
+WATCHDOG_JOIN_TIMEOUT_S = 2.0
 
 
 class Watchdog:
@@ -46,7 +47,7 @@ class Watchdog:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(STOP_TIMEOUT_S)
+        self._thread.join(WATCHDOG_JOIN_TIMEOUT_S)
 
     def _watch(self) -> None:
         unpin_this_thread(self._cpus, f"{self._name} watchdog")

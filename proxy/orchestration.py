@@ -1,0 +1,274 @@
+"""One client request's path through the pools, from its body to its answer.
+
+The body is checked at the door; a prompt under ``min_disagg_tokens`` goes to a decode instance
+alone (``direct.py``). Any other goes to prefill for one token, and decode is asked for the rest,
+on the exact prompt token ids plus that token, as soon as the proxy knows the token: from
+prefill's engine directly (a first-token notice, ``decode_stream.py``) or from prefill's answer,
+whichever comes first. The answer (``answer.py``) sends that token at once and then decode's
+stream. KV pushed for a request that decode will not load is dropped at its consumer when the
+request ends (``kv_drop.py``). The upstream calls themselves are ``flow.py``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from lmcache_pd.first_token import FirstTokenNotice, NoticeBoard
+from lmcache_pd.protocol import DisaggSpec, KVTransferParams
+from lmcache_pd.proxy.answer import Answer, goes_on
+from lmcache_pd.proxy.client_request import BadRequest, ClientRequest, Endpoint
+from lmcache_pd.proxy.decode_stream import DecodeStream
+from lmcache_pd.proxy.direct import serve_alone
+from lmcache_pd.proxy.flow import Disaggregator, Prefilled, UpstreamFailed, UpstreamRejected
+from lmcache_pd.proxy.kv_drop import KVDropper
+from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
+from lmcache_pd.proxy.openai_format import ResponseWriter
+from lmcache_pd.proxy.prompt_size import PromptSizer
+from lmcache_pd.proxy.responses import error_response
+from lmcache_pd.proxy.routing import NoHealthyInstance, Pool, Upstream
+from lmcache_pd.trace import TraceFile
+
+logger = logging.getLogger(__name__)
+
+
+class Orchestrator:
+    """Serves client requests, each on its own from arrival to answer. Holds no request's state;
+    uses, and never closes, what the proxy started (the upstream calls, the notice board, the
+    KV dropper, the trace file)."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        flow: Disaggregator,
+        decode: Pool,
+        metrics: ProxyMetrics,
+        sizer: PromptSizer,
+        dropper: KVDropper,
+        notices: NoticeBoard | None,
+        trace: TraceFile,
+    ) -> None:
+        """``model`` is the one name clients may ask for; with ``notices``, decode is asked on
+        prefill's first-token notice when it comes before prefill's answer."""
+        self._model = model
+        self._flow = flow
+        self._decode = decode
+        self._metrics = metrics
+        self._sizer = sizer
+        self._dropper = dropper
+        self._notices = notices
+        self._trace = trace
+
+    async def serve(self, http: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        """Answer one client request on ``endpoint``, counted by its outcome (and traced)."""
+        started = time.perf_counter()
+        label = endpoint.value
+        try:
+            client = ClientRequest.parse(
+                endpoint, msgspec.json.decode(await http.read()), self._model
+            )
+        except msgspec.DecodeError as exc:
+            self._metrics.requests.labels(label, Outcome.BAD_REQUEST.value).inc()
+            return error_response(f"malformed JSON body: {exc}", "BadRequestError", 400)
+        except BadRequest as exc:
+            self._metrics.requests.labels(label, Outcome.BAD_REQUEST.value).inc()
+            return error_response(str(exc), exc.kind, exc.status)
+        except web.HTTPRequestEntityTooLarge as exc:
+            self._metrics.requests.labels(label, Outcome.BAD_REQUEST.value).inc()
+            return error_response(exc.text or "request body too large", "BadRequestError", 413)
+        req_id = f"pd-{uuid.uuid4().hex}"
+        outcome = Outcome.INTERNAL_ERROR
+        trace: dict[str, Any] = {"event": "proxy", "req_id": req_id, "arrived": time.time()}
+        try:
+            response, outcome = await self._disaggregate(http, client, req_id, started, trace)
+            return response
+        except asyncio.CancelledError:  # the client went away; aiohttp cancels its handler
+            outcome = Outcome.CLIENT_DISCONNECTED
+            logger.info("req %s: client disconnected; upstream requests cancelled", req_id)
+            raise
+        except Exception:  # a bug of ours: this request is lost, the proxy keeps serving
+            logger.exception("req %s: failed inside the proxy", req_id)
+            return error_response(
+                f"internal error in the proxy (req {req_id})", "InternalError", 500
+            )
+        finally:
+            self._metrics.requests.labels(label, outcome.value).inc()
+            if self._trace.enabled:
+                self._trace.write(trace | {"outcome": outcome.value, "done": time.time()})
+
+    async def _disaggregate(
+        self,
+        http: web.Request,
+        client: ClientRequest,
+        req_id: str,
+        started: float,
+        trace: dict[str, Any],
+    ) -> tuple[web.StreamResponse, Outcome]:
+        """Pick decode (none if prefill's one token is the whole answer), serve a short prompt
+        there alone, and drop the pushed KV of a request that ends before decode loads it."""
+        try:
+            decoder = self._decode.pick() if client.needs_decode else None
+        except NoHealthyInstance as exc:
+            return error_response(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE
+        if decoder is not None and self._sizer.is_short(client):
+            self._metrics.served_alone.inc()
+            with decoder.busy():
+                return await serve_alone(
+                    http, self._flow, self._metrics, client, req_id, decoder, started, trace
+                )
+        spec = None
+        if decoder is not None:
+            assert decoder.receiver is not None
+            host, init_port, alloc_port = decoder.receiver
+            spec = DisaggSpec(req_id, host, init_port, alloc_port)
+        answer: Answer | None = None
+        outcome = Outcome.INTERNAL_ERROR
+        try:
+            with decoder.busy() if decoder is not None else contextlib.nullcontext():
+                response, outcome, answer = await self._answer(
+                    http, client, req_id, decoder, spec, started, trace
+                )
+                return response, outcome
+        except asyncio.CancelledError:  # the client went away: say so in the drop notice
+            outcome = Outcome.CLIENT_DISCONNECTED
+            raise
+        finally:
+            # Pushed KV that decode will not load: freed now rather than at its claim timeout
+            # (also when the client's cancellation brings us here).
+            if spec is not None and not (outcome is Outcome.OK and answer and answer.decode_asked):
+                self._metrics.kv_drops.inc()
+                self._dropper.drop(spec, f"request ended ({outcome.value}) before decode loaded")
+
+    async def _answer(
+        self,
+        http: web.Request,
+        client: ClientRequest,
+        req_id: str,
+        decoder: Upstream | None,
+        spec: DisaggSpec | None,
+        started: float,
+        trace: dict[str, Any],
+    ) -> tuple[web.StreamResponse, Outcome, Answer | None]:
+        """Prefill for the first token, then the answer (streamed or whole) with decode's rest."""
+        try:
+            prefilled, early = await self._first_token(client, req_id, decoder, spec, trace)
+        except NoHealthyInstance as exc:
+            return error_response(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE, None
+        except UpstreamRejected as exc:
+            response = web.Response(
+                body=exc.body, status=exc.status, content_type="application/json"
+            )
+            return response, Outcome.UPSTREAM_REJECTED, None
+        except UpstreamFailed as exc:
+            logger.error("req %s: lost before its first token: %s", req_id, exc)
+            return error_response(str(exc), "BadGateway", 502), Outcome.PREFILL_FAILED, None
+        trace |= {"prefill": prefilled.instance, "prefilled": time.time()}
+        early = await self._keep_if_continued(early, prefilled, req_id)
+        prefix = "cmpl-" if client.endpoint is Endpoint.COMPLETIONS else "chatcmpl-"
+        writer = ResponseWriter(client.endpoint, client.model, prefix + req_id)
+        answer = Answer(
+            self._flow,
+            self._metrics,
+            client,
+            req_id,
+            writer,
+            prefilled,
+            decoder,
+            spec,
+            trace,
+            started,
+            early,
+        )
+        try:
+            if client.stream:
+                response, outcome = await answer.stream(http)
+            else:
+                response, outcome = await answer.whole()
+        finally:
+            if early is not None:  # read by the answer, or left unread if the client went
+                await early.cancel()
+        return response, outcome, answer
+
+    async def _first_token(
+        self,
+        client: ClientRequest,
+        req_id: str,
+        decoder: Upstream | None,
+        spec: DisaggSpec | None,
+        trace: dict[str, Any],
+    ) -> tuple[Prefilled, DecodeStream | None]:
+        """Prefill's answer, and decode's stream if it was asked on a first-token notice that
+        came first. On any failure, or if the client goes away, neither is left running."""
+        params = KVTransferParams(ret_first_tok=True, disagg_spec=spec)
+        prefill = asyncio.get_running_loop().create_task(self._flow.prefill(client, req_id, params))
+        early: DecodeStream | None = None
+        answered = False
+        try:
+            if decoder is not None and spec is not None and self._notices is not None:
+                early = await self._decode_on_notice(prefill, client, req_id, decoder, spec, trace)
+            prefilled = await prefill
+            answered = True
+        finally:
+            if not answered:  # prefill failed, or the client went away while it ran
+                prefill.cancel()
+                if early is not None:
+                    await early.cancel()
+        return prefilled, early
+
+    async def _decode_on_notice(
+        self,
+        prefill: asyncio.Task[Prefilled],
+        client: ClientRequest,
+        req_id: str,
+        decoder: Upstream,
+        spec: DisaggSpec,
+        trace: dict[str, Any],
+    ) -> DecodeStream | None:
+        """Wait for prefill's answer or its engine's first-token notice; on a notice that comes
+        first, ask decode now (the answer decides later whether that stream is kept)."""
+        assert self._notices is not None
+        notice = self._notices.expect(spec.req_id)
+        try:
+            await asyncio.wait((prefill, notice), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._notices.forget(spec.req_id)
+        if prefill.done():  # else the wait ended on the notice
+            self._metrics.first_token_notices.labels("after_answer").inc()
+            return None
+        got: FirstTokenNotice = notice.result()
+        trace["notice"] = time.time()
+        return DecodeStream(
+            self._flow, client, decoder, req_id, spec, got.prompt_token_ids, got.token
+        )
+
+    async def _keep_if_continued(
+        self, early: DecodeStream | None, prefilled: Prefilled, req_id: str
+    ) -> DecodeStream | None:
+        """Decode's stream asked on a notice, if it continues prefill's answer; else it is
+        cancelled (prefill's answer is what the client sees: decode must continue exactly that),
+        and decode will be asked again if the answer goes on."""
+        if early is None:
+            return None
+        if goes_on(prefilled) and early.matches(prefilled):
+            self._metrics.first_token_notices.labels("used").inc()
+            return early
+        outcome = "mismatched" if goes_on(prefilled) else "unused"
+        self._metrics.first_token_notices.labels(outcome).inc()
+        if outcome == "mismatched":
+            logger.error(
+                "req %s: the first-token notice (token %d) disagrees with prefill's answer "
+                "(token %d); decode is asked again",
+                req_id,
+                early.first_token,
+                prefilled.first_token,
+            )
+        await early.cancel()
+        return None
