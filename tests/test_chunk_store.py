@@ -78,13 +78,13 @@ def snapshot(store: ChunkStore) -> tuple:
         tuple(allocator._free),
         tuple(allocator._state),
         tuple(allocator._refs),
-        {key: frozenset(pages) for key, pages in store._pages_of_key.items()},
+        {key: frozenset(pages) for key, pages in store._pages.pages_of_key.items()},
         {
             page: (info.key, info.nbytes, info.alloc_id, frozenset(info.holders), info.checksum)
             for page, info in store._pages.items()
         },
         {req: (frozenset(hold.pages), hold.deadline) for req, hold in store._holds.items()},
-        frozenset(store._claimed),
+        frozenset(store._holds.claimed),
         dict(store._pending),
         dict(store._dropped),
     )
@@ -747,10 +747,10 @@ class ChunkStoreMachine(RuleBasedStateMachine):
         assert len(set(allocator._free)) == allocator.free_pages
         used = {p for p in range(NUM_PAGES) if allocator._state[p] is not PageState.FREE}
         assert used == set(store._pages)
-        keyed = [page for pages in store._pages_of_key.values() for page in pages]
+        keyed = [page for pages in store._pages.pages_of_key.values() for page in pages]
         assert len(keyed) == len(set(keyed)), "a page under two keys"
         assert set(keyed) == used
-        for key, pages in store._pages_of_key.items():
+        for key, pages in store._pages.pages_of_key.items():
             assert pages, f"empty page set left for {key!r}"
             assert all(store._pages[page].key == key for page in pages)
 
@@ -766,7 +766,7 @@ class ChunkStoreMachine(RuleBasedStateMachine):
             cached = bool(self.CACHE_PAGES) and not leased  # a landed page: the cache's ref
             assert self.allocator._refs[page] == int(leased) + int(cached) + len(holders[page])
             assert info.holders == holders[page]
-        assert list(self.store._idle) == list(self.idle), "idle pages or their order differ"
+        assert list(self.store._cache.idle) == list(self.idle), "idle pages or their order differ"
         assert self.store.used_pages == len(self.pages) - len(self.idle)
 
     @invariant()
@@ -821,8 +821,8 @@ class ChunkStoreMachine(RuleBasedStateMachine):
         store = self.store
         assert set(store._pages) == set(self.idle)  # only cached chunks nobody holds remain
         assert not (store._holds or store._pending)
-        assert not (store._dropped or store._dropped_until or store._claimed)
-        assert not store._hold_deadlines, "stale hold deadlines outlived every hold"
+        assert not (store._dropped or store._dropped.forget_at or store._holds.claimed)
+        assert not store._holds.deadlines, "stale hold deadlines outlived every hold"
 
 
 TestChunkStoreMachine = ChunkStoreMachine.TestCase
@@ -950,10 +950,10 @@ def test_bad_reserved_write_is_a_protocol_error_and_changes_nothing(fault: str |
     if fault is None:  # control
         assert store.land_reserved(done, now=0.0) == (2, 2 * PAGE_BYTES)
         return
-    before = (snapshot(store), dict(store._reserved), dict(store._reservation_of))
+    before = (snapshot(store), dict(store._reserved), dict(store._reserved.reservation_of))
     with pytest.raises(ProtocolError):
         store.land_reserved(done, now=0.0)
-    assert (snapshot(store), dict(store._reserved), dict(store._reservation_of)) == before
+    assert (snapshot(store), dict(store._reserved), dict(store._reserved.reservation_of)) == before
 
 
 def test_reserving_is_all_or_nothing_and_evicts_idle_cached_chunks_for_room() -> None:

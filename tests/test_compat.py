@@ -18,7 +18,8 @@ from lmcache_pd.trace import TraceFile
 from lmcache_pd.transfer.consumer import Consumer
 from lmcache_pd.transfer.fake_channel import FakeChannel, FakeFabric
 from lmcache_pd.transfer.producer import Producer
-from lmcache_pd.transfer.sender import PushJob, Saving, SenderPool
+from lmcache_pd.transfer.sender import SenderPool
+from lmcache_pd.transfer.sender_jobs import PushJob, Saving
 from tests.helpers import (
     CHUNK_SIZE,
     PAGE_BYTES,

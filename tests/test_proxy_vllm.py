@@ -476,13 +476,16 @@ def test_client_that_disconnects_leaves_nothing_running_upstream(
 
 
 def test_vllm_benchmark_client_runs_against_the_proxy(served: Served, tmp_path: Path) -> None:
-    """vLLM's own serving benchmark, as documented in benchmarks/vllm_bench_client.py."""
-    script = Path(__file__).parent.parent / "benchmarks" / "vllm_bench_client.py"
+    """vLLM's own serving benchmark, as documented in benchmarks/vllm_bench_client.py (run as
+    a module from the repository's root: run by its path, its folder would come first on the
+    import path, and its neighbour ``kernels.py`` would pass for the ``kernels`` package that
+    transformers looks for)."""
     result_file = "vllm-bench.json"
     run = subprocess.run(
         [
             sys.executable,
-            str(script),
+            "-m",
+            "benchmarks.vllm_bench_client",
             "--backend",
             "openai",
             "--base-url",
@@ -504,6 +507,7 @@ def test_vllm_benchmark_client_runs_against_the_proxy(served: Served, tmp_path: 
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=Path(__file__).parent.parent,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     result = json.loads((tmp_path / result_file).read_text())

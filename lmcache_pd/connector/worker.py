@@ -37,7 +37,8 @@ from lmcache_pd.peers import parse_peer
 from lmcache_pd.protocol import AbandonReason
 from lmcache_pd.trace import TraceFile
 from lmcache_pd.transfer.producer import Producer
-from lmcache_pd.transfer.sender import AbandonJob, PushJob, Saving, SenderPool
+from lmcache_pd.transfer.sender import SenderPool
+from lmcache_pd.transfer.sender_jobs import AbandonJob, PushJob, Saving
 from lmcache_pd.transfer.staging import Staging
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,105 @@
+"""Which pages each request holds on a consumer rank, and when each hold lapses.
+
+A request holds every chunk it asked room for, written by it or already there, until it is
+released or its hold lapses: ``claim_s`` after its last allocation until a decode claims it (its
+KV may never be wanted: the client left, or decode computed the prompt itself), ``hold_s`` once
+claimed. The pages' own side of a hold (their holders, their references) is ``ChunkStore``'s.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Hold:
+    """The pages one request holds, and when the hold lapses if never released."""
+
+    pages: set[int]
+    deadline: float
+
+
+class Holds(Mapping[str, Hold]):
+    """The hold of each request, the requests a decode claimed, and the chunks each claimed
+    request's decode does not need."""
+
+    def __init__(self, *, claim_s: float, hold_s: float) -> None:
+        if not 0 < claim_s <= hold_s:
+            raise ValueError(f"need 0 < claim_s <= hold_s, got {claim_s=} {hold_s=}")
+        self._claim_s = claim_s
+        self._hold_s = hold_s
+        self._holds: dict[str, Hold] = {}
+        # A heap: holds have two lengths (claimed or not), so deadlines come out of order. A
+        # renewed hold's old entry stays in it and is skipped when it comes up.
+        self.deadlines: list[tuple[float, str]] = []
+        self.claimed: set[str] = set()
+        # Per claimed request, chunk keys its decode has in its own cache: never written for it.
+        self._not_needed: dict[str, frozenset[bytes]] = {}
+
+    def __getitem__(self, req_id: str) -> Hold:
+        return self._holds[req_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._holds)
+
+    def __len__(self) -> int:
+        return len(self._holds)
+
+    def hold(self, req_id: str, now: float) -> Hold:
+        """The request's hold, made or extended; a later AllocRequest of it renews the deadline."""
+        deadline = now + (self._hold_s if req_id in self.claimed else self._claim_s)
+        hold = self._holds.get(req_id)
+        if hold is None:
+            hold = self._holds[req_id] = Hold(set(), deadline)
+            heapq.heappush(self.deadlines, (deadline, req_id))
+        else:
+            self._renew(hold, req_id, deadline)
+        return hold
+
+    def claim(self, req_id: str, now: float, not_needed: frozenset[bytes]) -> Hold | None:
+        """A decode will load ``req_id``: its hold lasts ``hold_s`` from now on, and chunks in
+        ``not_needed`` are never written for it. Returns its hold, if it has one yet."""
+        self.claimed.add(req_id)
+        if not_needed:
+            self._not_needed[req_id] = not_needed
+        hold = self._holds.get(req_id)
+        if hold is not None:
+            self._renew(hold, req_id, now + self._hold_s)
+        return hold
+
+    def not_needed(self, req_id: str) -> frozenset[bytes]:
+        """Chunk keys the decode that claimed ``req_id`` has already."""
+        return self._not_needed.get(req_id, frozenset())
+
+    def knows(self, req_id: str) -> bool:
+        """Whether ``req_id`` holds pages or was claimed."""
+        return req_id in self._holds or req_id in self.claimed
+
+    def unclaimed(self) -> Iterator[tuple[str, Hold]]:
+        """The holds of requests no decode has claimed yet."""
+        return (
+            (req_id, hold) for req_id, hold in self._holds.items() if req_id not in self.claimed
+        )
+
+    def let_go(self, req_id: str) -> Hold | None:
+        """Forget ``req_id``'s claim and hold; returns the hold, whose pages the caller lets go."""
+        self.claimed.discard(req_id)
+        self._not_needed.pop(req_id, None)
+        return self._holds.pop(req_id, None)
+
+    def next_lapsed(self, now: float) -> str | None:
+        """A request whose hold lapsed by ``now``, None when no other did. Holds lapse in the
+        order of their deadlines; the caller lets each go before asking for the next."""
+        while self.deadlines and self.deadlines[0][0] <= now:
+            deadline, req_id = heapq.heappop(self.deadlines)
+            hold = self._holds.get(req_id)
+            # Only at its current deadline's own entry (an older one is stale).
+            if hold is not None and hold.deadline == deadline:
+                return req_id
+        return None
+
+    def _renew(self, hold: Hold, req_id: str, deadline: float) -> None:
+        hold.deadline = deadline
+        heapq.heappush(self.deadlines, (deadline, req_id))
