@@ -16,7 +16,7 @@ from lmcache_pd.deploy.launcher import unused_port
 from lmcache_pd.deploy.pools import PoolsConfig
 from lmcache_pd.deploy.vllm_server import VLLMServer
 
-# The end-to-end tests' bound (tests/test_e2e_vllm.py): vLLM's own fp32 logprobs move by < 6e-6
+# The end-to-end tests' bound (tests/vllm_support.py): vLLM's own fp32 logprobs move by < 6e-6
 # with batch shapes; wrong KV moves them by far more.
 LOGPROB_TOLERANCE = 1e-4
 
