@@ -7,35 +7,27 @@ instead of holding pages again, and a decode that claims it hears why its KV wil
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping
+
+from lmcache_pd.transfer.owned_mapping import OwnedMapping
 
 
-class DroppedRequests(Mapping[str, str]):
+class DroppedRequests(OwnedMapping[str, str]):
     """Why each request was let go, by request id, until ``memory_s`` after."""
 
     def __init__(self, memory_s: float) -> None:
         self._memory_s = memory_s
-        self._reasons: dict[str, str] = {}
+        super().__init__()
         # When each is forgotten, in the order they were let go (which is that order too).
         self.forget_at: deque[tuple[float, str]] = deque()
 
-    def __getitem__(self, req_id: str) -> str:
-        return self._reasons[req_id]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._reasons)
-
-    def __len__(self) -> int:
-        return len(self._reasons)
-
     def remember(self, req_id: str, reason: str, now: float) -> None:
         """``req_id`` was let go for ``reason``; idempotent: the first reason stays."""
-        if req_id not in self._reasons:
-            self._reasons[req_id] = reason
+        if req_id not in self._entries:
+            self._entries[req_id] = reason
             self.forget_at.append((now + self._memory_s, req_id))
 
     def forget_lapsed(self, now: float) -> None:
         """Forget the requests let go ``memory_s`` or longer before ``now``."""
         while self.forget_at and self.forget_at[0][0] <= now:
             _, req_id = self.forget_at.popleft()
-            self._reasons.pop(req_id, None)
+            self._entries.pop(req_id, None)

@@ -9,8 +9,10 @@ claimed. The pages' own side of a hold (their holders, their references) is ``Ch
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+from lmcache_pd.transfer.owned_mapping import OwnedMapping
 
 
 @dataclass(slots=True)
@@ -21,7 +23,7 @@ class Hold:
     deadline: float
 
 
-class Holds(Mapping[str, Hold]):
+class Holds(OwnedMapping[str, Hold]):
     """The hold of each request, the requests a decode claimed, and the chunks each claimed
     request's decode does not need."""
 
@@ -30,7 +32,7 @@ class Holds(Mapping[str, Hold]):
             raise ValueError(f"need 0 < claim_s <= hold_s, got {claim_s=} {hold_s=}")
         self._claim_s = claim_s
         self._hold_s = hold_s
-        self._holds: dict[str, Hold] = {}
+        super().__init__()
         # A heap: holds have two lengths (claimed or not), so deadlines come out of order. A
         # renewed hold's old entry stays in it and is skipped when it comes up.
         self.deadlines: list[tuple[float, str]] = []
@@ -38,21 +40,12 @@ class Holds(Mapping[str, Hold]):
         # Per claimed request, chunk keys its decode has in its own cache: never written for it.
         self._not_needed: dict[str, frozenset[bytes]] = {}
 
-    def __getitem__(self, req_id: str) -> Hold:
-        return self._holds[req_id]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._holds)
-
-    def __len__(self) -> int:
-        return len(self._holds)
-
     def hold(self, req_id: str, now: float) -> Hold:
         """The request's hold, made or extended; a later AllocRequest of it renews the deadline."""
         deadline = now + (self._hold_s if req_id in self.claimed else self._claim_s)
-        hold = self._holds.get(req_id)
+        hold = self._entries.get(req_id)
         if hold is None:
-            hold = self._holds[req_id] = Hold(set(), deadline)
+            hold = self._entries[req_id] = Hold(set(), deadline)
             heapq.heappush(self.deadlines, (deadline, req_id))
         else:
             self._renew(hold, req_id, deadline)
@@ -64,7 +57,7 @@ class Holds(Mapping[str, Hold]):
         self.claimed.add(req_id)
         if not_needed:
             self._not_needed[req_id] = not_needed
-        hold = self._holds.get(req_id)
+        hold = self._entries.get(req_id)
         if hold is not None:
             self._renew(hold, req_id, now + self._hold_s)
         return hold
@@ -75,26 +68,26 @@ class Holds(Mapping[str, Hold]):
 
     def knows(self, req_id: str) -> bool:
         """Whether ``req_id`` holds pages or was claimed."""
-        return req_id in self._holds or req_id in self.claimed
+        return req_id in self._entries or req_id in self.claimed
 
     def unclaimed(self) -> Iterator[tuple[str, Hold]]:
         """The holds of requests no decode has claimed yet."""
         return (
-            (req_id, hold) for req_id, hold in self._holds.items() if req_id not in self.claimed
+            (req_id, hold) for req_id, hold in self._entries.items() if req_id not in self.claimed
         )
 
     def let_go(self, req_id: str) -> Hold | None:
         """Forget ``req_id``'s claim and hold; returns the hold, whose pages the caller lets go."""
         self.claimed.discard(req_id)
         self._not_needed.pop(req_id, None)
-        return self._holds.pop(req_id, None)
+        return self._entries.pop(req_id, None)
 
     def next_lapsed(self, now: float) -> str | None:
         """A request whose hold lapsed by ``now``, None when no other did. Holds lapse in the
         order of their deadlines; the caller lets each go before asking for the next."""
         while self.deadlines and self.deadlines[0][0] <= now:
             deadline, req_id = heapq.heappop(self.deadlines)
-            hold = self._holds.get(req_id)
+            hold = self._entries.get(req_id)
             # Only at its current deadline's own entry (an older one is stale).
             if hold is not None and hold.deadline == deadline:
                 return req_id

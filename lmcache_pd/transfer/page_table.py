@@ -7,10 +7,10 @@ first serves both.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from lmcache_pd.transfer.allocator import PageAllocator, PageState
+from lmcache_pd.transfer.owned_mapping import OwnedMapping
 from lmcache_pd.transfer.receive_buffer import LandedChunk
 
 
@@ -25,28 +25,19 @@ class PageInfo:
     checksum: int | None = None
 
 
-class PageTable(Mapping[int, PageInfo]):
+class PageTable(OwnedMapping[int, PageInfo]):
     """The chunk of each used page, by page, and the pages of each key; landed or not is the
     allocator's to say."""
 
     def __init__(self, allocator: PageAllocator) -> None:
         self._allocator = allocator
-        self._pages: dict[int, PageInfo] = {}
+        super().__init__()
         self.pages_of_key: dict[bytes, set[int]] = {}
-
-    def __getitem__(self, page: int) -> PageInfo:
-        return self._pages[page]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._pages)
-
-    def __len__(self) -> int:
-        return len(self._pages)
 
     def add(self, page: int, info: PageInfo) -> None:
         """``page`` stands for ``info.key`` from now on."""
         self.pages_of_key.setdefault(info.key, set()).add(page)
-        self._pages[page] = info
+        self._entries[page] = info
 
     def live_page(self, key: bytes) -> int | None:
         """A page where the chunk with ``key`` landed, None if none."""
@@ -61,13 +52,13 @@ class PageTable(Mapping[int, PageInfo]):
             if among is not None and page not in among:
                 continue
             if self._allocator.state(page) is PageState.LIVE:
-                info = self._pages[page]
+                info = self._entries[page]
                 return LandedChunk(page, info.nbytes, info.checksum)
         return None
 
     def unkey(self, page: int) -> None:
         """``page`` no longer stands for its key (its write was cancelled, or it is freed)."""
-        key = self._pages[page].key
+        key = self._entries[page].key
         pages = self.pages_of_key.get(key)
         if pages is not None:
             pages.discard(page)
@@ -77,4 +68,4 @@ class PageTable(Mapping[int, PageInfo]):
     def forget(self, page: int) -> None:
         """``page`` is freed: it holds nothing."""
         self.unkey(page)
-        del self._pages[page]
+        del self._entries[page]

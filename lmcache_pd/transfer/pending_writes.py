@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+
+from lmcache_pd.transfer.owned_mapping import OwnedMapping
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,38 +15,29 @@ class PendingWrite:
     pages: tuple[int, ...]
 
 
-class PendingWrites(Mapping[int, PendingWrite]):
+class PendingWrites(OwnedMapping[int, PendingWrite]):
     """The write each allocation id waits for, until it is confirmed, cancelled or lapses."""
 
     def __init__(self) -> None:
-        self._writes: dict[int, PendingWrite] = {}
-
-    def __getitem__(self, alloc_id: int) -> PendingWrite:
-        return self._writes[alloc_id]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._writes)
-
-    def __len__(self) -> int:
-        return len(self._writes)
+        super().__init__()
 
     def add(self, alloc_id: int, write: PendingWrite) -> None:
-        self._writes[alloc_id] = write
+        self._entries[alloc_id] = write
 
     def of(self, alloc_id: int, req_id: str) -> PendingWrite | None:
         """The write ``alloc_id`` waits for if it is ``req_id``'s, else None (a peer's message
         names both: one that does not match is refused)."""
-        write = self._writes.get(alloc_id)
+        write = self._entries.get(alloc_id)
         return write if write is not None and write.req_id == req_id else None
 
     def ids_of(self, req_id: str) -> list[int]:
         """The allocations of ``req_id`` still waiting for their writes."""
-        return [alloc_id for alloc_id, write in self._writes.items() if write.req_id == req_id]
+        return [alloc_id for alloc_id, write in self._entries.items() if write.req_id == req_id]
 
     def take(self, alloc_id: int) -> PendingWrite:
         """The write ``alloc_id`` waited for, no longer pending (it landed, or never will)."""
-        return self._writes.pop(alloc_id)
+        return self._entries.pop(alloc_id)
 
     def discard(self, alloc_id: int) -> PendingWrite | None:
         """Like ``take``, for an id that may have no write pending."""
-        return self._writes.pop(alloc_id, None)
+        return self._entries.pop(alloc_id, None)
