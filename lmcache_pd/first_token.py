@@ -66,24 +66,34 @@ class NoticeSender:
         self._context: zmq.Context | None = None
         self._sockets: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
 
-    def connect(self, address: str) -> None:
+    def connect(self, address: str) -> bool:
+        """Keep a socket to ``address``; False (logged) if ZMQ refuses the address. Never
+        raises: it runs inside vLLM's scheduler, where an exception would end the engine, and
+        the address comes from a request."""
         if address in self._sockets:
             self._sockets.move_to_end(address)
-            return
+            return True
         if self._context is None:
             self._context = zmq.Context()
         sock = self._context.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
-        sock.connect(address)
+        try:
+            sock.connect(address)
+        except zmq.ZMQError as exc:
+            sock.close()
+            logger.warning("no first-token notices to %r: %s", address, exc)
+            return False
         self._sockets[address] = sock
         if len(self._sockets) > MAX_PROXIES:
             _, oldest = self._sockets.popitem(last=False)
             oldest.close()
+        return True
 
     def send(self, address: str, notice: FirstTokenNotice) -> None:
         """Queue the notice; if it cannot go now, drop it (the proxy waits for the answer)."""
-        self.connect(address)
+        if not self.connect(address):
+            return
         try:
             self._sockets[address].send(_encoder.encode(notice), zmq.NOBLOCK)
         except zmq.ZMQError as exc:

@@ -60,6 +60,17 @@ MAX_PAGE_BYTES = 1 << 31
 MAX_STACK_ID_CHARS = 256
 MAX_RESERVED_PAGES = 64  # pages one Reservation may hand out
 MAX_TP_RANKS = 64  # ranks of one tensor-parallel instance a DisaggSpec or config may name
+# A consumer's state per peer and per request, each bounded whatever its peers send: requests
+# it let go and remembers (the oldest are forgotten early beyond this), requests holding pages
+# (an allocation for one more is refused as buffer_full), entries of its landed board (the rest
+# read as "not landed": their loads are asynchronous).
+MAX_DROPPED_REQUESTS = 65536
+MAX_HELD_REQUESTS = 16384
+MAX_BOARD_ENTRIES = 1024
+# Whole messages ZMQ queues per connection on a consumer's port before it stops reading from
+# that peer (a well-behaved peer has at most two requests out). A message is queued only whole,
+# every frame at most MAX_FRAME_BYTES; ZMQ has no limit on frames per message.
+MAX_QUEUED_MESSAGES = 16
 # The transport self-test: a write of PROBE_NONCE_BYTES into one of PROBE_SLOTS slots that the
 # consumer keeps past its pages (handed out in turn, so concurrent self-tests never share one).
 PROBE_NONCE_BYTES = 16
@@ -91,6 +102,10 @@ HOLD_TIMEOUT_S = 300.0
 CLAIM_TIMEOUT_S = 30.0
 # How long a consumer remembers a request it let go, to refuse its late pushes.
 DROPPED_MEMORY_S = 600.0
+# After a producer was refused an allocation for room, every other producer is held to
+# ``max_producer_share`` of the consumer's buffer (by default this one) for this long.
+SHARE_ENFORCED_S = 5.0
+MAX_PRODUCER_SHARE = 0.5
 # The producer's write must end this long (or a quarter of the lease, if less) before the
 # consumer's lease does, so that a page is never taken back while the write into it may land.
 LEASE_MARGIN_S = 1.0
@@ -220,8 +235,12 @@ def _as_list(ports: int | list[int]) -> list[int]:
     return [ports] if isinstance(ports, int) else ports
 
 
-# Where a prefill engine sends a request's first-token notice (``first_token.py``).
-NOTICE_ADDRESS = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$")
+# Where a prefill engine sends a request's first-token notice (``first_token.py``): a host as
+# ``HostName`` takes it, or a bracketed IPv6 address, and a port.
+NOTICE_ADDRESS = re.compile(
+    r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?)"
+    r":(?P<port>[0-9]{1,5})$"
+)
 # The key of ``KVTransferParams.first_tok_to`` in the JSON, for logs and tests.
 NOTICE_KEY = "first_tok_to"
 
@@ -244,21 +263,41 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
         return msgspec.to_builtins(self)
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None) -> KVTransferParams:
-        """Our keys of a request's params as vLLM hands them over (others are left alone).
-        Raises ``ProtocolError`` naming the field for a malformed ``disagg_spec``. A
-        ``first_tok_to`` that is not "tcp://host:port" is left out: a notice is only a head
-        start, so the request goes on without one (the caller may log ``raw[NOTICE_KEY]``)."""
-        raw = raw or {}
+    def from_dict(cls, raw: object) -> KVTransferParams:
+        """Our keys of a request's params as vLLM hands them over (others are left alone), read
+        from a value of any type and shape: the door of each role, where a client's bytes could
+        arrive. Raises ``ProtocolError`` naming the field for anything but an object (or none),
+        or for a malformed ``disagg_spec``; nothing else. A ``first_tok_to`` that is not a usable
+        "tcp://host:port" is left out: a notice is only a head start, so the request goes on
+        without one (``notice_address_refused`` says whether the caller should log it)."""
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise ProtocolError(
+                f"kv_transfer_params must be an object, not {type(raw).__name__}"
+            )
         spec = raw.get("disagg_spec")
         address = raw.get(NOTICE_KEY)
         return cls(
-            ret_first_tok=bool(raw.get("ret_first_tok")),
+            ret_first_tok=raw.get("ret_first_tok") in (True, 1),
             disagg_spec=None if spec is None else DisaggSpec.from_dict(spec),
-            first_tok_to=address
-            if isinstance(address, str) and NOTICE_ADDRESS.match(address)
-            else None,
+            first_tok_to=address if is_notice_address(address) else None,
         )
+
+    @staticmethod
+    def notice_address_refused(raw: object) -> bool:
+        """Whether ``raw`` (an object ``from_dict`` read) named a notice address it left out."""
+        asked = raw.get(NOTICE_KEY) if isinstance(raw, Mapping) else None
+        return asked is not None and not is_notice_address(asked)
+
+
+def is_notice_address(address: object) -> bool:
+    """Whether ``address`` is a "tcp://host:port" a first-token notice may be sent to ("" and
+    anything not a string are not)."""
+    if not isinstance(address, str):
+        return False
+    match = NOTICE_ADDRESS.match(address)
+    return match is not None and 1 <= int(match["port"]) <= 65535
 
 
 class KVTransferReturn(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -158,6 +158,65 @@ def test_requests_without_or_with_a_bad_spec_are_left_alone() -> None:
     assert consumer.get_num_new_matched_tokens(request("plain", [1, 2, 3], None), 0) == (0, False)
 
 
+# kv_transfer_params as a client can send them: straight to an instance's HTTP port (any JSON
+# object), or smuggled in vllm_xargs (a string, a number or a list).
+HOSTILE_PARAMS = [
+    "x",
+    7,
+    1.5,
+    [1, "a"],
+    {"disagg_spec": "x"},
+    {"disagg_spec": [1, 2]},
+    {"disagg_spec": {"req_id": 5}},
+    {"disagg_spec": {**SPEC, "receiver_init_port": [1, 2]}},  # two ranks' init ports, one alloc
+    {"disagg_spec": {**SPEC, "receiver_host": "a b"}},
+    {"disagg_spec": {**SPEC, "req_id": "r" * 10_000}},
+    {"disagg_spec": {**SPEC, "surprise": {"deep": [[[[]]]]}}},
+]
+
+
+def test_no_kv_transfer_params_crash_a_scheduler_half() -> None:
+    """Each is counted and logged, and the request is served as if it had none."""
+    counted: list[str] = []
+    producer, consumer = ProducerScheduler(counted.append), ConsumerScheduler(counted.append)
+    try:
+        for index, params in enumerate(HOSTILE_PARAMS):
+            req = request(f"h{index}", list(range(300)), params, outputs=[9])
+            assert consumer.get_num_new_matched_tokens(req, 0) == (0, False)
+            consumer.update_state_after_alloc(req, None, 0)
+            assert consumer.request_finished(req) is None
+            producer.update_state_after_alloc(req, None, 0)
+            assert producer.request_finished(req) is None
+        assert producer.build_connector_meta(step()).saves == []
+        assert consumer.build_connector_meta(step()).loads == []
+        # Once per request and role: decoded at the door, not again in each hook.
+        assert counted == ["bad_transfer_params"] * 2 * len(HOSTILE_PARAMS)
+        # negative control: a good spec is not counted and is pushed
+        counted.clear()
+        good = request("good", list(range(300)), {"disagg_spec": SPEC})
+        producer.update_state_after_alloc(good, None, 0)
+        meta = producer.build_connector_meta(step(new=[("good", [1], 0)], scheduled={"good": 64}))
+        assert [save.req_id for save in meta.saves] == ["good"] and counted == []
+    finally:
+        producer.close()
+
+
+def test_a_notice_address_zmq_refuses_costs_the_notice_only() -> None:
+    """"tcp://-:1" passes a loose pattern and made ZMQ's connect raise inside vLLM's scheduler,
+    which ended the engine; now the push goes on without a notice, counted."""
+    counted: list[str] = []
+    scheduler = ProducerScheduler(counted.append)
+    try:
+        for index, address in enumerate(("tcp://-:1", "tcp://h:0", "tcp://h:99999", "tcp://a b:1")):
+            params = {"ret_first_tok": True, "disagg_spec": SPEC, NOTICE_KEY: address}
+            req = request(f"n{index}", [1, 2, 3], params, outputs=[9])
+            scheduler.update_state_after_alloc(req, None, 0)
+            assert scheduler.request_finished(req) == {"first_tok": 9, "disagg_req_id": "d-1"}
+        assert counted == ["bad_transfer_params"] * 4
+    finally:
+        scheduler.close()
+
+
 def test_consumer_scheduler_loads_all_but_the_last_token_past_decodes_own_hit() -> None:
     scheduler = ConsumerScheduler()
     req = request("c", list(range(201)), {"disagg_spec": SPEC})

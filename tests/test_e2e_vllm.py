@@ -82,6 +82,8 @@ PROMPTS |= {
 # Served while decode is busy with another request: its synchronous load goes into a step that
 # decodes that one too.
 PROMPTS["while-busy"] = prompt(900, 35)
+# Sent with unusable kv_transfer_params, straight to each instance.
+PROMPTS["hostile"] = prompt(400, 36)
 
 
 @pytest.fixture(scope="module")
@@ -391,6 +393,42 @@ def test_kv_that_never_comes_is_recomputed_within_the_deadline(
     assert after["consumer_used_pages"] == 0
     # and it keeps serving disaggregated requests
     assert pair.disaggregated("len-257", PROMPTS["len-257"]) == reference["len-257"]
+
+
+def test_no_kv_transfer_params_crash_an_instance_or_change_its_answer(
+    pair: PDPair, reference: dict
+) -> None:
+    """Values a client can send straight to an instance's HTTP port (any JSON object as
+    ``kv_transfer_params``; a string, number or list smuggled in ``vllm_xargs``) are counted and
+    the request is answered as a plain vLLM answers it. Before, a first-token address that ZMQ
+    refuses ended the prefill engine ("EngineCore encountered an issue", dead until restarted),
+    and a string made the connector call ``.get`` on it inside vLLM's scheduler."""
+    nowhere = {**pair.spec("hostile"), "receiver_init_port": free_port()}
+    cases: list[tuple[str, dict]] = [
+        ("kv_transfer_params", {"disagg_spec": "x"}),
+        ("kv_transfer_params", {"disagg_spec": {**nowhere, "receiver_alloc_port": [1, 2]}}),
+        ("vllm_xargs", {"kv_transfer_params": "x"}),
+        ("vllm_xargs", {"kv_transfer_params": [1, "a"]}),
+        ("vllm_xargs", {"kv_transfer_params": 5}),
+    ]
+    crash = ("kv_transfer_params", {"disagg_spec": nowhere, protocol.NOTICE_KEY: "tcp://-:1"})
+    tokens = PROMPTS["hostile"]
+    for side, extra in (("producer", [crash]), ("consumer", [])):
+        server = pair.producer if side == "producer" else pair.consumer
+        before = pair.stats(side)["bad_transfer_params"]
+        for field, value in cases + extra:
+            got = answer(server.complete({**body(pair.model, tokens, OUTPUT_TOKENS), field: value}))
+            assert_close_answer(got, reference["hostile"], f"{side} {field}={value}")
+        assert server.running
+
+        def all_counted(
+            side: str = side, before: float = before, sent: int = len(cases) + len(extra)
+        ) -> bool:
+            return pair.stats_after_a_step(side)["bad_transfer_params"] - before == sent
+
+        wait_for(all_counted, timeout_s=30.0, what=f"{side} counted every unusable value")
+    # and disaggregation still works on both
+    assert pair.disaggregated("after-hostile", PROMPTS["len-257"]) == reference["len-257"]
 
 
 class RogueProducer:

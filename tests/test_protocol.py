@@ -227,11 +227,17 @@ def test_kv_transfer_params_refuse_a_bad_spec_and_leave_out_a_bad_notice_address
     assert read(None) == protocol.KVTransferParams()
     with pytest.raises(ProtocolError, match="disagg_spec"):
         read({"disagg_spec": {**spec, "receiver_init_port": "x"}})
-    for bad in ("127.0.0.1; rm -rf", 5):
+    for not_an_object in ("x", 5, [1], 1.5, True):
+        with pytest.raises(ProtocolError, match="must be an object"):
+            read(not_an_object)
+    for bad in ("127.0.0.1; rm -rf", 5, "tcp://-:1", "tcp://h:0", "tcp://h:65536", "tcp://h:"):
         params = read({"disagg_spec": spec, protocol.NOTICE_KEY: bad, "ret_first_tok": 1})
         assert (params.first_tok_to, params.ret_first_tok) == (None, True)
         assert params.disagg_spec == DisaggSpec.from_dict(spec)
     assert read({protocol.NOTICE_KEY: "tcp://[::1]:9"}).first_tok_to == "tcp://[::1]:9"
+    assert read({protocol.NOTICE_KEY: "tcp://h:65535"}).first_tok_to == "tcp://h:65535"
+    assert protocol.KVTransferParams.notice_address_refused({protocol.NOTICE_KEY: "tcp://-:1"})
+    assert not protocol.KVTransferParams.notice_address_refused({"ret_first_tok": True})
     with pytest.raises(ProtocolError, match="first_tok"):
         protocol.KVTransferReturn.from_dict({"first_tok": "seven"})
     assert protocol.KVTransferReturn.from_dict({"first_tok": 3, "other": 1}).first_tok == 3

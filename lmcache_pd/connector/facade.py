@@ -168,7 +168,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._stats = StatsRecorder("scheduler")
             self._scheduler = (
-                ProducerScheduler()
+                ProducerScheduler(self._stats.add)
                 if producer
                 else ConsumerScheduler(
                     self._stats.add,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from vllm.v1.request import RequestStatus
 
 from lmcache_pd.connector.metadata import (
@@ -35,14 +36,52 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def transfer_params_of(request: Request) -> KVTransferParams:
-    """The request's params; none at all if its DisaggSpec is malformed (logged): the request
-    is then served without disaggregation, never with wrong KV."""
-    try:
-        return KVTransferParams.from_dict(request.kv_transfer_params)
-    except ProtocolError as exc:
-        logger.warning("req %s: ignoring kv_transfer_params: %s", request.request_id, exc)
-        return KVTransferParams()
+class ParamsDoor:
+    """Each request's ``kv_transfer_params``, decoded once, at the first hook that sees it.
+
+    The value comes from a client's JSON (through the proxy, or straight to an instance's HTTP
+    port, or smuggled in ``vllm_xargs``) and arrives in hooks that run inside vLLM's scheduler,
+    where any exception ends the engine and every request on it. So a value of any type or
+    shape is read here and nowhere else: one that is unusable is logged with the request id,
+    counted (``bad_transfer_params``), and the request is served without disaggregation
+    (prefill computes it and pushes nothing; decode recomputes the prompt), never with wrong
+    KV. Owned by the scheduler thread, like the half that holds it."""
+
+    def __init__(self, count: Callable[[str], None]) -> None:
+        self._count = count
+        self._params: dict[str, KVTransferParams] = {}
+
+    def of(self, request: Request) -> KVTransferParams:
+        params = self._params.get(request.request_id)
+        if params is None:
+            params = self._params[request.request_id] = self._decode(request)
+        return params
+
+    def forget(self, request_id: str) -> None:
+        """The request ended (``request_finished``)."""
+        self._params.pop(request_id, None)
+
+    def refuse_notices(self, request: Request, reason: str) -> KVTransferParams:
+        """The request's params with no first-token notice (its address is unusable)."""
+        self._bad(request.request_id, reason)
+        params = msgspec.structs.replace(self.of(request), first_tok_to=None)
+        self._params[request.request_id] = params
+        return params
+
+    def _decode(self, request: Request) -> KVTransferParams:
+        raw = request.kv_transfer_params
+        try:
+            params = KVTransferParams.from_dict(raw)
+        except ProtocolError as exc:
+            self._bad(request.request_id, f"ignoring kv_transfer_params: {exc}")
+            return KVTransferParams()
+        if KVTransferParams.notice_address_refused(raw):
+            self._bad(request.request_id, f"ignoring {NOTICE_KEY} (not tcp://host:port)")
+        return params
+
+    def _bad(self, request_id: str, reason: str) -> None:
+        self._count("bad_transfer_params")
+        logger.warning("req %s: %s", request_id, reason)
 
 
 class SchedulerHalf:
@@ -89,7 +128,9 @@ class _Push:
 class ProducerScheduler(SchedulerHalf):
     """Tracks requests with a DisaggSpec and tells the worker how far their prefill got."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: Callable[[str], None] = lambda _: None) -> None:
+        """``count`` takes the name of a counter to bump (``StatsRecorder.add``)."""
+        self._door = ParamsDoor(count)
         self._pushes: dict[str, _Push] = {}
         # Ended since the last step's metadata (vLLM calls request_finished before it lists the
         # request in a step's finished_req_ids): the worker forgets them, or tells their
@@ -103,26 +144,16 @@ class ProducerScheduler(SchedulerHalf):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        params = transfer_params_of(request)
+        params = self._door.of(request)
         if params.disagg_spec is None or request.request_id in self._pushes:
             return
-        notice_to = params.first_tok_to
-        if notice_to is None:
-            asked = (request.kv_transfer_params or {}).get(NOTICE_KEY)
-            if asked is not None:  # left out of params: not an address a notice can go to
-                logger.warning(
-                    "req %s: ignoring %s=%r (not tcp://host:port)",
-                    request.request_id,
-                    NOTICE_KEY,
-                    asked,
-                )
-        else:
-            self._notices.connect(notice_to)  # up by the time the first token exists
+        if params.first_tok_to is not None and not self._notices.connect(params.first_tok_to):
+            params = self._door.refuse_notices(request, f"ZMQ refuses {NOTICE_KEY}")
         self._pushes[request.request_id] = _Push(
             params.disagg_spec,
             list(request.prompt_token_ids or []),
             params.ret_first_tok,
-            notice_to,
+            params.first_tok_to,
         )
 
     def build_connector_meta(self, output: SchedulerOutput) -> PDConnectorMetadata:
@@ -164,6 +195,7 @@ class ProducerScheduler(SchedulerHalf):
         """Blocks are freed at once: the worker copied the KV out during the step. A request
         that ends before its prompt was computed (aborted) is reported to the worker, which
         tells its consumer not to wait."""
+        self._door.forget(request.request_id)
         push = self._pushes.pop(request.request_id, None)
         if push is None:
             return None
@@ -211,6 +243,7 @@ class ConsumerScheduler(SchedulerHalf):
         all be posted landed for it to be loaded synchronously (none: every load
         asynchronous)."""
         self._count = count
+        self._door = ParamsDoor(count)
         self._chunk_size = chunk_size
         self._boards = list(boards)
         # Whether each request's load is synchronous, as answered in get_num_new_matched_tokens
@@ -227,7 +260,7 @@ class ConsumerScheduler(SchedulerHalf):
         """All of the prompt past decode's own hit (``num_computed``, which vLLM ends on a block
         boundary) but its last token (the producer's first output, computed here). A hit that
         ends inside a chunk is fine: only that chunk's later blocks are loaded."""
-        spec = transfer_params_of(request).disagg_spec
+        spec = self._door.of(request).disagg_spec
         if spec is None:
             return 0, False
         if request.request_id in self._loaded:
@@ -258,7 +291,7 @@ class ConsumerScheduler(SchedulerHalf):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        spec = transfer_params_of(request).disagg_spec
+        spec = self._door.of(request).disagg_spec
         if spec is None or request.request_id in self._loaded:
             return
         self._loaded.add(request.request_id)
@@ -283,6 +316,7 @@ class ConsumerScheduler(SchedulerHalf):
         return meta
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
+        self._door.forget(request.request_id)
         self._loaded.discard(request.request_id)
         self._sync.pop(request.request_id, None)
         return None

@@ -79,6 +79,8 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "loads_abandoned": "Loads failed at once: the producer or proxy abandoned their KV.",
         "integrity_failures": "Chunks whose checksum did not match (also in loads_failed).",
         "thread_errors": "Unexpected exceptions caught in the connector's threads.",
+        "bad_transfer_params": "Requests whose kv_transfer_params (or first-token address) "
+        "were unusable: served without disaggregation (or without a notice).",
         "preemption_recomputes": "Requests preempted after their load, recomputed by vLLM.",
         # Handshakes, by the transports they settled on (transport.py).
         "peers_local_transport": "Handshakes with a consumer on this network stack (ucx_tls).",
