@@ -3,6 +3,7 @@
 - ``lmcache-pd``: 1 prefill + 1 decode vLLM with our connector (the pool launcher), behind our
   proxy in its own process, every process tracing its per-request phases;
 - ``lmcache-pd-nocache``: the same with the consumer's cache of landed chunks off;
+- ``lmcache-pd-noauth``: the same with no deployment secret (the KV channel unauthenticated);
 - ``lmcache-pd-anycore``: the same with our threads on any core (the others keep them on
   decode's, off prefill's);
 - ``lmcache-pd-processes-anywhere``: the same with each instance's API server and engine core
@@ -42,6 +43,7 @@ PROXY_START_TIMEOUT_S = 30.0
 SYSTEMS = (
     "lmcache-pd",
     "lmcache-pd-nocache",
+    "lmcache-pd-noauth",
     "lmcache-pd-async-loads",
     "lmcache-pd-answer-only",
     "lmcache-pd-anycore",
@@ -73,6 +75,8 @@ class LmcachePD:
     proxy_cpus: ClassVar[str | None] = DECODE_CPUS
     # Decode asked on prefill's first-token notice (``first_token.py``), not on its answer only.
     first_token_notices: ClassVar[bool] = True
+    # The KV channel authenticated by a deployment secret (``lmcache_pd/auth.py``), as `serve`.
+    kv_secret: ClassVar[bool] = True
 
     def __init__(self, model: Path, workdir: Path, vllm_args: list[str]) -> None:
         self.workdir = workdir
@@ -103,7 +107,7 @@ class LmcachePD:
             vllm_args=vllm_args,
             trace=True,
         )
-        self._launcher = PoolLauncher(pools, workdir)
+        self._launcher = PoolLauncher(pools, workdir, kv_secret=self.kv_secret)
         self._proxy: subprocess.Popen | None = None
 
     @property
@@ -186,6 +190,14 @@ class LmcachePDNoCache(LmcachePD):
 
     name = "lmcache-pd-nocache"
     consumer_env: ClassVar[dict[str, str]] = {"LMCACHE_PD_CACHE_SHARE": "0"}
+
+
+class LmcachePDNoAuth(LmcachePD):
+    """lmcache-pd with no deployment secret (every ZMQ socket plain, notifications unsealed):
+    the same run's control for what authenticating the KV channel costs."""
+
+    name = "lmcache-pd-noauth"
+    kv_secret: ClassVar[bool] = False
 
 
 class LmcachePDAsyncLoads(LmcachePD):
@@ -304,6 +316,7 @@ def make_system(name: str, model: Path, workdir: Path, vllm_args: list[str]):
     kinds = {
         "lmcache-pd": LmcachePD,
         "lmcache-pd-nocache": LmcachePDNoCache,
+        "lmcache-pd-noauth": LmcachePDNoAuth,
         "lmcache-pd-async-loads": LmcachePDAsyncLoads,
         "lmcache-pd-answer-only": LmcachePDAnswerOnly,
         "lmcache-pd-anycore": LmcachePDAnyCore,

@@ -192,7 +192,7 @@ def _memcpy(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
     return time.perf_counter() - started
 
 
-def _measure(
+def measure(
     chunk_bytes: int,
     count: int,
     runs: int,
@@ -201,7 +201,8 @@ def _measure(
     consumer_host: str = "127.0.0.1",
 ) -> dict[str, Any]:
     """One record: medians and samples of every method for ``count`` chunks of ``chunk_bytes``;
-    the consumer in network namespace ``consumer_netns`` at ``consumer_host`` if given."""
+    the consumer in network namespace ``consumer_netns`` at ``consumer_host`` if given.
+    ``settings`` are transfer config keys of both sides (e.g. ``secret_file``)."""
     init_port, alloc_port = free_ports(2)
     overrides = {
         **settings,
@@ -318,7 +319,7 @@ def run_benchmark(
     inherited_tls = os.environ.get("UCX_TLS")  # what UCX uses when ucx_tls is None
     default = load_config(CONFIGS / "producer.yaml")
     records = [
-        _measure(size, count, runs, settings, consumer_netns, consumer_host)
+        measure(size, count, runs, settings, consumer_netns, consumer_host)
         for size in sizes
         for count in chunks_per_request
     ]

@@ -16,12 +16,16 @@ import yaml
 
 from lmcache_pd import protocol
 from lmcache_pd.affinity import CPU_LIST
+from lmcache_pd.auth import SECRET_ENV
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.peers import PeerText, format_peer, rank_peer
 
 ENV_PREFIX = "LMCACHE_PD_"
-# Names the YAML file itself; never an override of a field.
+# Names the YAML file itself; never an override of a field (nor is the secret, ``SECRET_ENV``).
 CONFIG_PATH_ENV = "LMCACHE_PD_CONFIG"
+# The proxy's own variables (its keys, ``proxy/config.py``): never a transfer setting, so a
+# vLLM started from the same shell as ``serve`` is not refused for them.
+PROXY_ENV_PREFIX = f"{ENV_PREFIX}PROXY_"
 
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=3600)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -60,6 +64,12 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     # may keep, as a cache for later prompts that share them (evicted least recently used
     # first, and whenever an allocation needs their room); 0 turns the cache off.
     cache_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
+    # Consumer: while another producer waits for room (it was refused an allocation for a full
+    # buffer within the last few seconds), no one producer may hold more than this share of
+    # the receive buffer (pages it waits to write, reserved ahead, or pushed for requests no
+    # decode claimed yet); beyond it, its allocations are refused as buffer_full. Alone, a
+    # producer may use the whole buffer.
+    max_producer_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = protocol.MAX_PRODUCER_SHARE
     # Producer: consumer ranks to shake hands with ahead of their first request (the launcher
     # names every decode rank here), so that no request waits for NIXL's connect.
     warm_peers: list[PeerText] = msgspec.field(default_factory=list)
@@ -104,6 +114,10 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     # CPUs lmcache-pd's own threads (service, senders, watchdog) run on, e.g. "2-3"; None: every
     # CPU. Not vLLM's inference core, which they would otherwise inherit (see affinity.py).
     thread_cpus: Annotated[str, msgspec.Meta(pattern=f"^{CPU_LIST.pattern}$")] | None = None
+    # A file holding the deployment secret (``auth.py``), from which every ZMQ socket of ours
+    # authenticates and encrypts and NIXL notifications are sealed; None: $LMCACHE_PD_SECRET,
+    # and with neither, no authentication (a consumer listening beyond loopback warns).
+    secret_file: str | None = None
 
     def __post_init__(self) -> None:
         if _count(self.init_port) != _count(self.alloc_port):
@@ -189,7 +203,11 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, object]:
     fields = set(PDConfig.__struct_fields__)
     overrides: dict[str, object] = {}
     for name, raw in environ.items():
-        if not name.startswith(ENV_PREFIX) or name == CONFIG_PATH_ENV:
+        if (
+            not name.startswith(ENV_PREFIX)
+            or name in (CONFIG_PATH_ENV, SECRET_ENV)
+            or name.startswith(PROXY_ENV_PREFIX)
+        ):
             continue
         key = name[len(ENV_PREFIX) :].lower()
         if key not in fields:

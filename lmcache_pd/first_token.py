@@ -29,6 +29,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from lmcache_pd.auth import DeploymentKeys
+
 logger = logging.getLogger(__name__)
 
 # Notices queued for a proxy not (yet) connected before more are dropped: each is one request's
@@ -62,7 +64,9 @@ class NoticeSender:
     ``connect`` when the request arrives, so that the connection is up by the time its first
     token exists; ``send`` never blocks."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: DeploymentKeys | None = None) -> None:
+        """``keys``: reach only a proxy of this deployment (``auth.py``)."""
+        self._keys = keys
         self._context: zmq.Context | None = None
         self._sockets: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
 
@@ -78,6 +82,8 @@ class NoticeSender:
         sock = self._context.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+        if self._keys is not None:
+            self._keys.connect(sock)
         try:
             sock.connect(address)
         except zmq.ZMQError as exc:
@@ -114,14 +120,17 @@ class NoticeBoard:
     ``expect`` before prefill is asked, ``forget`` when the request no longer cares; a notice
     for a request nobody expects (late, or not ours) is dropped."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, keys: DeploymentKeys | None = None) -> None:
         """Listen on ``host`` (a wildcard listens everywhere and tells each prefill instance the
-        address it reaches the proxy by) on a port the system picks."""
+        address it reaches the proxy by) on a port the system picks; with ``keys``, for
+        prefill engines of this deployment alone (``auth.py``)."""
         self._host = host
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_NOTICE_BYTES)
+        if keys is not None:
+            keys.serve(self._socket)
         bind_host = "*" if host in WILDCARD_HOSTS else host
         if ":" in bind_host:
             self._socket.setsockopt(zmq.IPV6, 1)

@@ -47,7 +47,7 @@ import msgspec
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.errors import ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 # Limits, checked before anything is allocated for a message.
 MAX_FRAME_BYTES = 1 << 20
@@ -273,9 +273,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
         if raw is None:
             return cls()
         if not isinstance(raw, Mapping):
-            raise ProtocolError(
-                f"kv_transfer_params must be an object, not {type(raw).__name__}"
-            )
+            raise ProtocolError(f"kv_transfer_params must be an object, not {type(raw).__name__}")
         spec = raw.get("disagg_spec")
         address = raw.get(NOTICE_KEY)
         return cls(

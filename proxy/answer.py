@@ -122,7 +122,8 @@ class Answer:
                     await self._stream_rest(response, first_sent)
                 except UpstreamFailed as exc:
                     self._decode_failed(exc)
-                    await write(response, sse(error_body(str(exc), "BadGateway", 502)))
+                    message = exc.client_message(self.req_id)
+                    await write(response, sse(error_body(message, "BadGateway", 502)))
                     outcome = Outcome.DECODE_FAILED
             if self.client.include_usage and outcome is Outcome.OK:
                 await write(response, sse(self.writer.usage_chunk(self.usage)))
@@ -164,7 +165,8 @@ class Answer:
                     pieces.extend([piece async for batch in rest for piece in batch])
             except UpstreamFailed as exc:
                 self._decode_failed(exc)
-                return error_response(str(exc), "BadGateway", 502), Outcome.DECODE_FAILED
+                response = error_response(exc.client_message(self.req_id), "BadGateway", 502)
+                return response, Outcome.DECODE_FAILED
         self._log_done(Outcome.OK)
         return json_response(self.writer.body(pieces, self.usage)), Outcome.OK
 

@@ -2,7 +2,8 @@
 
 This module holds the aiohttp application, its routes, ``/health``, ``/metrics`` and what the
 proxy starts and stops (the upstream HTTP session, health checks, membership, the first-token
-notice board, the KV dropper). One request's path, from its body to its answer, is
+notice board, the KV dropper). Every ``/v1/*`` request passes the door first (``door.py``: the
+clients' key, the admission limit); one request's path, from its body to its answer, is
 ``orchestration.py``'s; the upstream calls are ``flow.py``'s. asyncio end to end: nothing here
 blocks the event loop.
 """
@@ -22,6 +23,7 @@ from lmcache_pd.affinity import unpin_this_thread
 from lmcache_pd.first_token import NoticeBoard
 from lmcache_pd.proxy.client_request import Endpoint
 from lmcache_pd.proxy.config import ProxyConfig
+from lmcache_pd.proxy.door import Door
 from lmcache_pd.proxy.flow import MAX_EVENT_BYTES, UPSTREAM_KEEPALIVE_S, Disaggregator
 from lmcache_pd.proxy.kv_drop import KVDropper
 from lmcache_pd.proxy.membership import Membership, MemberSource
@@ -41,8 +43,11 @@ class Proxy:
 
     def __init__(self, config: ProxyConfig, members: MemberSource | None = None) -> None:
         """Serve the pools of ``config``; with ``members``, whatever it says the pools are now
-        (a cluster engine that adds, restarts and drains instances)."""
+        (a cluster engine that adds, restarts and drains instances). Reads the key files now:
+        ``ConfigError`` if one cannot be read."""
         self.config = config
+        # The instances' key, on every call to their /v1/* (never the client's headers).
+        self._instance_headers = config.instance_headers()
         self.prefill = Pool(Role.PREFILL, [Upstream(p.url, Role.PREFILL) for p in config.prefill])
         self.decode = Pool(
             Role.DECODE,
@@ -51,7 +56,12 @@ class Proxy:
                 for d in config.decode
             ],
         )
-        self.metrics = ProxyMetrics(self._upstreams)
+        self.metrics = ProxyMetrics(self._upstreams, lambda: self.door.in_flight)
+        self.door = Door(
+            config.client_key(),
+            config.max_in_flight,
+            lambda reason: self.metrics.refused.labels(reason).inc(),
+        )
         self._membership = (
             None
             if members is None
@@ -70,7 +80,7 @@ class Proxy:
         self._sizer = PromptSizer(config.min_disagg_tokens, config.tokenizer)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self.door])
         app.router.add_post(Endpoint.COMPLETIONS.value, self.completions)
         app.router.add_post(Endpoint.CHAT.value, self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -89,20 +99,31 @@ class Proxy:
             max_line_size=MAX_EVENT_BYTES,
             max_field_size=MAX_EVENT_BYTES,
         )
+        keys = self.config.deployment_keys()
+        if keys is None:
+            logger.warning(
+                "no deployment secret: first-token notices and KV drops reach only instances "
+                "that have none either (set secret_file or LMCACHE_PD_SECRET)"
+            )
         if self.config.first_token_notices:
             try:
-                self._notices = NoticeBoard(self.config.host)
+                self._notices = NoticeBoard(self.config.host, keys)
             except zmq.ZMQError as exc:  # serve anyway: a notice is only a head start
                 logger.warning(
                     "no first-token notices (cannot listen on %s): %s", self.config.host, exc
                 )
             else:
                 self._notices.start()
-        self._dropper = KVDropper()
+        self._dropper = KVDropper(keys)
         self._orchestrator = Orchestrator(
             model=self.config.model,
             flow=Disaggregator(
-                self._session, self.prefill, self.config.timeouts, self.metrics, self._notices
+                self._session,
+                self.prefill,
+                self.config.timeouts,
+                self.metrics,
+                self._notices,
+                self._instance_headers,
             ),
             decode=self.decode,
             metrics=self.metrics,
@@ -156,24 +177,24 @@ class Proxy:
     async def prometheus(self, _: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition(), content_type="text/plain")
 
-    async def models(self, _: web.Request) -> web.Response:
+    async def models(self, _: web.Request) -> web.StreamResponse:
         """Prefill's own model card (vLLM's benchmark client reads the tokenizer from it)."""
         assert self._session is not None
         try:
             member = self.prefill.pick()
             async with self._session.get(
                 f"{member.url}/v1/models",
+                headers=self._instance_headers,
                 timeout=aiohttp.ClientTimeout(total=self.config.timeouts.health_s),
             ) as response:
-                return web.Response(
-                    body=await response.read(),
-                    status=response.status,
-                    content_type="application/json",
-                )
+                body, status = await response.read(), response.status
         except (NoHealthyInstance, aiohttp.ClientError, TimeoutError) as exc:
-            return error_response(
-                f"no prefill instance answered /v1/models: {exc}", "ServiceUnavailable", 503
-            )
+            logger.warning("/v1/models: no prefill instance answered: %r", exc)
+        else:
+            if status == 200:
+                return web.Response(body=body, content_type="application/json")
+            logger.warning("/v1/models: %s answered %d: %r", member.url, status, body[:300])
+        return error_response("no prefill instance answered /v1/models", "ServiceUnavailable", 503)
 
     # ---- the disaggregated endpoints ----
 

@@ -3,7 +3,12 @@
 first token, as a completion, for the remaining tokens).
 
 Only the fields the proxy interprets are validated here; every other field goes to prefill as the
-client sent it (vLLM checks those), and the sampling ones go on to decode too.
+client sent it (vLLM checks those), and the sampling ones go on to decode too. What vLLM would
+read as transfer parameters is the proxy's alone: a client's ``kv_transfer_params``, and the
+fields vLLM copies into the same place (``vllm_xargs``, whose keys become the sampling params'
+``extra_args``, where vLLM looks for ``kv_transfer_params``; ``ec_transfer_params``), are refused.
+So is a body nested deeper than any OpenAI request is (``MAX_JSON_DEPTH``): it would cost every
+JSON parser on its way a deep recursion.
 """
 
 from __future__ import annotations
@@ -23,14 +28,28 @@ TokenIds = list[NonNegative]
 # vLLM's default max_tokens for /v1/completions (chat has none: up to the context length).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
-# Sampling fields that decode must see exactly as the client gave them (chat and completions
-# name them alike). min_tokens and max_tokens are adjusted for the token prefill produced.
+# Levels of arrays and objects a body may nest (a chat's image part is 6 deep).
+MAX_JSON_DEPTH = 32
+
+# Fields that decode must see exactly as the client gave them (chat and completions name them
+# alike): the sampling ones, and the prefix-cache salt, without which decode would look for the
+# prompt's blocks in another tenant's cache. min_tokens and max_tokens are adjusted for the
+# token prefill produced.
 SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
     "bad_words", "allowed_token_ids", "user", "priority", "return_tokens_as_token_ids",
+    "cache_salt",
 )  # fmt: skip
+
+# Fields vLLM reads transfer parameters from (``to_sampling_params`` in its completion and chat
+# protocols): the proxy's to set, refused with any value but null.
+TRANSFER_FIELDS = {
+    "kv_transfer_params": "kv_transfer_params (the proxy sets them)",
+    "vllm_xargs": "vllm_xargs (vLLM reads kv_transfer_params from them; the proxy sets those)",
+    "ec_transfer_params": "ec_transfer_params (transfer parameters are the proxy's to set)",
+}
 
 # Fields whose meaning would change if split between two instances; refused with a clear 400.
 UNSUPPORTED_FIELDS = {
@@ -43,7 +62,6 @@ UNSUPPORTED_FIELDS = {
     "structured_outputs": "structured output",
     "tools": "tool calling",
     "functions": "function calling",
-    "kv_transfer_params": "kv_transfer_params (the proxy sets them)",
 }
 
 
@@ -67,6 +85,7 @@ class _StreamOptions(msgspec.Struct):
 
 class _Common(msgspec.Struct, kw_only=True):
     model: str
+    cache_salt: Annotated[str, msgspec.Meta(min_length=1)] | None = None
     stream: bool | None = None
     stream_options: _StreamOptions | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = None
@@ -80,14 +99,30 @@ class _CompletionFields(_Common):
     logprobs: NonNegative | None = None
 
 
+class _ContentPart(msgspec.Struct, kw_only=True):
+    """A part of a message's content as the proxy reads it (a text part's text; vLLM checks
+    the rest, and also takes a plain string as a text part)."""
+
+    type: str | None = None
+    text: str | None = None
+
+
+class _Message(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[str | _ContentPart] | None = None
+
+
 class _ChatFields(_Common):
-    messages: Annotated[list[dict[str, Any]], msgspec.Meta(min_length=1)]
+    messages: Annotated[list[_Message], msgspec.Meta(min_length=1)]
     max_completion_tokens: Positive | None = None
     logprobs: bool | None = None
     top_logprobs: NonNegative | None = None
 
 
 def _validate(endpoint: Endpoint, body: dict[str, Any]) -> _CompletionFields | _ChatFields:
+    for name, what in TRANSFER_FIELDS.items():
+        if body.get(name) is not None:
+            raise BadRequest(f"{what} may not be sent to the disaggregating proxy")
     fields_type = _CompletionFields if endpoint is Endpoint.COMPLETIONS else _ChatFields
     try:
         fields = msgspec.convert(body, fields_type)
@@ -101,7 +136,26 @@ def _validate(endpoint: Endpoint, body: dict[str, Any]) -> _CompletionFields | _
             raise BadRequest(f"{what} is not supported by the disaggregating proxy")
     if isinstance(fields, _CompletionFields):
         _one_prompt(fields.prompt)
+    # The prompt is checked: a text or token ids, at most two deep. The rest is walked.
+    for name, value in body.items():
+        if name != "prompt" and _nests_deeper(value, MAX_JSON_DEPTH - 1):
+            raise BadRequest(f"`{name}` is nested deeper than {MAX_JSON_DEPTH} levels")
     return fields
+
+
+def _nests_deeper(value: object, levels: int) -> bool:
+    """Whether ``value`` holds arrays or objects more than ``levels`` deep (no recursion: the
+    walk goes level by level)."""
+    level = [value] if isinstance(value, list | dict) else []
+    for _ in range(levels):
+        inner = []
+        for container in level:
+            items = container.values() if isinstance(container, dict) else container
+            inner += [item for item in items if isinstance(item, list | dict)]
+        if not inner:
+            return False
+        level = inner
+    return bool(level)
 
 
 def _one_prompt(prompt: str | list[Any]) -> None:
@@ -112,12 +166,14 @@ def _one_prompt(prompt: str | list[Any]) -> None:
         prompt = prompt[0]
         if isinstance(prompt, str):
             return
-    elif prompt and not isinstance(prompt[0], int):
+    elif prompt and isinstance(prompt[0], str | list):
         raise BadRequest("one prompt per request: batched prompts are not supported")
     try:
         msgspec.convert(prompt, Annotated[TokenIds, msgspec.Meta(min_length=1)])
     except msgspec.ValidationError as exc:
-        raise BadRequest(f"prompt must be a text or a list of token ids: {exc}") from exc
+        raise BadRequest(
+            f"prompt must be a text, a list of token ids, or a list of one of them: {exc}"
+        ) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +190,18 @@ class ClientRequest:
     min_tokens: int
     # Completions-style top-k logprobs to ask decode for; None: no logprobs.
     logprobs: int | None
+
+    @classmethod
+    def from_json(cls, endpoint: Endpoint, raw: bytes, served_model: str) -> ClientRequest:
+        """Decode the body ``raw`` and ``parse`` it; raises ``BadRequest``."""
+        try:
+            body = msgspec.json.decode(raw)
+        # msgspec raises the latter for bad UTF-8 inside a string
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"malformed JSON body: {exc}") from exc
+        except RecursionError:  # msgspec's own limit, far deeper than MAX_JSON_DEPTH
+            raise BadRequest(f"the body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+        return cls.parse(endpoint, body, served_model)
 
     @classmethod
     def parse(cls, endpoint: Endpoint, body: object, served_model: str) -> ClientRequest:

@@ -1,11 +1,15 @@
 """The proxy's settings: which prefill and decode instances exist, and every deadline it keeps.
 
 Validated by msgspec like the transfer config: unknown keys, wrong types and bad ranges are
-refused with the key's name before a socket opens.
+refused with the key's name before a socket opens. The two keys (the clients', the instances')
+may come from the environment instead (``LMCACHE_PD_PROXY_API_KEY``,
+``LMCACHE_PD_PROXY_INSTANCE_API_KEY``) or from a file, so that no secret has to sit in YAML.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -13,6 +17,7 @@ import msgspec
 import yaml
 
 from lmcache_pd.affinity import CPU_LIST
+from lmcache_pd.auth import DeploymentKeys, load_keys
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.protocol import Port, RankPorts
 
@@ -20,8 +25,18 @@ from lmcache_pd.protocol import Port, RankPorts
 # 64, 256): below this, decode computing the prompt costs its running streams less than one
 # inter-token latency, while PD adds ~3-20 ms to the first token and a transfer.
 MIN_DISAGG_TOKENS = 256
+# Requests the proxy serves at once; past it a client gets 503 with Retry-After. vLLM's own
+# serving benchmark sends its default 1000 prompts at once, which must all be taken.
+MAX_IN_FLIGHT = 1024
+# ``lmcache_pd.config.PROXY_ENV_PREFIX``, which the transfer config leaves alone (that module
+# loads torch on some paths, which the proxy never does; a test keeps the two equal).
+PROXY_ENV_PREFIX = "LMCACHE_PD_PROXY_"
+API_KEY_ENV = f"{PROXY_ENV_PREFIX}API_KEY"
+INSTANCE_API_KEY_ENV = f"{PROXY_ENV_PREFIX}INSTANCE_API_KEY"
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=3600)]
 Url = Annotated[str, msgspec.Meta(pattern=r"^https?://[^/]+$")]
+# What an HTTP Bearer token may hold here: visible ASCII, no spaces.
+ApiKey = Annotated[str, msgspec.Meta(pattern=r"^[\x21-\x7e]+$", max_length=1024)]
 
 
 class PrefillInstance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -87,6 +102,70 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tokenizer: str | None = None
     # CPUs the proxy runs on, e.g. "1" or "4-5" (None: any), on a host it shares with vLLM.
     cpus: Annotated[str, msgspec.Meta(pattern=f"^{CPU_LIST.pattern}$")] | None = None
+    # The key clients must send (``Authorization: Bearer KEY``) on every /v1/* request, or a
+    # file holding it (None: no key is asked for). /health and /metrics stay open.
+    api_key: ApiKey | None = None
+    api_key_file: str | None = None
+    # The key the proxy sends to every instance (vLLM's ``--api-key``), or a file holding it;
+    # the launcher gives the instances it starts one of their own.
+    instance_api_key: ApiKey | None = None
+    instance_api_key_file: str | None = None
+    # Requests served at once; more get 503 with Retry-After.
+    max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = MAX_IN_FLIGHT
+    # The deployment secret's file (``lmcache_pd/auth.py``; None: $LMCACHE_PD_SECRET, or none):
+    # first-token notices and KV drops then reach only instances of this deployment.
+    secret_file: str | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("api_key", "instance_api_key"):
+            if getattr(self, key) is not None and getattr(self, f"{key}_file") is not None:
+                raise ValueError(f"{key} and {key}_file: name the key once")
+
+    def client_key(self) -> str | None:
+        """The key clients must send; ``ConfigError`` if its file cannot be read."""
+        return _key(self.api_key, self.api_key_file, "api_key_file")
+
+    def instance_key(self) -> str | None:
+        """The key the instances want; ``ConfigError`` if its file cannot be read."""
+        return _key(self.instance_api_key, self.instance_api_key_file, "instance_api_key_file")
+
+    def deployment_keys(self) -> DeploymentKeys | None:
+        """The KV channel's keys (``auth.py``); ``ConfigError`` if the secret is unusable."""
+        return load_keys(self.secret_file)
+
+    def instance_headers(self) -> dict[str, str]:
+        """What a call to an instance's /v1/* carries (nothing when the instances want no key)."""
+        key = self.instance_key()
+        return {} if key is None else {"Authorization": f"Bearer {key}"}
+
+
+def _key(inline: str | None, path: str | None, name: str) -> str | None:
+    """A key given inline, or read from ``path`` (surrounding whitespace dropped)."""
+    if path is None:
+        return inline
+    try:
+        text = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{name}: cannot read {path}: {exc}") from exc
+    try:
+        return msgspec.convert(text, ApiKey)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{name}: {path} holds no usable key ({exc})") from exc
+
+
+def with_env_keys(config: ProxyConfig, environ: Mapping[str, str] | None = None) -> ProxyConfig:
+    """``config`` with the keys the environment names (``API_KEY_ENV``, ``INSTANCE_API_KEY_ENV``)
+    in place of its own; ``ConfigError`` naming the variable for an unusable one."""
+    environ = os.environ if environ is None else environ
+    changes: dict[str, str | None] = {}
+    for key, variable in (("api_key", API_KEY_ENV), ("instance_api_key", INSTANCE_API_KEY_ENV)):
+        if not environ.get(variable):
+            continue
+        try:
+            changes |= {key: msgspec.convert(environ[variable], ApiKey), f"{key}_file": None}
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"{variable}: not a usable key ({exc})") from exc
+    return msgspec.structs.replace(config, **changes) if changes else config
 
 
 def proxy_config(raw: object, source: str = "<dict>") -> ProxyConfig:
@@ -97,10 +176,11 @@ def proxy_config(raw: object, source: str = "<dict>") -> ProxyConfig:
         raise ConfigError(f"invalid proxy config {source}: {exc}") from exc
 
 
-def load_proxy_config(path: str | Path) -> ProxyConfig:
-    """Read and validate a proxy YAML file."""
+def load_proxy_config(path: str | Path, environ: Mapping[str, str] | None = None) -> ProxyConfig:
+    """Read and validate a proxy YAML file, with the keys ``environ`` names (by default this
+    process's environment) in place of its own."""
     try:
         raw = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read proxy config {path}: {exc}") from exc
-    return proxy_config(raw, str(path))
+    return with_env_keys(proxy_config(raw, str(path)), environ)

@@ -72,10 +72,11 @@ async def serve_alone(
     except UpstreamFailed as exc:
         metrics.upstream_error(exc.member, exc.kind)
         logger.error("req %s: decode failed serving it alone: %s", req_id, exc)
+        message = exc.client_message(req_id)
         if response is None:
-            return error_response(str(exc), "BadGateway", 502), Outcome.DECODE_FAILED
+            return error_response(message, "BadGateway", 502), Outcome.DECODE_FAILED
         try:
-            await write(response, sse(error_body(str(exc), "BadGateway", 502)) + sse("[DONE]"))
+            await write(response, sse(error_body(message, "BadGateway", 502)) + sse("[DONE]"))
         except ClientGone:
             return response, Outcome.CLIENT_DISCONNECTED
         return response, Outcome.DECODE_FAILED

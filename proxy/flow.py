@@ -3,7 +3,9 @@ instance if it fails before answering), decode's stream of the rest, and a short
 request served by decode alone; and the reading of their answers.
 
 Every call has a connect and a read deadline; every failure becomes an ``UpstreamFailed`` that
-names the instance, counted and logged by the caller. Cancelling the calling task (the client
+names the instance, counted and logged by the caller; the client is told only the role that
+failed and its request's id (``client_message``), never an instance's address. Every call carries
+the instances' own key, never the client's headers. Cancelling the calling task (the client
 went away) closes the upstream connection, and vLLM aborts a request whose client is gone.
 """
 
@@ -38,15 +40,25 @@ PREFILL_ATTEMPTS = 2
 # as the server closes it is lost (ServerDisconnectedError, seen in a test); aiohttp's 15 s
 # default invites exactly that.
 UPSTREAM_KEEPALIVE_S = 4.0
+# An instance refusing the proxy itself (its key): the proxy's fault, not the client's.
+UNAUTHORIZED_STATUSES = (401, 403)
 
 
 class UpstreamFailed(Exception):
-    """An upstream call failed: ``kind`` is a short label for metrics, the message is for people."""
+    """An upstream call failed: ``kind`` is a short label for metrics, the message is for the
+    proxy's log (it names the instance)."""
 
     def __init__(self, member: Upstream, kind: str, message: str) -> None:
         super().__init__(f"{member.role.value} instance {member.url}: {message}")
         self.member = member
         self.kind = kind
+
+    def client_message(self, req_id: str) -> str:
+        """What the client is told: the role and the request, not where or why."""
+        return (
+            f"the {self.member.role.value} instance failed on this request (req {req_id}); "
+            "the proxy's log says why"
+        )
 
 
 class UpstreamRejected(Exception):
@@ -101,10 +113,13 @@ class Disaggregator:
         timeouts: Timeouts,
         metrics: ProxyMetrics,
         notices: NoticeBoard | None = None,
+        instance_headers: dict[str, str] | None = None,
     ) -> None:
         """With ``notices``, prefill is asked to send each disaggregated request's first token
-        there too, the moment its engine has it."""
+        there too, the moment its engine has it. ``instance_headers`` go with every call (the
+        instances' key)."""
         self._session = session
+        self._headers = {"Content-Type": "application/json", **(instance_headers or {})}
         self._prefill = prefill
         self._metrics = metrics
         self._notices = notices
@@ -163,7 +178,7 @@ class Disaggregator:
             async with self._session.post(
                 f"{member.url}{endpoint.value}",
                 data=msgspec.json.encode(body),
-                headers={"Content-Type": "application/json", "X-Request-Id": req_id},
+                headers={**self._headers, "X-Request-Id": req_id},
                 timeout=timeout,
             ) as response:
                 yield response
@@ -199,7 +214,8 @@ class Disaggregator:
         async with self._call(member, endpoint, req_id, body, timeout) as response:
             if response.status != 200:
                 raw = await response.read()
-                raise UpstreamFailed(member, "status", f"answered {response.status}: {raw[:300]!r}")
+                kind = "unauthorized" if response.status in UNAUTHORIZED_STATUSES else "status"
+                raise UpstreamFailed(member, kind, f"answered {response.status}: {raw[:300]!r}")
             async for events in _sse_batches(member, response):
                 items: list[Piece | Usage] = []
                 for data in events:
@@ -244,10 +260,18 @@ class Disaggregator:
 
 async def _ensure_ok(member: Upstream, response: aiohttp.ClientResponse) -> None:
     """Raise ``UpstreamRejected`` for a 4xx (the client's request was refused: it gets vLLM's own
-    answer) and ``UpstreamFailed`` for any other status but 200."""
+    answer) and ``UpstreamFailed`` for any other status but 200, and for an instance that refuses
+    the proxy's key."""
     if response.status == 200:
         return
     raw = await response.read()
+    if response.status in UNAUTHORIZED_STATUSES:
+        raise UpstreamFailed(
+            member,
+            "unauthorized",
+            f"refused the proxy's key ({response.status}): is "
+            "instance_api_key the key the instance was started with?",
+        )
     if 400 <= response.status < 500:
         raise UpstreamRejected(response.status, raw)
     raise UpstreamFailed(member, "status", f"answered {response.status}: {raw[:300]!r}")

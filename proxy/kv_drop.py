@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from lmcache_pd import protocol
+from lmcache_pd.auth import DeploymentKeys
 from lmcache_pd.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,9 @@ DROP_TIMEOUT_S = protocol.CANCEL_TIMEOUT_S
 class KVDropper:
     """Sends drop notices from the proxy's event loop; owns its ZMQ context and tasks."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: DeploymentKeys | None = None) -> None:
+        """``keys``: reach only decode instances of this deployment (``auth.py``)."""
+        self._keys = keys
         self._context = zmq.asyncio.Context()
         self._tasks: set[asyncio.Task] = set()
 
@@ -51,6 +54,8 @@ class KVDropper:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
+        if self._keys is not None:
+            self._keys.connect(socket)
         try:
             socket.connect(f"tcp://{spec.receiver_host}:{spec.receiver_alloc_port}")
             await socket.send(protocol.encode(message))

@@ -33,8 +33,11 @@ class Outcome(enum.Enum):
 class ProxyMetrics:
     """Counters and histograms of one proxy; ``/metrics`` serves ``exposition()``."""
 
-    def __init__(self, upstreams: Callable[[], Iterable[Upstream]]) -> None:
-        """``upstreams`` gives the instances there are now (a cluster engine changes them)."""
+    def __init__(
+        self, upstreams: Callable[[], Iterable[Upstream]], in_flight: Callable[[], int]
+    ) -> None:
+        """``upstreams`` gives the instances there are now (a cluster engine changes them),
+        ``in_flight`` the requests the proxy serves now."""
         self.registry = CollectorRegistry()
         prefix = "lmcache_pd_proxy"
         self.requests = Counter(
@@ -90,13 +93,35 @@ class ProxyMetrics:
             "Failed questions to the cluster engine about the pools' members",
             registry=self.registry,
         )
+        self.refused = Counter(
+            f"{prefix}_refused",
+            "Requests refused at the door, before their body was read: unauthorized (no valid "
+            "API key), over_capacity (max_in_flight reached; answered 503 with Retry-After)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.registry.register(_InstanceGauges(upstreams))
+        self.registry.register(_InFlightGauge(in_flight))
 
     def upstream_error(self, member: Upstream, kind: str) -> None:
         self.upstream_errors.labels(member.role.value, member.url, kind).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _InFlightGauge(Collector):
+    """Requests the proxy serves now (those admitted at its door), read at scrape time."""
+
+    def __init__(self, in_flight: Callable[[], int]) -> None:
+        self._in_flight = in_flight
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            "lmcache_pd_proxy_in_flight",
+            "Client requests the proxy serves now (at most max_in_flight)",
+            value=self._in_flight(),
+        )
 
 
 class _InstanceGauges(Collector):

@@ -18,7 +18,6 @@ import time
 import uuid
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from lmcache_pd.first_token import FirstTokenNotice, NoticeBoard
@@ -72,12 +71,7 @@ class Orchestrator:
         started = time.perf_counter()
         label = endpoint.value
         try:
-            client = ClientRequest.parse(
-                endpoint, msgspec.json.decode(await http.read()), self._model
-            )
-        except msgspec.DecodeError as exc:
-            self._metrics.requests.labels(label, Outcome.BAD_REQUEST.value).inc()
-            return error_response(f"malformed JSON body: {exc}", "BadRequestError", 400)
+            client = ClientRequest.from_json(endpoint, await http.read(), self._model)
         except BadRequest as exc:
             self._metrics.requests.labels(label, Outcome.BAD_REQUEST.value).inc()
             return error_response(str(exc), exc.kind, exc.status)
@@ -169,7 +163,8 @@ class Orchestrator:
             return response, Outcome.UPSTREAM_REJECTED, None
         except UpstreamFailed as exc:
             logger.error("req %s: lost before its first token: %s", req_id, exc)
-            return error_response(str(exc), "BadGateway", 502), Outcome.PREFILL_FAILED, None
+            response = error_response(exc.client_message(req_id), "BadGateway", 502)
+            return response, Outcome.PREFILL_FAILED, None
         trace |= {"prefill": prefilled.instance, "prefilled": time.time()}
         early = await self._keep_if_continued(early, prefilled, req_id)
         prefix = "cmpl-" if client.endpoint is Endpoint.COMPLETIONS else "chatcmpl-"

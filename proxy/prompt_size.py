@@ -63,8 +63,8 @@ def _prompt_of(request: ClientRequest) -> str | list[int]:
         content = message.get("content")
         if isinstance(content, str):
             texts.append(content)
-        elif isinstance(content, list):  # parts: only text parts count
-            texts += [part.get("text") or "" for part in content if isinstance(part, dict)]
+        elif isinstance(content, list):  # parts: only texts count (the door checked them)
+            texts += [part if isinstance(part, str) else part.get("text") or "" for part in content]
     return "\n".join(texts)
 
 

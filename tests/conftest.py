@@ -2,6 +2,7 @@
 hooks that hold each test to its lane (tests/lanes.py) and stop the reference vLLM once its last
 user is done."""
 
+import platform
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,11 @@ from lmcache_pd.keys import ChunkKeyer
 from tests.helpers import make_keyer
 from tests.lanes import in_fast_lane, processes_refused
 from tests.vllm_support import MODEL_DIR, PlainVLLM
+
+# The openai client reads platform.platform() on its first request, and that runs `uname -p`
+# once per process: run here, at collection, not first inside a fast-lane test (which may start
+# no process) when a file is run alone.
+platform.platform()
 
 PLAIN_VLLM = pytest.StashKey[PlainVLLM]()
 LAST_PLAIN_VLLM_USER = pytest.StashKey[bool]()

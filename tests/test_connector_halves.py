@@ -51,11 +51,13 @@ def request(
     outputs: list[int] = (),
     computed: int | None = None,
     status: RequestStatus = RequestStatus.FINISHED_LENGTH_CAPPED,
+    cache_salt: str | None = None,
 ) -> SimpleNamespace:
     return SimpleNamespace(
         request_id=req_id,
         prompt_token_ids=prompt,
         kv_transfer_params=params,
+        cache_salt=cache_salt,
         output_token_ids=list(outputs),
         num_computed_tokens=len(prompt) if computed is None else computed,
         num_preemptions=0,
@@ -202,8 +204,8 @@ def test_no_kv_transfer_params_crash_a_scheduler_half() -> None:
 
 
 def test_a_notice_address_zmq_refuses_costs_the_notice_only() -> None:
-    """"tcp://-:1" passes a loose pattern and made ZMQ's connect raise inside vLLM's scheduler,
-    which ended the engine; now the push goes on without a notice, counted."""
+    """The address "tcp://-:1" passed a loose pattern and made ZMQ's connect raise inside vLLM's
+    scheduler, which ended the engine; now the push goes on without a notice, counted."""
     counted: list[str] = []
     scheduler = ProducerScheduler(counted.append)
     try:
@@ -254,6 +256,25 @@ def test_a_request_decode_needs_no_kv_for_has_its_chunks_released_at_once() -> N
     plain = request("plain", [1, 2, 3], None)  # control: no spec, nothing to release
     scheduler.update_state_after_alloc(plain, None, 0)
     assert scheduler.build_connector_meta(step()).unneeded == set()
+
+
+def test_both_scheduler_halves_pass_the_requests_cache_salt_to_their_worker() -> None:
+    """The workers key a request's chunks with its ``cache_salt``: every save carries it, and so
+    does the load; a request without one carries None (the control)."""
+    blocks = SimpleNamespace(get_block_ids=lambda: ([3, 1, 4, 1],))
+    for salt in ("tenant-a", None):
+        producer = ProducerScheduler()
+        req = request("r", list(range(150)), {"disagg_spec": SPEC}, cache_salt=salt)
+        producer.update_state_after_alloc(req, None, 0)
+        first = producer.build_connector_meta(step(new=[("r", [4, 5], 0)], scheduled={"r": 64}))
+        later = producer.build_connector_meta(step(cached=[("r", [6], 64)], scheduled={"r": 86}))
+        assert [save.cache_salt for save in first.saves + later.saves] == [salt, salt]
+        consumer = ConsumerScheduler()
+        req = request("c", list(range(201)), {"disagg_spec": SPEC}, cache_salt=salt)
+        assert consumer.get_num_new_matched_tokens(req, 0) == (200, True)
+        consumer.update_state_after_alloc(req, blocks, 200)
+        [load] = consumer.build_connector_meta(step()).loads
+        assert load.cache_salt == salt
 
 
 def paged_cache(num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
@@ -464,6 +485,44 @@ def test_chunks_decode_needs_no_more_are_released_at_once(workers: Workers) -> N
     assert workers.consumer_stats.totals()["loads_unneeded"] == 1
     # its pages are free (or cached) once their writes are confirmed, not at the claim timeout
     wait_for(lambda: workers.consumer_used_pages() == 0, timeout_s=2.0, what="pages back")
+
+
+@pytest.mark.processes
+def test_chunks_pushed_under_one_cache_salt_serve_no_request_of_another(
+    workers: Workers,
+) -> None:
+    """Tenants' KV stays apart on the consumer: a load under another salt never finds the chunks
+    pushed under the first (it fails at its deadline), and a push of the same prompt under
+    another salt is written afresh, not answered "already held"; only the same salt shares the
+    landed chunks (the control)."""
+    prompt = list(range(5000, 5150))  # two full chunks and a partial one
+    src_blocks, dst_blocks = [7, 3, 12, 20, 5], [1, 30, 2, 9, 11]
+
+    def push(name: str, salt: str | None) -> tuple[float, float]:
+        """Push the prompt under ``salt`` as request ``d-<name>``: chunks (written, skipped)."""
+        spec = msgspec.structs.replace(workers.spec, req_id=f"d-{name}")
+        saving = SaveRequest(f"p-{name}", spec, prompt, src_blocks, 150, cache_salt=salt)
+        workers.producer.wait_for_save(PDConnectorMetadata(saves=[saving]))
+        wait_for(lambda: workers.producer.progress().outstanding == 0, what="pushes done")
+        totals = workers.producer_stats.totals()
+        return totals.get("chunks_pushed", 0), totals.get("chunks_skipped", 0)
+
+    def load_as(name: str, disagg_req_id: str, salt: str | None) -> tuple[set[str], set[str]]:
+        loading = LoadRequest(name, disagg_req_id, prompt, dst_blocks, 0, cache_salt=salt)
+        workers.consumer.start_load_kv(PDConnectorMetadata(loads=[loading]))
+        return finish(workers.consumer)
+
+    assert push("a", "tenant-a") == (3, 0)
+    assert load_as("c-b-on-a", "d-a", "tenant-b") == ({"c-b-on-a"}, {"c-b-on-a"})
+    assert workers.consumer_stats.totals()["load_timeouts"] == 1
+    assert not any(workers.target[name].any() for name in workers.target)  # nothing of a's
+    assert push("b", "tenant-b") == (6, 0)  # a's chunks, landed and cached, are not b's
+    assert load_as("c-b", "d-b", "tenant-b") == ({"c-b"}, set())
+    for name in workers.source:
+        assert torch.equal(workers.source[name][src_blocks], workers.target[name][dst_blocks])
+    assert push("b-again", "tenant-b") == (6, 3)  # control: the same salt shares them all
+    assert push("unsalted", None) == (9, 3)
+    wait_for(lambda: workers.consumer_total("consumer_cache_hits") == 3, what="hits counted")
 
 
 @pytest.mark.processes

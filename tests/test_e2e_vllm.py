@@ -25,8 +25,10 @@ import yaml
 import zmq
 
 from lmcache_pd import protocol
+from lmcache_pd.auth import generate_secret, load_keys
 from lmcache_pd.config import load_config
 from lmcache_pd.deploy.vllm_server import VLLMServer
+from lmcache_pd.errors import PeerTimeout
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
 from lmcache_pd.protocol import DisaggSpec
 from lmcache_pd.transfer import landed_board
@@ -77,13 +79,21 @@ PROMPTS |= {f"chat-{turn}": tokens for turn, tokens in enumerate(CHAT, 1)}
 # computed from its own prefix cache and never reach the checks under test.
 PROMPTS |= {
     f"rogue-{kind}": prompt(1000, seed)
-    for kind, seed in (("bad-sum", 31), ("bad-kv", 32), ("dies", 33), ("sync-bad-sum", 34))
+    for kind, seed in (
+        ("bad-sum", 31),
+        ("bad-kv", 32),
+        ("dies", 33),
+        ("sync-bad-sum", 34),
+        ("outsider", 37),
+    )
 }
 # Served while decode is busy with another request: its synchronous load goes into a step that
 # decodes that one too.
 PROMPTS["while-busy"] = prompt(900, 35)
 # Sent with unusable kv_transfer_params, straight to each instance.
 PROMPTS["hostile"] = prompt(400, 36)
+# Sent under two cache salts (tenants): three chunks, the last partial.
+PROMPTS["salted"] = prompt(640, 3801)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +108,9 @@ class PDPair:
     def __init__(self, model: Path, workdir: Path) -> None:
         self.model = model
         self.init_port, self.alloc_port = free_port(), free_port()
+        # The deployment secret both instances authenticate their KV channel with.
+        self.secret_file = workdir / "secret"
+        self.secret_file.write_text(generate_secret())
         configs = {
             role: self._transfer_config(workdir, role) for role in ("kv_producer", "kv_consumer")
         }
@@ -141,6 +154,7 @@ class PDPair:
             # Short, so that pages allocated by a producer that then died come back in a test.
             "transfer_timeout_s": 4.0,
             "alloc_lease_s": 6.0,
+            "secret_file": str(self.secret_file),
         }
         path.write_text(yaml.safe_dump(settings))
         return {
@@ -178,20 +192,27 @@ class PDPair:
         return defaultdict(float, prompt_tokens_by_source(self.consumer.url))
 
     def disaggregated(
-        self, name: str, tokens: list[int], landed_first: bool = False
+        self,
+        name: str,
+        tokens: list[int],
+        landed_first: bool = False,
+        cache_salt: str | None = None,
     ) -> tuple[list[str], list[float]]:
         """Prefill on the producer (one token), then decode on the consumer, as the proxy will
         (with ``landed_first``, once the consumer posted all of the KV landed: the push may end a
-        moment after prefill's answer, which it never holds back)."""
+        moment after prefill's answer, which it never holds back; with ``cache_salt``, in both
+        requests, as the proxy forwards a client's)."""
         spec = self.spec(f"{name}-{time.monotonic_ns()}")
+        salted = {} if cache_salt is None else {"cache_salt": cache_salt}
         first = self.producer.complete(
-            body(self.model, tokens, 1, {"ret_first_tok": True, "disagg_spec": spec})
+            body(self.model, tokens, 1, {"ret_first_tok": True, "disagg_spec": spec}) | salted
         )
         first_tok = first["kv_transfer_params"]["first_tok"]
         if landed_first:
             wait_landed(self, spec["req_id"], len(tokens))
         rest = self.consumer.complete(
             body(self.model, [*tokens, first_tok], OUTPUT_TOKENS - 1, {"disagg_spec": spec})
+            | salted
         )
         head, tail = answer(first), answer(rest)
         return head[0] + tail[0], head[1] + tail[1]
@@ -359,6 +380,61 @@ def test_a_prompt_decode_already_holds_loads_nothing_and_frees_its_pages_at_once
     wait_for(pages_freed, timeout_s=5.0, what="pushed pages of a request decode did not need")
 
 
+def test_requests_of_different_cache_salts_share_no_chunk(pair: PDPair, reference: dict) -> None:
+    """vLLM's ``cache_salt`` keeps tenants' prefix caches apart, and so must the chunk keys: the
+    same prompt served under a second salt is pushed and loaded in full again, none of its chunks
+    found already held in the consumer's buffer; the first salt again shares every chunk (the
+    control). Decode's own prefix cache is emptied before each, so that only the consumer's
+    buffer could share; the answers equal the plain vLLM's, which had no salt."""
+    tokens = PROMPTS["salted"]
+    chunks = -(-len(tokens) // CHUNK_TOKENS)
+
+    def served(salt: str) -> dict[str, float]:
+        """Serve the prompt under ``salt``: chunks prefill wrote and found held (skipped),
+        the consumer's cache hits, decode's tokens loaded, and its prompt-token sources."""
+        httpx.post(f"{pair.consumer.url}/reset_prefix_cache", timeout=30.0).raise_for_status()
+        producer, consumer = pair.stats("producer"), pair.stats()
+        sources = pair.tokens_by_source()
+        got = pair.disaggregated("salted", tokens, cache_salt=salt)
+        assert_close_answer(got, reference["salted"], salt)
+
+        def pushed() -> defaultdict[str, float]:
+            return defaultdict(float, moved(producer, pair.stats_after_a_step("producer")))
+
+        def all_counted() -> bool:
+            chunks_moved = pushed()
+            return chunks_moved["chunks_pushed"] + chunks_moved["chunks_skipped"] >= chunks
+
+        wait_for(all_counted, what="pushes counted")
+        prefill = pushed()
+        decode = defaultdict(float, moved(consumer, pair.stats_after_a_step()))
+        sourced = defaultdict(float, moved(sources, pair.tokens_by_source()))
+        return {
+            "written": prefill["chunks_pushed"],
+            "skipped": prefill["chunks_skipped"],
+            "cache_hits": decode["consumer_cache_hits"],
+            "loaded": decode["tokens_loaded"],
+            "transferred": sourced["external_kv_transfer"],
+            "decode_hit": sourced["local_cache_hit"],
+        }
+
+    first = served("tenant-a")
+    assert (first["written"], first["skipped"]) == (chunks, 0)
+    second = served("tenant-b")
+    assert (second["written"], second["skipped"], second["cache_hits"]) == (chunks, 0, 0)
+    assert second["loaded"] == second["transferred"] == len(tokens)
+    assert second["decode_hit"] == 0
+    hits = pair.stats()["consumer_cache_hits"]
+    again = served("tenant-a")  # control: the same salt shares what the first request pushed
+    assert (again["written"], again["skipped"]) == (0, chunks)
+    assert again["loaded"] == again["transferred"] == len(tokens)
+    wait_for(
+        lambda: pair.stats_after_a_step()["consumer_cache_hits"] - hits >= chunks,
+        what="hits counted",
+    )
+    assert pair.stats()["consumer_cache_hits"] - hits == chunks
+
+
 def test_kv_that_never_comes_is_recomputed_within_the_deadline(
     pair: PDPair, reference: dict
 ) -> None:
@@ -433,13 +509,15 @@ def test_no_kv_transfer_params_crash_an_instance_or_change_its_answer(
 
 class RogueProducer:
     """Pushes chunks of our choosing, under the keys the real producer would use, from this
-    test process: stands for a producer whose bytes went wrong in flight."""
+    test process: stands for a producer whose bytes went wrong in flight (it has the
+    deployment's secret), or with ``outsider``, for any other process on the network."""
 
     BLOCK_BYTES = 2 * 128 * 2 * 64 * 4  # KV heads x block size x (K+V) x head size x fp32
     LAYERS = 4
 
-    def __init__(self, pair: PDPair) -> None:
+    def __init__(self, pair: PDPair, outsider: bool = False) -> None:
         self.pair = pair
+        self.secret_file = None if outsider else str(pair.secret_file)
         self.keyer = make_keyer(model_name=str(pair.model), chunk_size=CHUNK_TOKENS)
 
     def chunks(self, tokens: list[int]) -> list[tuple[bytes, torch.Tensor]]:
@@ -456,7 +534,13 @@ class RogueProducer:
 
     def push(self, req_id: str, tokens: list[int]) -> None:
         config = load_config(
-            None, environ={}, kv_role="kv_producer", page_bytes=1 << 20, buffer_size_bytes=16 << 20
+            None,
+            environ={},
+            kv_role="kv_producer",
+            page_bytes=1 << 20,
+            buffer_size_bytes=16 << 20,
+            secret_file=self.secret_file,
+            handshake_timeout_s=1.0,
         )
         with Producer(config) as producer:
             spec = DisaggSpec.from_dict(self.pair.spec(req_id))
@@ -472,6 +556,7 @@ class RogueProducer:
         )
         with zmq.Context.instance().socket(zmq.DEALER) as socket:
             socket.setsockopt(zmq.LINGER, 0)
+            load_keys(self.secret_file).connect(socket)
             socket.connect(f"tcp://127.0.0.1:{self.pair.alloc_port}")
             socket.send(protocol.encode(request))
             assert socket.poll(5000), "the consumer did not answer the allocation"
@@ -637,6 +722,31 @@ def test_wrong_kv_with_good_checksums_changes_the_answer(pair: PDPair, reference
         abs(a - b) for a, b in zip(got[1][1:], reference["rogue-bad-kv"][1][1:], strict=True)
     )
     assert drift > 100 * LOGPROB_TOLERANCE
+
+
+def test_a_process_without_the_secret_puts_no_kv_into_decode(pair: PDPair, reference: dict) -> None:
+    """The poisoning of issue 31: any process that reached decode's ports could allocate pages
+    under a request's (computable) chunk keys and write its own bytes with their own checksums.
+    Without the deployment's secret, its handshake is never answered: nothing of it lands, and
+    decode's answer is the plain vLLM's. The test above is its control: the same push made with
+    the secret changes the answer."""
+    tokens = PROMPTS["rogue-outsider"]
+    req_id, first = prefill_pushing_nowhere(pair, "rogue-outsider")
+    before = pair.stats()
+    with pytest.raises(PeerTimeout, match="secret"):
+        RogueProducer(pair, outsider=True).push(req_id, tokens)
+    with zmq.Context.instance().socket(zmq.DEALER) as socket:  # nor a bare allocation
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(f"tcp://127.0.0.1:{pair.alloc_port}")
+        socket.send(
+            protocol.encode(protocol.KVAbandoned.of(req_id, protocol.AbandonReason.CLIENT_GONE))
+        )
+        assert not socket.poll(1000)
+    assert_close_answer(decode_rest(pair, tokens, first, req_id), reference["rogue-outsider"])
+    after = pair.stats()
+    assert after["tokens_loaded"] == before["tokens_loaded"]
+    assert after["consumer_chunks_landed"] == before["consumer_chunks_landed"]
+    assert after["consumer_requests_abandoned"] == before["consumer_requests_abandoned"]
 
 
 def test_producer_that_dies_after_allocating_costs_a_recompute_and_no_pages(

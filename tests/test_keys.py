@@ -1,4 +1,5 @@
-"""Chunk keys: chained, deterministic across processes, partial last chunk, strict masks."""
+"""Chunk keys: chained, deterministic across processes, partial last chunk, strict masks, salted
+per tenant."""
 
 import subprocess
 import sys
@@ -99,3 +100,42 @@ def test_bad_shapes_are_refused() -> None:
         keyer(chunk_size=0)
     with pytest.raises(ValueError):
         keyer(worker_id=2)
+
+
+# Keys of range(10) under keyer(), as every release before cache salts computed them: a change
+# would make mixed versions of prefill and decode miss each other's chunks.
+UNSALTED_KEYS = [
+    "ab71755da17c1c49ad3ed181c58c5dfc",
+    "ccca4f72f14053be5c359f52978b6695",
+    "83eb072d70172dae02a8e4747a89212d",
+]
+
+
+@pytest.mark.parametrize("salt", [None, ""])
+def test_no_salt_keeps_the_keys_of_an_unsalted_request(salt: str | None) -> None:
+    keys = keyer().chunk_keys(list(range(10)), salt=salt)
+    assert [k.key.hex() for k in keys] == UNSALTED_KEYS
+
+
+def test_a_cache_salt_changes_every_key_of_the_request() -> None:
+    """Requests of different salts (tenants) share no chunk, not even the first; the same salt
+    shares them all (the control)."""
+    tokens = list(range(10))
+    unsalted = keyer().chunk_keys(tokens)
+    tenant_a, tenant_b = keyer().chunk_keys(tokens, salt="a"), keyer().chunk_keys(tokens, salt="b")
+    assert [(k.start, k.end) for k in tenant_a] == [(k.start, k.end) for k in unsalted]
+    every = [k.key for k in unsalted + tenant_a + tenant_b]
+    assert len(set(every)) == len(every)
+    assert keyer().chunk_keys(tokens, salt="a") == tenant_a
+
+
+def test_a_salted_mask_skips_the_same_chunks() -> None:
+    tokens = list(range(10))
+    masked = keyer().chunk_keys(tokens, mask=[False] * 4 + [True] * 6, salt="a")
+    assert masked == keyer().chunk_keys(tokens, salt="a")[1:]
+
+
+def test_any_string_is_a_usable_salt() -> None:
+    """A client's JSON can carry a lone surrogate; keying must not fail on it."""
+    keys = keyer().chunk_keys(list(range(4)), salt="\ud800")
+    assert keys[0].key != keyer().chunk_keys(list(range(4)), salt="\ud801")[0].key

@@ -8,6 +8,7 @@ with SIGTERM and checks that nothing it started is left behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -473,6 +474,96 @@ def test_client_that_disconnects_leaves_nothing_running_upstream(
     wait_for(lambda: served.stats("decode-0")["consumer_used_pages"] == 0, 15, "pages freed")
     # and the proxy keeps serving
     assert client_of(served.url).completions.create(model=str(model), prompt="x", max_tokens=3)
+
+
+def instance_urls(served: Served) -> list[str]:
+    config = served.proxy_config()
+    return [instance["url"] for instance in config["prefill"] + config["decode"]]
+
+
+@pytest.mark.parametrize("smuggled", [{"kv_transfer_params": "x"}, {"kv_transfer_params": ["x"]}])
+def test_transfer_parameters_smuggled_in_vllm_xargs_get_400_and_the_instances_keep_serving(
+    served: Served, model: Path, smuggled: dict[str, Any]
+) -> None:
+    """vLLM copies ``vllm_xargs`` into the sampling params' ``extra_args``, where it looks for
+    ``kv_transfer_params``: a short prompt (served by decode alone) carrying them reached decode
+    unchanged, decode answered 500, and the client got a 502. The door refuses them, on either
+    path and endpoint; the control: the same requests without them are answered, and every
+    instance is still healthy."""
+    client = client_of(served.url)
+    requests = {
+        "short completion": {"prompt": "def f(", "max_tokens": 3},
+        "long completion": {"prompt": token_prompt(300, seed=11), "max_tokens": 3},
+        "short chat": {"messages": chat_messages("smuggled"), "max_tokens": 3},
+    }
+    for name, request in requests.items():
+        create = (
+            client.chat.completions.create if "messages" in request else (client.completions.create)
+        )
+        with pytest.raises(openai.BadRequestError, match="vllm_xargs"):
+            create(model=str(model), **request, extra_body={"vllm_xargs": smuggled})
+        assert create(model=str(model), **request).choices, name
+    for url in instance_urls(served):
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+
+
+# Bodies the proxy's door lets through (it checks only what it reads) for vLLM to refuse.
+LEFT_TO_VLLM = {
+    "an image_url that is a number": {"content": [{"type": "image_url", "image_url": 5}]},
+    "an image to a text model": {
+        "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    },
+    "a part of an unknown type": {"content": [{"type": "no-such-part", "text": "x"}]},
+    "a cache_salt with a slash": {"content": "x", "cache_salt": "a/b"},
+}
+
+
+@pytest.mark.parametrize("case", list(LEFT_TO_VLLM))
+def test_what_the_door_leaves_to_vllm_is_refused_with_a_4xx_not_a_5xx(
+    served: Served, model: Path, case: str
+) -> None:
+    """Served by decode alone and through prefill (a long text added), each is vLLM's 4xx,
+    passed on; the proxy then still serves."""
+    fields = dict(LEFT_TO_VLLM[case])
+    content = fields.pop("content")
+    for padding in ("", "x " * 400):
+        if isinstance(content, str):
+            padded: str | list = content + padding
+        else:
+            padded = [*content, {"type": "text", "text": padding or "x"}]
+        message = {"role": "user", "content": padded}
+        body = {"model": str(model), "messages": [message], "max_tokens": 2, **fields}
+        response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=120)
+        assert 400 <= response.status_code < 500, (case, response.status_code, response.text)
+    assert client_of(served.url).completions.create(model=str(model), prompt="x", max_tokens=2)
+
+
+def test_an_instance_serve_started_refuses_calls_without_its_key(
+    served: Served, model: Path
+) -> None:
+    """Each instance answers 401 to a call without the key ``serve`` gave it (on vLLM's own
+    /v1 paths, and on /invocations, which vLLM's check leaves open and which runs a completion:
+    a way around the proxy to the engine); the control: with the key (which the proxy reads
+    from the file its config names) both are served. /health and /metrics stay open, and the
+    key is on no command line."""
+    key_file = Path(served.proxy_config()["instance_api_key_file"])
+    key = key_file.read_text().strip()
+    assert key and (key_file.stat().st_mode & 0o077) == 0
+    body = {"model": str(model), "prompt": "x", "max_tokens": 2}
+    with_key = {"Authorization": f"Bearer {key}"}
+    for url in instance_urls(served):
+        for path in ("/v1/completions", "/invocations"):
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                response = httpx.post(f"{url}{path}", json=body, headers=headers, timeout=30)
+                assert response.status_code == 401, (url, path, response.text)
+            response = httpx.post(f"{url}{path}", json=body, headers=with_key, timeout=120)
+            assert response.status_code == 200, (url, path, response.text)
+        assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 401
+        for path in ("/health", "/metrics"):
+            assert httpx.get(f"{url}{path}", timeout=5).status_code == 200
+    for pid in _descendants(served.process.pid):
+        with contextlib.suppress(OSError):
+            assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
 def test_vllm_benchmark_client_runs_against_the_proxy(served: Served, tmp_path: Path) -> None:

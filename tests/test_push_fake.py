@@ -331,10 +331,10 @@ def test_a_bug_while_answering_gets_an_error_reply_and_serving_goes_on(
     allocate = consumer._store.allocate
     failures = iter([True])
 
-    def allocate_with_a_bug(request, now):
+    def allocate_with_a_bug(request, now, producer):
         if next(failures, False):
             raise RuntimeError("a bug")
-        return allocate(request, now)
+        return allocate(request, now, producer)
 
     monkeypatch.setattr(consumer._store, "allocate", allocate_with_a_bug)
     producer, _ = make_producer(fabric)

@@ -276,8 +276,8 @@ def ask_raw(port: int, frames: list[bytes]) -> protocol.Message:
         socket.send_multipart(frames)
         assert socket.poll(REPLY_TIMEOUT_MS), "no reply to a malformed message"
         codec = protocol.INIT_REPLIES if port_kind(port) == "init" else protocol.ALLOC_REPLIES
-        # An empty first frame reads as a REQ delimiter, which the reply echoes before its body.
-        return codec.decode(socket.recv_multipart()[-1])
+        # One frame: a request of more (an empty first frame included) is refused unread.
+        return codec.decode(socket.recv())
 
 
 _PORT_KINDS: dict[int, str] = {}

@@ -94,4 +94,6 @@ def refresh_gauges(launcher: PoolLauncher, model: str) -> None:
         if name.startswith("decode"):
             with contextlib.suppress(httpx.HTTPError):
                 body = {"model": model, "prompt": [11, 12, 13], "max_tokens": 1}
-                httpx.post(f"{server.url}/v1/completions", json=body, timeout=30.0)
+                httpx.post(
+                    f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=30.0
+                )

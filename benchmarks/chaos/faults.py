@@ -224,7 +224,12 @@ def malformed_spec(phase: Phase) -> None:
         body = {"model": phase.proxy.model, "prompt": random_tokens(rng, 300), "max_tokens": 1}
         body["kv_transfer_params"] = {"ret_first_tok": True, "disagg_spec": spec}
         try:
-            response = httpx.post(f"{prefill}/v1/completions", json=body, timeout=60.0)
+            response = httpx.post(
+                f"{prefill}/v1/completions",
+                json=body,
+                headers=phase.proxy.instance_headers(),  # the instance's own key: past its door
+                timeout=60.0,
+            )
             record.outcome, record.detail = "answered", f"HTTP {response.status_code}"
         except httpx.HTTPError as exc:
             record.outcome, record.detail = "error", f"no answer: {exc!r}"[:200]

@@ -1,5 +1,5 @@
-"""Commands that write files: ``make-model`` (the tiny local model) and ``k8s`` (a pools file's
-Kubernetes manifests)."""
+"""Commands that write files or values: ``make-model`` (the tiny local model), ``k8s`` (a pools
+file's Kubernetes manifests) and ``secret`` (a deployment secret)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from lmcache_pd.auth import generate_secret
 from lmcache_pd.cli.common import app, setup_logging
 from lmcache_pd.deploy.pools import load_pools
 
@@ -37,8 +38,9 @@ def k8s(
 ) -> None:
     """Write the Kubernetes manifests of POOLS (its `kubernetes:` section says the image,
     namespace, names and model volume): decode and prefill as StatefulSets with headless
-    Services, the proxy as a Deployment with a Service, their YAMLs as ConfigMaps. Printed as
-    one YAML stream, or with --output one file per object; then `kubectl apply -f`."""
+    Services, the proxy as a Deployment with a Service, their YAMLs as ConfigMaps, the
+    instances' key (fresh each time) as a Secret. Printed as one YAML stream, or with --output
+    one file per object; then `kubectl apply -f`."""
     from lmcache_pd.deploy.k8s import file_name, manifests, to_yaml
     from lmcache_pd.errors import ConfigError
 
@@ -57,3 +59,10 @@ def k8s(
 
 if __name__ == "__main__":
     app()
+
+
+@app.command()
+def secret() -> None:
+    """Print a fresh deployment secret (for LMCACHE_PD_SECRET or a secret_file): every process
+    of one deployment is given the same one; `serve` makes its own for the pools it starts."""
+    typer.echo(generate_secret())

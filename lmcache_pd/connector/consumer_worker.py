@@ -125,8 +125,8 @@ class ConsumerWorker(WorkerHalf):
         now = time.time()
         for load in meta.loads:
             # Chunks wholly inside decode's own prefix-cache hit are neither awaited, read, nor
-            # (if still to come) written.
-            every = self._keyer.chunk_keys(load.prompt)
+            # (if still to come) written. The salt keeps another tenant's chunks out of reach.
+            every = self._keyer.chunk_keys(load.prompt, salt=load.cache_salt)
             keys = [k for k in every if k.end > load.start]
             not_needed = frozenset(k.key for k in every if k.end <= load.start)
             pending = _PendingLoad(load, keys, deadline, now)

@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from lmcache_pd.auth import load_keys
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import CONFIG_PATH_ENV, PDConfig, load_config
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
@@ -168,7 +169,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._stats = StatsRecorder("scheduler")
             self._scheduler = (
-                ProducerScheduler(self._stats.add)
+                ProducerScheduler(self._stats.add, load_keys(self._config.secret_file))
                 if producer
                 else ConsumerScheduler(
                     self._stats.add,

@@ -21,7 +21,8 @@ from lmcache_pd.protocol import DisaggSpec
 class SaveRequest:
     """Producer: after this step the KV of the prompt's first ``computed_end`` tokens is in the
     request's blocks: those it had, plus ``block_ids`` (or only ``block_ids`` if
-    ``replace_blocks``, after a preemption). ``prompt`` is set on the request's first save only."""
+    ``replace_blocks``, after a preemption). ``prompt`` is set on the request's first save only.
+    ``cache_salt``: the request's (vLLM's ``Request.cache_salt``), part of its chunk keys."""
 
     req_id: str
     spec: DisaggSpec
@@ -29,6 +30,7 @@ class SaveRequest:
     block_ids: list[int]
     computed_end: int
     replace_blocks: bool = False
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +41,8 @@ class LoadRequest:
     the prompt before it are decode's, shared with other requests, and never written).
     ``sync``: its chunks had all landed on every rank when vLLM scheduled it, so it is loaded
     before this step's forward pass, which computes its last token (vLLM's synchronous load),
-    instead of in a step of its own."""
+    instead of in a step of its own. ``cache_salt``: the request's, part of its chunk keys, so
+    that it never loads a chunk pushed for a request of another salt."""
 
     req_id: str
     disagg_req_id: str
@@ -47,6 +50,7 @@ class LoadRequest:
     block_ids: list[int]
     start: int
     sync: bool = False
+    cache_salt: str | None = None
 
 
 @dataclass

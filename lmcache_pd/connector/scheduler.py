@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from vllm.v1.request import RequestStatus
 
+from lmcache_pd.auth import DeploymentKeys
 from lmcache_pd.connector.metadata import (
     LoadRequest,
     PDConnectorMetadata,
@@ -122,14 +123,18 @@ class _Push:
     prompt: list[int]
     ret_first_tok: bool
     notice_to: str | None  # the proxy that wants the first token from the engine at once
+    cache_salt: str | None  # the request's, part of its chunk keys
     announced: bool = False  # the worker has had the prompt
 
 
 class ProducerScheduler(SchedulerHalf):
     """Tracks requests with a DisaggSpec and tells the worker how far their prefill got."""
 
-    def __init__(self, count: Callable[[str], None] = lambda _: None) -> None:
-        """``count`` takes the name of a counter to bump (``StatsRecorder.add``)."""
+    def __init__(
+        self, count: Callable[[str], None] = lambda _: None, keys: DeploymentKeys | None = None
+    ) -> None:
+        """``count`` takes the name of a counter to bump (``StatsRecorder.add``); ``keys``
+        authenticate first-token notices to the proxy (``auth.py``)."""
         self._door = ParamsDoor(count)
         self._pushes: dict[str, _Push] = {}
         # Ended since the last step's metadata (vLLM calls request_finished before it lists the
@@ -139,7 +144,7 @@ class ProducerScheduler(SchedulerHalf):
         self._aborted: set[str] = set()
         # Push jobs the worker has not finished, as of its last report (or this step's saves).
         self._outstanding = 0
-        self._notices = NoticeSender()
+        self._notices = NoticeSender(keys)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -154,6 +159,7 @@ class ProducerScheduler(SchedulerHalf):
             list(request.prompt_token_ids or []),
             params.ret_first_tok,
             params.first_tok_to,
+            request.cache_salt,
         )
 
     def build_connector_meta(self, output: SchedulerOutput) -> PDConnectorMetadata:
@@ -221,7 +227,13 @@ class ProducerScheduler(SchedulerHalf):
         prompt = None if push.announced else push.prompt
         push.announced = True
         return SaveRequest(
-            req_id, push.spec, prompt, list(blocks), min(computed, len(push.prompt)), replace
+            req_id,
+            push.spec,
+            prompt,
+            list(blocks),
+            min(computed, len(push.prompt)),
+            replace_blocks=replace,
+            cache_salt=push.cache_salt,
         )
 
 
@@ -305,7 +317,15 @@ class ConsumerScheduler(SchedulerHalf):
         sync = self._sync.pop(request.request_id, False)
         block_ids = list(blocks.get_block_ids()[0])
         self._loads.append(
-            LoadRequest(request.request_id, spec.req_id, prompt, block_ids, start, sync)
+            LoadRequest(
+                request.request_id,
+                spec.req_id,
+                prompt,
+                block_ids,
+                start,
+                sync=sync,
+                cache_salt=request.cache_salt,
+            )
         )
 
     def build_connector_meta(self, output: SchedulerOutput) -> PDConnectorMetadata:

@@ -90,6 +90,8 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "and that went on over TCP.",
         "transport_self_test_failures": "Transport self-tests failed at handshake.",
         "handshakes_refused": "Handshakes refused: the two sides' KV formats differ.",
+        "peers_evicted": "Idle consumer senders let go to make room for a new consumer "
+        "(the most one producer keeps is 64).",
         "consumer_process_down": "Times the consumer rank's own process was found gone; "
         "every load of that rank is recomputed from then on.",
         # The consumer rank's own counters (its process), as deltas each step.

@@ -201,7 +201,8 @@ class ProducerWorker(WorkerHalf):
                 self._stats.add("pushes_without_rank")
                 logger.error("req %s: not pushed by rank %d: %s", save.spec.req_id, self._rank, exc)
                 return
-            request = Saving(spec, self._keyer.chunk_keys(save.prompt), len(save.prompt))
+            keys = self._keyer.chunk_keys(save.prompt, salt=save.cache_salt)
+            request = Saving(spec, keys, len(save.prompt))
             self._saving[save.req_id] = request
         if save.replace_blocks:
             request.block_ids = list(save.block_ids)

@@ -7,14 +7,24 @@ then warms each up (``VLLMServer.warm_up``: what vLLM compiles on first use is c
 proxy sends traffic), and fails with the instance's name and the end of its log if one does not
 come up. Stopping (Ctrl-C, SIGTERM, or leaving the ``with`` block) stops every process it started,
 process group and all.
+
+The instances of one launch share a key of their own (``new_instance_key``), so that only the
+proxy in front of them can call them: each vLLM gets it in its environment, the proxy reads it
+from ``WORKDIR/instance.key`` (readable by its owner alone). They also share a deployment secret
+(``lmcache_pd/auth.py``: ``$LMCACHE_PD_SECRET`` if set, else a fresh one) in
+``WORKDIR/kv.secret``, which every transfer config and the proxy's name: the KV channel between
+them admits no other process.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
+import secrets
 import socket
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +36,7 @@ import yaml
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from lmcache_pd.auth import SECRET_ENV, generate_secret
 from lmcache_pd.deploy.instance import (
     Role,
     connector_config,
@@ -38,7 +49,14 @@ from lmcache_pd.deploy.vllm_server import VLLMServer
 from lmcache_pd.errors import ConfigError, PDError
 from lmcache_pd.metrics_scrape import scrape
 from lmcache_pd.peers import format_peer
-from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig, Timeouts
+from lmcache_pd.proxy.config import (
+    INSTANCE_API_KEY_ENV,
+    DecodeInstance,
+    PrefillInstance,
+    ProxyConfig,
+    Timeouts,
+    with_env_keys,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +69,25 @@ class LaunchError(PDError):
 # seconds after they are picked, and an ephemeral one can be handed to some other process's
 # outgoing connection in between ("Address already in use", after which vLLM hangs).
 PORT_FLOOR = 20000
+# Bytes of randomness in an instance key (``secrets.token_urlsafe``: 43 characters).
+INSTANCE_KEY_BYTES = 32
+INSTANCE_KEY_FILE = "instance.key"
+KV_SECRET_FILE = "kv.secret"
+
+
+def new_instance_key(environ: Mapping[str, str] | None = None) -> str:
+    """The key the instances of one launch want from their callers: the proxy's instance key
+    from the environment (``INSTANCE_API_KEY_ENV``) if it names one, else a fresh random one."""
+    environ = os.environ if environ is None else environ
+    return environ.get(INSTANCE_API_KEY_ENV) or secrets.token_urlsafe(INSTANCE_KEY_BYTES)
+
+
+def write_key(path: Path, key: str) -> None:
+    """Write ``key`` to ``path``, readable and writable by this user alone."""
+    path.unlink(missing_ok=True)  # a file left by an earlier launch may have other modes
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(key + "\n")
 
 
 def unused_port(taken: set[int]) -> int:
@@ -112,12 +149,18 @@ def start_instance(
     *,
     log_name: str | None = None,
     host: str = "127.0.0.1",
+    api_key: str | None = None,
+    secret_file: Path | None = None,
 ) -> VLLMServer:
     """Start instance ``name`` of ``pools`` without waiting for it: its transfer config is a copy
     of ``spec.config`` with ``kv_role`` and ``settings_of_role`` (a decode rank's receive ports,
     a prefill's warm peers), written to ``workdir/NAME.yaml``; its log is ``workdir/NAME.log``
-    (or ``LOG_NAME.log``). Every engine starts its instances with this."""
+    (or ``LOG_NAME.log``); with ``api_key`` it answers only /health and /metrics without it;
+    ``secret_file``: the deployment secret's (it replaces any the instance's config names).
+    Every engine starts its instances with this."""
     settings = transfer_settings(name, spec, role, settings_of_role)
+    if secret_file is not None:
+        settings["secret_file"] = str(secret_file.resolve())
     if pools.trace:
         settings["trace_path"] = str(workdir / f"{name}.trace.jsonl")
     config_path = workdir / f"{name}.yaml"
@@ -136,6 +179,7 @@ def start_instance(
         log_stats=True,
         wait=False,
         host=host,
+        api_key=api_key,
     )
     logger.info("%s starting on %s (log %s)", name, server.url, log_path)
     return server
@@ -146,9 +190,16 @@ def proxy_config_for(
     prefill: list[PrefillInstance],
     decode: list[DecodeInstance],
     workdir: Path,
+    instance_key: str,
+    secret_file: Path | None = None,
 ) -> ProxyConfig:
-    """The proxy's config for ``pools`` whose instances are ``prefill`` and ``decode``, also
-    written to ``workdir/proxy.yaml`` (what ``lmcache-pd proxy`` needs to front them)."""
+    """The proxy's config for ``pools`` whose instances are ``prefill`` and ``decode`` and want
+    ``instance_key``, also written to ``workdir/proxy.yaml`` (what ``lmcache-pd proxy`` needs to
+    front them; the key itself goes to ``workdir/instance.key``, which it names). The clients'
+    key is the pools file's, or the environment's (``API_KEY_ENV``), which is not written."""
+    key_path = workdir / INSTANCE_KEY_FILE
+    write_key(key_path, instance_key)
+    client_key_file = pools.proxy.api_key_file
     proxy = ProxyConfig(
         model=pools.model,
         prefill=prefill,
@@ -161,9 +212,13 @@ def proxy_config_for(
         min_disagg_tokens=pools.proxy.min_disagg_tokens,
         cpus=pools.proxy.cpus,
         first_token_notices=pools.proxy.first_token_notices,
+        api_key_file=None if client_key_file is None else str(Path(client_key_file).resolve()),
+        instance_api_key_file=str(key_path.resolve()),
+        max_in_flight=pools.proxy.max_in_flight,
+        secret_file=None if secret_file is None else str(secret_file.resolve()),
     )
     (workdir / "proxy.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(proxy)))
-    return proxy
+    return with_env_keys(proxy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,17 +234,30 @@ class _Launch:
 class PoolLauncher:
     """Starts the pools of ``PoolsConfig``; a context manager that stops them all on exit."""
 
-    def __init__(self, pools: PoolsConfig, workdir: Path, console: Console | None = None) -> None:
+    def __init__(
+        self,
+        pools: PoolsConfig,
+        workdir: Path,
+        console: Console | None = None,
+        *,
+        kv_secret: bool = True,
+    ) -> None:
+        """``kv_secret=False`` leaves the KV channel unauthenticated: only for a benchmark's
+        control (what authentication costs), never offered on the command line."""
         self.pools = pools
         self.workdir = workdir
         self.console = console or Console(stderr=True)
         self.servers: dict[str, VLLMServer] = {}
+        self.instance_key = new_instance_key()
+        self.secret_file = workdir / KV_SECRET_FILE if kv_secret else None
         self._launches: dict[str, _Launch] = {}
         self._restarts: dict[str, int] = {}
 
     def start(self) -> ProxyConfig:
         """Start every instance, wait until all are healthy, and return the proxy's config."""
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.secret_file is not None:
+            write_key(self.secret_file, os.environ.get(SECRET_ENV) or generate_secret())
         instances = (*self.pools.prefill, *self.pools.decode)
         ports = Ports([self.pools.proxy.port, *(spec.port for spec in instances if spec.port)])
         prefill, decode = [], []
@@ -213,7 +281,9 @@ class PoolLauncher:
         except BaseException:
             self.stop()
             raise
-        return proxy_config_for(self.pools, prefill, decode, self.workdir)
+        return proxy_config_for(
+            self.pools, prefill, decode, self.workdir, self.instance_key, self.secret_file
+        )
 
     def _launch(
         self,
@@ -227,7 +297,16 @@ class PoolLauncher:
         """Start one instance and remember how, for ``restart``."""
         self._launches[name] = _Launch(spec, role, port, settings_of_role)
         self.servers[name] = start_instance(
-            self.pools, self.workdir, name, spec, role, port, settings_of_role, log_name=log_name
+            self.pools,
+            self.workdir,
+            name,
+            spec,
+            role,
+            port,
+            settings_of_role,
+            log_name=log_name,
+            api_key=self.instance_key,
+            secret_file=self.secret_file,
         )
 
     def _wait_all_healthy(self) -> None:

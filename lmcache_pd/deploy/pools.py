@@ -19,7 +19,7 @@ from lmcache_pd.affinity import CPU_LIST
 from lmcache_pd.deploy.vllm_server import TINY_MODEL_ARGS
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.protocol import MAX_TP_RANKS, Port
-from lmcache_pd.proxy.config import MIN_DISAGG_TOKENS
+from lmcache_pd.proxy.config import MAX_IN_FLIGHT, MIN_DISAGG_TOKENS
 
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=3600)]
 
@@ -81,6 +81,11 @@ class ProxySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cpus: Annotated[str, msgspec.Meta(pattern=f"^{CPU_LIST.pattern}$")] | None = None
     # Decode asked on prefill's first-token notice; see ``ProxyConfig.first_token_notices``.
     first_token_notices: bool = True
+    # A file holding the key clients must send (None: none, unless the environment names one);
+    # see ``ProxyConfig.api_key_file``.
+    api_key_file: str | None = None
+    # Requests the proxy serves at once; see ``ProxyConfig.max_in_flight``.
+    max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = MAX_IN_FLIGHT
 
 
 class RaySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

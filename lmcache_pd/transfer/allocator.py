@@ -87,6 +87,8 @@ class PageAllocator:
                 self._state[page] = PageState.LEASED
                 self._leases.append((deadline, page, self._generation[page]))
             self._leased += count
+            if len(self._leases) > 2 * self.num_pages:
+                self._drop_stale_leases()
         return pages
 
     def confirm(self, page: int, *, keep: bool = False) -> bool:
@@ -137,6 +139,16 @@ class PageAllocator:
     def leased_pages(self) -> int:
         """Pages still waiting for their write (the owner then polls for notifications often)."""
         return self._leased
+
+    def _drop_stale_leases(self) -> None:
+        """Forget lease entries of pages confirmed or freed since: at most one entry per page
+        stays, so pages allocated and cancelled again and again do not grow the queue. Order
+        (by deadline) is kept."""
+        self._leases = deque(
+            (deadline, page, generation)
+            for deadline, page, generation in self._leases
+            if generation == self._generation[page] and self._state[page] is PageState.LEASED
+        )
 
     def _release(self, page: int) -> None:
         if self._state[page] is PageState.LEASED:

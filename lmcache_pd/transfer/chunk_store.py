@@ -9,31 +9,42 @@ needed, or of a request let go, gives its page straight back.
 The parts, one job each: what each page holds and the pages of each key (``page_table.py``),
 the holds per request and their deadlines (``holds.py``), the writes allocations wait for
 (``pending_writes.py``), the requests let go (``dropped_requests.py``), the landed chunks kept
-for reuse (``landed_cache.py``), and the pages reserved ahead for producers
-(``reserved_pages.py``).
+for reuse (``landed_cache.py``), the pages reserved ahead for producers
+(``reserved_pages.py``), and the pages each producer holds room with (``producer_shares.py``).
+
+Whatever a peer sends, the state stays bounded: pages by the buffer, holds by
+``max_held_requests``, requests let go by ``max_dropped_requests``, one producer's pages by its
+share while another waits. Allocation and reservation ids are 63 random bits, so no peer can
+name another's.
 """
 
 from __future__ import annotations
 
-import itertools
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from lmcache_pd.errors import AllocationError, ProtocolError, RequestDropped
+from lmcache_pd.errors import AllocationError, BufferFull, ProtocolError, RequestDropped
 from lmcache_pd.protocol import (
+    BUFFER_FULL_RETRY_AFTER_S,
     DROPPED_MEMORY_S,
+    MAX_BOARD_ENTRIES,
+    MAX_DROPPED_REQUESTS,
+    MAX_HELD_REQUESTS,
+    MAX_PRODUCER_SHARE,
     AllocCancel,
     AllocRequest,
     ReservedWriteDone,
     WriteDone,
 )
 from lmcache_pd.transfer.allocator import PageAllocator, PageState
-from lmcache_pd.transfer.consumer_stats import CacheCounts
+from lmcache_pd.transfer.consumer_stats import CacheCounts, LimitCounts
 from lmcache_pd.transfer.dropped_requests import DroppedRequests
 from lmcache_pd.transfer.holds import Hold, Holds
 from lmcache_pd.transfer.landed_cache import LandedCache
 from lmcache_pd.transfer.page_table import PageInfo, PageTable
 from lmcache_pd.transfer.pending_writes import PendingWrite, PendingWrites
+from lmcache_pd.transfer.producer_shares import ONE_PRODUCER, ProducerId, ProducerShares
 from lmcache_pd.transfer.receive_buffer import LandedChunk
 from lmcache_pd.transfer.reserved_pages import ReservedPages
 
@@ -70,17 +81,21 @@ class ChunkStore:
         dropped_memory_s: float = DROPPED_MEMORY_S,
         cache_pages: int = 0,
         reserve_share: float = RESERVE_SHARE,
+        max_producer_share: float = MAX_PRODUCER_SHARE,
+        max_held_requests: int = MAX_HELD_REQUESTS,
+        max_dropped_requests: int = MAX_DROPPED_REQUESTS,
     ) -> None:
         self._holds = Holds(claim_s=claim_s, hold_s=hold_s)
+        self._max_held_requests = max_held_requests
         self.cache_counts = CacheCounts()
+        self.limit_counts = LimitCounts()
         self._cache = LandedCache(allocator, cache_pages, self.cache_counts)
         self._allocator = allocator
         self._pages = PageTable(allocator)
         self._pending = PendingWrites()
-        self._dropped = DroppedRequests(dropped_memory_s)
-        # Allocations and reservations share ids: a cancel may name either.
-        self._alloc_ids = itertools.count(1)
+        self._dropped = DroppedRequests(dropped_memory_s, self.limit_counts, max_dropped_requests)
         self._reserved = ReservedPages(allocator, reserve_share)
+        self._shares = ProducerShares(allocator.num_pages, max_producer_share, self.limit_counts)
 
     @property
     def used_pages(self) -> int:
@@ -112,14 +127,23 @@ class ChunkStore:
     def held_requests(self) -> int:
         return len(self._holds)
 
-    def allocate(self, request: AllocRequest, now: float) -> Allocation:
-        """Room for every chunk of ``request`` that has not landed here, all or nothing.
+    @property
+    def dropped_requests(self) -> int:
+        """Requests let go and remembered, to refuse their late pushes."""
+        return len(self._dropped)
+
+    def allocate(
+        self, request: AllocRequest, now: float, producer: ProducerId = ONE_PRODUCER
+    ) -> Allocation:
+        """Room for every chunk of ``request`` that has not landed here, all or nothing, for
+        ``producer`` (whose share of the buffer it counts towards until a decode claims it).
 
         A chunk still being written for another request gets a page of its own: sharing it
         would tie this request to a write that may fail.
 
         Raises ``RequestDropped`` for a request already let go, ``AllocationError``
-        (``BufferFull`` if only for now; a chunk larger than a page) or ``ProtocolError`` for a
+        (``BufferFull`` if only for now: no room, too many requests held, or ``producer`` over
+        its share while another waits; a chunk larger than a page) or ``ProtocolError`` for a
         request that makes no sense (a key twice).
         """
         reason = self._dropped.get(request.req_id)
@@ -137,10 +161,18 @@ class ChunkStore:
         skip = self._holds.not_needed(request.req_id)
         held = [self._pages.live_page(key) for key in keys]
         needed = sum(page is None and key not in skip for page, key in zip(held, keys, strict=True))
+        self._check_holds(request.req_id)
+        if needed <= self._allocator.num_pages:  # else refused as too large, whoever asks
+            self._shares.check(producer, self._pages_held_by(producer), needed, now)
         self._forget_all(self._cache.make_room(needed, {page for page in held if page is not None}))
-        fresh = iter(self._allocator.allocate(needed, now))
-        alloc_id = next(self._alloc_ids)
-        hold = self._holds.hold(request.req_id, now)
+        try:
+            fresh = iter(self._allocator.allocate(needed, now))
+        except BufferFull:
+            self._shares.refused_for_room(producer, now)
+            raise
+        self._shares.served(producer)
+        alloc_id = self._new_id()
+        hold = self._holds.hold(request.req_id, now, producer)
         pages: list[int | None] = []
         written: list[int] = []
         for chunk, live in zip(request.chunks, held, strict=True):
@@ -150,7 +182,7 @@ class ChunkStore:
                 continue
             if live is None:
                 page = next(fresh)
-                self._pages.add(page, PageInfo(chunk.key, chunk.nbytes, alloc_id))
+                self._pages.add(page, PageInfo(chunk.key, chunk.nbytes, alloc_id, producer))
                 written.append(page)
                 pages.append(page)
             else:
@@ -186,16 +218,21 @@ class ChunkStore:
             nbytes += self._land(page, None if done.checksums is None else done.checksums[index])
         return len(pending.pages), nbytes
 
-    def reserve(self, count: int, now: float) -> tuple[int, list[int]]:
-        """Up to ``count`` pages tied to no chunk, for a producer to write later pushes into at
-        once (taken back after ``RESERVED_LEASE_S`` unless written); returns (reservation id,
-        pages). Fewer when more would take over ``reserve_share`` of the buffer (many producers
-        may not starve allocations); ``BufferFull`` when none can be had."""
+    def reserve(
+        self, count: int, now: float, producer: ProducerId = ONE_PRODUCER
+    ) -> tuple[int, list[int]]:
+        """Up to ``count`` pages tied to no chunk, for ``producer`` to write later pushes into
+        at once (taken back after ``RESERVED_LEASE_S`` unless written); returns (reservation
+        id, pages). Fewer when more would take over ``reserve_share`` of the buffer (many
+        producers may not starve allocations); ``BufferFull`` when none can be had, or
+        ``producer`` is over its share while another waits."""
         count = self._reserved.room_for(count)
+        self._shares.check(producer, self._pages_held_by(producer), count, now)
         self._forget_all(self._cache.make_room(count, set()))
         pages = self._allocator.allocate(count, now)
-        reservation_id = next(self._alloc_ids)
-        self._reserved.add(reservation_id, pages, now)
+        self._shares.served(producer)
+        reservation_id = self._new_id()
+        self._reserved.add(reservation_id, pages, now, producer)
         return reservation_id, pages
 
     def land_reserved(self, done: ReservedWriteDone, now: float) -> tuple[int, int]:
@@ -210,7 +247,8 @@ class ChunkStore:
         reserved = self._reserved.get(done.reservation_id, set())
         keys = [chunk.key for chunk in done.chunks]
         if (
-            len(done.pages) != len(keys)
+            not done.pages
+            or len(done.pages) != len(keys)
             or (done.checksums is not None and len(done.checksums) != len(keys))
             or len(set(keys)) != len(keys)
             or len(set(done.pages)) != len(done.pages)
@@ -220,11 +258,12 @@ class ChunkStore:
                 f"req {done.req_id}: ReservedWriteDone does not match reservation "
                 f"{done.reservation_id} (lease expired, or pages, keys and checksums differ)"
             )
+        producer = self._reserved.producer_of[done.reservation_id]
         for page in done.pages:
             self._reserved.leave(page)
         dropped = done.req_id in self._dropped
         skip = self._holds.not_needed(done.req_id)
-        hold = None if dropped else self._holds.hold(done.req_id, now)
+        hold = None if dropped else self._holds.hold(done.req_id, now, producer)
         kept = nbytes = 0
         for index, (chunk, page) in enumerate(zip(done.chunks, done.pages, strict=True)):
             live = self._pages.live_page(chunk.key)
@@ -234,7 +273,7 @@ class ChunkStore:
             if dropped or live is not None or chunk.key in skip:
                 self._allocator.free(page)
                 continue
-            self._pages.add(page, PageInfo(chunk.key, chunk.nbytes, done.reservation_id))
+            self._pages.add(page, PageInfo(chunk.key, chunk.nbytes, done.reservation_id, producer))
             assert hold is not None
             self._add_holder(hold, done.req_id, page)
             self._land(page, None if done.checksums is None else done.checksums[index])
@@ -250,7 +289,9 @@ class ChunkStore:
         if self._cache.enabled:
             self._forget_all(self._cache.keep(page, held=bool(info.holders)))
         elif self._allocator.confirm(page):
-            self._pages.forget(page)
+            self._forget(page)
+            return info.nbytes
+        self._recount(page)
         return info.nbytes
 
     def cancel(self, cancel: AllocCancel) -> bool:
@@ -282,15 +323,21 @@ class ChunkStore:
                 self._holds[holder].pages.discard(page)
             self._pages[page].holders.clear()
             self._allocator.free(page)
-            self._pages.forget(page)
+            self._forget(page)
 
     def unclaimed_landed(self) -> dict[str, int]:
-        """Per request no decode has claimed yet, how many of the chunks it holds have landed:
-        once that is all of its prompt's, its decode can load it before its first step."""
-        return {
-            req_id: sum(self._allocator.state(page) is PageState.LIVE for page in hold.pages)
-            for req_id, hold in self._holds.unclaimed()
-        }
+        """Per request no decode has claimed yet, how many of the chunks it holds have landed,
+        if any: once that is all of its prompt's, its decode can load it before its first step.
+        At most ``MAX_BOARD_ENTRIES`` requests, those held longest first (decode schedules
+        requests in the order they came); the others read as nothing landed yet."""
+        landed: dict[str, int] = {}
+        for req_id, hold in self._holds.unclaimed():
+            count = sum(self._allocator.state(page) is PageState.LIVE for page in hold.pages)
+            if count:
+                landed[req_id] = count
+                if len(landed) == MAX_BOARD_ENTRIES:
+                    break
+        return landed
 
     def landed(self, key: bytes, holder: str | None = None) -> LandedChunk | None:
         """The chunk with ``key`` if a write of it was confirmed, else None. With ``holder``,
@@ -315,6 +362,8 @@ class ChunkStore:
             for page in sorted(p for p in hold.pages if self._pages[p].key in not_needed):
                 hold.pages.discard(page)
                 self._unhold(req_id, page)
+            for page in hold.pages:  # a decode's now: no longer its producer's
+                self._recount(page)
         return None
 
     def dropped_reason(self, req_id: str) -> str | None:
@@ -338,10 +387,11 @@ class ChunkStore:
         info = self._pages[page]
         info.holders.discard(req_id)
         if self._allocator.decref(page):
-            self._pages.forget(page)
+            self._forget(page)
             return True
         if not info.holders:
             self._forget_all(self._cache.unheld(page))
+        self._recount(page)
         return False
 
     def knows(self, req_id: str) -> bool:
@@ -365,7 +415,7 @@ class ChunkStore:
                 lapsed_writes.append(pending.req_id)
             for holder in info.holders:
                 self._holds[holder].pages.discard(page)
-            self._pages.forget(page)
+            self._forget(page)
         self._reserved.give_back_lapsed(now)
         lapsed_holds: list[str] = []
         # Holds lapse in the order of their deadlines, which is the order their pages join the
@@ -383,8 +433,49 @@ class ChunkStore:
             hold.pages.add(page)
             self._pages[page].holders.add(req_id)
             self._cache.held(page)
+            self._recount(page)
 
     def _forget_all(self, pages: Iterable[int]) -> None:
         """The pages the cache evicted are freed: their chunks are gone."""
         for page in pages:
-            self._pages.forget(page)
+            self._forget(page)
+
+    def _forget(self, page: int) -> None:
+        """``page`` is freed: it holds nothing, and counts towards nobody."""
+        self._pages.forget(page)
+        self._shares.count(page, frozenset())
+
+    def _recount(self, page: int) -> None:
+        """Which producers ``page`` counts towards now: its writer while the write is due, and
+        the producer of each request that holds it and no decode has claimed."""
+        info = self._pages.get(page)
+        owners: set[ProducerId] = set()
+        if info is not None:
+            if self._allocator.state(page) is PageState.LEASED:
+                owners.add(info.writer)
+            for holder in info.holders:
+                if holder not in self._holds.claimed:
+                    owners.add(self._holds[holder].producer)
+        self._shares.count(page, frozenset(owners))
+
+    def _pages_held_by(self, producer: ProducerId) -> int:
+        return self._shares.pages_of(producer) + self._reserved.pages_of(producer)
+
+    def _check_holds(self, req_id: str) -> None:
+        """``BufferFull`` if ``req_id`` would be one request too many holding pages here."""
+        if req_id in self._holds or len(self._holds) < self._max_held_requests:
+            return
+        self.limit_counts.refused_holds_full += 1
+        raise BufferFull(
+            f"{len(self._holds)} requests hold pages here already, at most "
+            f"{self._max_held_requests}",
+            BUFFER_FULL_RETRY_AFTER_S,
+        )
+
+    def _new_id(self) -> int:
+        """An allocation or reservation id no peer can guess (they share one space: a cancel
+        may name either)."""
+        new_id = secrets.randbits(63)
+        while new_id in self._pending or new_id in self._reserved:  # 2**-63 per id in use
+            new_id = secrets.randbits(63)
+        return new_id

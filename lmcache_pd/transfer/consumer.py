@@ -25,6 +25,7 @@ import zmq
 
 from lmcache_pd import protocol
 from lmcache_pd.affinity import unpin_this_thread
+from lmcache_pd.auth import load_keys, unseal, warn_if_open
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import ConfigError, IntegrityError, ProtocolError, VersionMismatch
@@ -90,8 +91,10 @@ class Consumer:
             chunk_size=config.chunk_size, page_bytes=config.page_bytes
         )
         self._board = board
-        # Chunks landed (or were found held) since the last post: the service thread's alone.
+        # Chunks landed (or were found held) since the last post, and that post: the service
+        # thread's alone (a post that would change nothing is not written).
         self._landed_changed = False
+        self._last_post: dict[str, int] | None = None
         self._lock = threading.Lock()
         allocator = PageAllocator(
             num_pages=config.num_pages, page_bytes=config.page_bytes, lease_s=config.alloc_lease_s
@@ -101,6 +104,7 @@ class Consumer:
             claim_s=config.claim_timeout_s,
             hold_s=config.hold_timeout_s,
             cache_pages=config.cache_pages,
+            max_producer_share=config.max_producer_share,
         )
         # Zeroed now so that every page is faulted in here, not on the first transfers. The
         # self-test slots follow the pages.
@@ -110,6 +114,9 @@ class Consumer:
         self._buffer = (torch.empty(size, dtype=torch.uint8) if buffer is None else buffer).zero_()
         self._channel = channel or NixlChannel.from_config(config, role="consumer")
         self._context = zmq.Context()
+        self._keys = load_keys(config.secret_file)
+        where = f"consumer ports {config.init_port}/{config.alloc_port}"
+        self._unauthenticated = warn_if_open(self._keys, where, config.receiver_host)
         self._stop = threading.Event()
         self._alloc_port = AllocPort(
             agent_name=self._channel.agent_name,
@@ -128,8 +135,9 @@ class Consumer:
                 stats=self.stats,
                 lock=self._lock,
             )
-            self._init_socket = bind_router(self._context, config.receiver_host, config.init_port)
-            self._alloc_socket = bind_router(self._context, config.receiver_host, config.alloc_port)
+            host, keys = config.receiver_host, self._keys
+            self._init_socket = bind_router(self._context, host, config.init_port, keys)
+            self._alloc_socket = bind_router(self._context, host, config.alloc_port, keys)
         except BaseException:
             self._close_resources()
             raise
@@ -162,11 +170,14 @@ class Consumer:
             return {
                 **asdict(self.stats),
                 **{f"cache_{name}": n for name, n in asdict(self._store.cache_counts).items()},
+                **asdict(self._store.limit_counts),
                 "used_pages": self._store.used_pages,
                 "cached_pages": self._store.cached_pages,
                 "pending_writes": self._store.pending_writes,
                 "reserved_pages": self._store.reserved_pages,
                 "held_requests": self._store.held_requests,
+                "dropped_requests": self._store.dropped_requests,
+                "unauthenticated": int(self._unauthenticated),
             }
 
     @property
@@ -308,36 +319,50 @@ class Consumer:
         if self._board is not None:
             with self._lock:
                 landed = self._store.unclaimed_landed()
-            landed_board.post(self._board, landed)
+            if landed != self._last_post:
+                landed_board.post(self._board, landed)
+                self._last_post = landed
 
-    def _drain(self, socket: zmq.Socket, handler: Callable[[bytes], protocol.Message]) -> None:
-        """Answer up to MAX_MESSAGES_PER_TURN queued requests, each exactly once."""
+    def _drain(
+        self, socket: zmq.Socket, handler: Callable[[bytes, bytes], protocol.Message]
+    ) -> None:
+        """Answer up to MAX_MESSAGES_PER_TURN queued requests, each exactly once. A request is
+        [routing id, one body frame] (a DEALER's); a message of more frames is refused unread,
+        its extra frames let go one by one (zmq holds them already: it queues only whole
+        messages)."""
         for _ in range(MAX_MESSAGES_PER_TURN):
             try:
-                frames = socket.recv_multipart(zmq.NOBLOCK, copy=True)
+                routing_id = socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            # A DEALER sends [identity, body]; a REQ adds an empty delimiter we echo back.
-            envelope, body = frames[:1], frames[1:]
-            if len(body) > 1 and body[0] == b"":
-                envelope, body = frames[:2], frames[2:]
-            if len(body) != 1:
-                self.stats.malformed_messages += 1
-                logger.warning("refused a malformed message: %d body frames, not 1", len(body))
-                reply = refusal(ErrorCode.MALFORMED, f"expected 1 body frame, got {len(body)}")
+            body = socket.recv(zmq.NOBLOCK) if socket.getsockopt(zmq.RCVMORE) else b""
+            extra = 0
+            while socket.getsockopt(zmq.RCVMORE):
+                socket.recv(zmq.NOBLOCK, copy=False)
+                extra += 1
+            if extra:
+                with self._lock:
+                    self.stats.malformed_messages += 1
+                    self.stats.refused_extra_frames += 1
+                logger.warning(
+                    "refused a message of %d body frames unread (a request is one frame)",
+                    extra + 1,
+                )
+                reply = refusal(ErrorCode.MALFORMED, f"expected 1 body frame, got {extra + 1}")
             else:
-                reply = self._handle(handler, body[0])
+                reply = self._handle(handler, routing_id, body)
             with contextlib.suppress(zmq.ZMQError):
-                socket.send_multipart([*envelope, protocol.encode(reply)], zmq.NOBLOCK)
+                socket.send_multipart([routing_id, protocol.encode(reply)], zmq.NOBLOCK)
 
     def _handle(
-        self, handler: Callable[[bytes], protocol.Message], body: bytes
+        self, handler: Callable[[bytes, bytes], protocol.Message], peer: bytes, body: bytes
     ) -> protocol.Message:
         """Run one handler; a bug of ours gets an error reply and a log, and serving goes on."""
         try:
-            return handler(body)
+            return handler(peer, body)
         except Exception:
-            self.stats.internal_errors += 1
+            with self._lock:
+                self.stats.internal_errors += 1
             logger.exception("internal error while answering a %d-byte message", len(body))
             return refusal(ErrorCode.INTERNAL, "internal error, see the consumer's log")
 
@@ -353,18 +378,20 @@ class Consumer:
             logger.warning("refused a malformed message (%d bytes): %s", len(body), exc)
             return refusal(ErrorCode.MALFORMED, str(exc))
 
-    def _on_init(self, body: bytes) -> protocol.Message:
+    def _on_init(self, _peer: bytes, body: bytes) -> protocol.Message:
         message = self._decode(protocol.INIT_REQUESTS, body)
         return message if isinstance(message, ErrorReply) else self._init_port.answer(message)
 
-    def _on_alloc(self, body: bytes) -> protocol.Message:
+    def _on_alloc(self, producer: bytes, body: bytes) -> protocol.Message:
         request = self._decode(protocol.ALLOC_REQUESTS, body)
-        return request if isinstance(request, ErrorReply) else self._alloc_port.answer(request)
+        if isinstance(request, ErrorReply):
+            return request
+        return self._alloc_port.answer(request, producer)
 
     def _on_notifications(self) -> None:
         for peer, message in self._channel.notifications():
             try:
-                done = protocol.NOTIFICATIONS.decode(message)
+                done = protocol.NOTIFICATIONS.decode(unseal(self._keys, message))
                 if isinstance(done, protocol.ProbeDone):
                     self._init_port.on_probe_done(peer, done)
                     continue

@@ -2,9 +2,9 @@
 ``/metrics``.
 
 A consumer's ``stats_snapshot`` holds every counter of ``ConsumerStats``, those of ``CacheCounts``
-prefixed ``cache_``, and the buffer's use. Decode's worker reports the ones in
-``EXPORTED_COUNTERS`` and ``EXPORTED_GAUGES`` to vLLM (``connector/consumer_worker.py``), which
-shows them as ``lmcache_pd_consumer_<name>`` (``connector/stats.py``).
+prefixed ``cache_``, those of ``LimitCounts``, and the buffer's use. Decode's worker reports the
+ones in ``EXPORTED_COUNTERS`` and ``EXPORTED_GAUGES`` to vLLM (``connector/consumer_worker.py``),
+which shows them as ``lmcache_pd_consumer_<name>`` (``connector/stats.py``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,14 @@ class ConsumerStats:
     init_requests: int = 0
     alloc_requests: int = 0
     malformed_messages: int = _exported("Malformed or out-of-bounds messages refused.")
+    # Of malformed_messages, messages of more than one body frame, refused before any decode.
+    refused_extra_frames: int = _exported(
+        "Of those, messages of more than one body frame, refused unread."
+    )
     version_mismatches: int = 0
-    refused_buffer_full: int = _exported("Allocations refused for a full receive buffer.")
+    refused_buffer_full: int = _exported(
+        "Allocations refused as buffer_full: no room, or one of the consumer's limits."
+    )
     refused_too_large: int = 0
     refused_dropped: int = _exported("Pushes refused: their request was let go already.")
     requests_abandoned: int = _exported("KVAbandoned notices the consumer received.")
@@ -65,13 +71,33 @@ class CacheCounts:
     not_needed: int = _exported("Chunks decode's own prefix cache had: not written.")
 
 
+@dataclass(slots=True)
+class LimitCounts:
+    """Times the consumer's bounds on per-peer and per-request state were reached."""
+
+    dropped_forgotten_early: int = _exported(
+        "Requests let go that were forgotten before dropped_memory_s: too many remembered."
+    )
+    refused_holds_full: int = _exported(
+        "Allocations refused (buffer_full): too many requests hold pages already."
+    )
+    refused_producer_share: int = _exported(
+        "Allocations refused (buffer_full): their producer held over max_producer_share of the "
+        "buffer while another waited for room."
+    )
+
+
 def _help_texts(counters: type, prefix: str = "") -> dict[str, str]:
     return {prefix + f.name: f.metadata[_HELP] for f in fields(counters) if _HELP in f.metadata}
 
 
 # Snapshot counters that reach /metrics, by name, with their help text.
 EXPORTED_COUNTERS: Mapping[str, str] = MappingProxyType(
-    {**_help_texts(ConsumerStats), **_help_texts(CacheCounts, "cache_")}
+    {
+        **_help_texts(ConsumerStats),
+        **_help_texts(CacheCounts, "cache_"),
+        **_help_texts(LimitCounts),
+    }
 )
 # Snapshot gauges (the buffer's use now) that reach /metrics, by name, with their help text.
 EXPORTED_GAUGES: Mapping[str, str] = MappingProxyType(
@@ -79,6 +105,9 @@ EXPORTED_GAUGES: Mapping[str, str] = MappingProxyType(
         "used_pages": "Pages of the consumer's receive buffer held or being written.",
         "cached_pages": "Pages keeping a landed chunk nobody holds, for reuse.",
         "held_requests": "Requests whose chunks the consumer holds.",
+        "unauthenticated": "1 while the consumer listens beyond loopback with no deployment "
+        "secret: any process that reaches it can write into its KV cache.",
         "reserved_pages": "Pages reserved ahead for producers, not written yet.",
+        "dropped_requests": "Requests let go that the consumer remembers, to refuse their pushes.",
     }
 )

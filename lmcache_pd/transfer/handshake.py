@@ -6,7 +6,12 @@ handshake) and network-stack identities, which pick the UCX transports (``transp
 3, the self-test, writes a nonce the consumer chose into its slot with a ProbeDone notification
 and asks until the consumer has seen both, within ``self_test_timeout_s``. A transport that fails
 it is followed by TCP; if none passes, ``TransportUnusable`` names the consumer and each try.
-Every step has a deadline.
+The whole handshake, every step and every transport tried, ends by one deadline
+(``handshake_timeout_s`` from its start, not counting the making of our own NIXL agent), so that
+a peer that answers slowly, or a spec naming a host that does not answer at all, holds the
+sender that connects to it no longer. One step cannot be interrupted: NIXL's loading of the
+consumer's metadata (``_add_peer``), a native call with no deadline of its own; a handshake it
+made overrun fails when it returns.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 import zmq
 
 from lmcache_pd import protocol, transport
+from lmcache_pd.auth import DeploymentKeys, seal
 from lmcache_pd.compat import KVProfile, incompatibilities
 from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import (
@@ -61,6 +67,8 @@ class Peer:
     # How long after its AllocRequest a write may still go into the pages (the consumer's lease
     # less a margin, capped by our own transfer_timeout_s).
     write_budget_s: float
+    # Seal our notifications to it (None: the deployment has no secret).
+    keys: DeploymentKeys | None
 
     def check_pages(self, req_id: str, pages: Sequence[int | None]) -> None:
         """Never write where the consumer's own buffer does not reach."""
@@ -81,8 +89,10 @@ class Handshake:
         context: zmq.Context,
         channel_for: Callable[[str | None], Channel],
         count: Count,
+        keys: DeploymentKeys | None,
     ) -> None:
-        """``channel_for`` gives the agent of a UCX_TLS setting (made on first use)."""
+        """``channel_for`` gives the agent of a UCX_TLS setting (made on first use); ``keys``
+        authenticate the consumer's sockets and seal our notifications (``auth.py``)."""
         self.config = config
         self.profile = profile
         self._stack = transport.stack_identity()
@@ -90,14 +100,16 @@ class Handshake:
         self._context = context
         self._channel_for = channel_for
         self._count = count
+        self._keys = keys
 
     def run(self, spec: DisaggSpec) -> Peer:
         """A handshake with ``spec``'s consumer, all three steps; raises ``Incompatible``,
         ``TransportUnusable``, ``PeerUnreachable``, ``ProtocolError`` or ``TransferError``."""
         where = f"consumer {spec.receiver_host}:{spec.receiver_init_port}"
-        socket = dealer(self._context, spec.receiver_host, spec.receiver_init_port)
+        deadline = time.monotonic() + self.config.handshake_timeout_s
+        socket = dealer(self._context, spec.receiver_host, spec.receiver_init_port, self._keys)
         try:
-            metadata = self._consumer_metadata(spec, socket)
+            metadata = self._consumer_metadata(spec, socket, deadline)
             choice = transport.choose(
                 self._stack,
                 metadata.stack,
@@ -107,7 +119,12 @@ class Handshake:
             )
             tried: list[str] = []
             for ucx_tls in choice.attempts:
-                peer = self._attempt(spec, socket, metadata, ucx_tls, tried)
+                # Our own agent of that transport, made on first use, is local work, not the
+                # peer's: its time does not count.
+                made = time.monotonic()
+                channel = self._channel_for(ucx_tls)
+                deadline += time.monotonic() - made
+                peer = self._attempt(spec, socket, metadata, channel, ucx_tls, tried, deadline)
                 if peer is not None:
                     break
             else:
@@ -140,9 +157,11 @@ class Handshake:
         )
         return peer
 
-    def _consumer_metadata(self, spec: DisaggSpec, socket: zmq.Socket) -> protocol.AgentMetadata:
-        """Step 1: profiles and identities swapped, and checked on both sides."""
-        deadline = time.monotonic() + self.config.handshake_timeout_s
+    def _consumer_metadata(
+        self, spec: DisaggSpec, socket: zmq.Socket, deadline: float
+    ) -> protocol.AgentMetadata:
+        """Step 1, by ``deadline``: profiles and identities swapped, and checked on both
+        sides."""
         request = protocol.MetadataRequest(
             version=protocol.PROTOCOL_VERSION, profile=self.profile, stack=self._stack
         )
@@ -172,13 +191,19 @@ class Handshake:
         spec: DisaggSpec,
         socket: zmq.Socket,
         metadata: protocol.AgentMetadata,
+        channel: Channel,
         ucx_tls: str | None,
         tried: list[str],
+        deadline: float,
     ) -> Peer | None:
-        """Steps 2 and 3 over ``ucx_tls``: the peer, or None (and why, in ``tried``) if the
-        self-test failed."""
-        deadline = time.monotonic() + self.config.handshake_timeout_s
-        channel = self._channel_for(ucx_tls)
+        """Steps 2 and 3 over ``channel`` (our agent of ``ucx_tls``), by the handshake's
+        ``deadline``: the peer, or None (and why, in ``tried``) if the self-test failed."""
+        if time.monotonic() >= deadline:
+            raise PeerTimeout(
+                f"req {spec.req_id}: handshake with consumer {spec.receiver_host}:"
+                f"{spec.receiver_init_port} not done within {self.config.handshake_timeout_s} s;"
+                f" tried {'; '.join(tried)}"
+            )
         name = self._add_peer(spec, channel, metadata.metadata, deadline)
         try:
             buffer = _reachable(
@@ -190,7 +215,7 @@ class Handshake:
                 raise ProtocolError(
                     f"req {spec.req_id}: bad BufferDescriptors from {name}: {buffer}"
                 )
-            failure = self._self_test(spec, socket, channel, name, buffer)
+            failure = self._self_test(spec, socket, channel, name, buffer, deadline)
         except BaseException:
             # Half a handshake: the next attempt starts from a clean NIXL peer table.
             with contextlib.suppress(PDError):
@@ -221,7 +246,10 @@ class Handshake:
             ),
             page_bytes=buffer.page_bytes,
             num_pages=buffer.num_pages,
-            alloc_socket=dealer(self._context, spec.receiver_host, spec.receiver_alloc_port),
+            alloc_socket=dealer(
+                self._context, spec.receiver_host, spec.receiver_alloc_port, self._keys
+            ),
+            keys=self._keys,
             write_budget_s=min(
                 self.config.transfer_timeout_s, protocol.write_budget_s(buffer.alloc_lease_s)
             ),
@@ -234,17 +262,20 @@ class Handshake:
         channel: Channel,
         name: str,
         buffer: protocol.BufferDescriptors,
+        handshake_deadline: float,
     ) -> str | None:
         """Step 3: write the consumer's nonce into its slot with a ProbeDone notification and
-        ask until the consumer has seen both. None if it did, else what went wrong."""
+        ask until the consumer has seen both, within ``self_test_timeout_s`` and by the
+        handshake's deadline. None if it did, else what went wrong."""
         if not self.config.transport_self_test:
             return None
         timeout_s = self.config.self_test_timeout_s
-        deadline = time.monotonic() + timeout_s
+        deadline = min(time.monotonic() + timeout_s, handshake_deadline)
         nonce = buffer.probe_nonce
         size = protocol.PROBE_NONCE_BYTES
         remote = RegisteredBuffer(buffer.mem_type, buffer.device_id, buffer.probe_addr, size)
-        notif = protocol.encode(protocol.ProbeDone(version=protocol.PROTOCOL_VERSION, nonce=nonce))
+        probe = protocol.ProbeDone(version=protocol.PROTOCOL_VERSION, nonce=nonce)
+        notif = seal(self._keys, protocol.encode(probe))
         with self._staging.probe_slot() as source:
             source.copy_(torch.frombuffer(bytearray(nonce), dtype=torch.uint8))
             segments = np.array([[source.data_ptr(), buffer.probe_addr, size]], dtype=np.uint64)
@@ -278,20 +309,18 @@ class Handshake:
     ) -> str:
         """Load the consumer's NIXL metadata. NIXL 1.5.1 makes the UCX endpoint here without
         waiting for the consumer (1-30 ms measured), but the call has no deadline of its own and
-        cannot be interrupted: say when it overran ours."""
+        cannot be interrupted: if it overran ours, the peer is dropped again and the handshake
+        fails (``PeerTimeout``)."""
         started = time.monotonic()
         name = channel.add_peer(metadata)
         finished = time.monotonic()
         if finished > deadline:
-            logger.warning(
-                "req %s: NIXL took %.1f s to connect to %s at %s:%d, past the %.1f s handshake "
-                "deadline",
-                spec.req_id,
-                finished - started,
-                name,
-                spec.receiver_host,
-                spec.receiver_init_port,
-                self.config.handshake_timeout_s,
+            with contextlib.suppress(PDError):
+                channel.remove_peer(name)
+            raise PeerTimeout(
+                f"req {spec.req_id}: NIXL took {finished - started:.1f} s to connect to {name} "
+                f"at {spec.receiver_host}:{spec.receiver_init_port}, past the "
+                f"{self.config.handshake_timeout_s} s handshake deadline"
             )
         return name
 

@@ -13,14 +13,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from lmcache_pd.transfer.owned_mapping import OwnedMapping
+from lmcache_pd.transfer.producer_shares import ProducerId
+
+# Stale entries (of holds renewed or let go) the deadline heap may hold beyond one per hold
+# before it is rebuilt: a peer renewing one hold again and again must not grow it.
+STALE_DEADLINES = 1024
 
 
 @dataclass(slots=True)
 class Hold:
-    """The pages one request holds, and when the hold lapses if never released."""
+    """The pages one request holds, when the hold lapses if never released, and the producer
+    whose allocation made it (pages it holds count towards that producer's share until a
+    decode claims it)."""
 
     pages: set[int]
     deadline: float
+    producer: ProducerId
 
 
 class Holds(OwnedMapping[str, Hold]):
@@ -40,13 +48,14 @@ class Holds(OwnedMapping[str, Hold]):
         # Per claimed request, chunk keys its decode has in its own cache: never written for it.
         self._not_needed: dict[str, frozenset[bytes]] = {}
 
-    def hold(self, req_id: str, now: float) -> Hold:
-        """The request's hold, made or extended; a later AllocRequest of it renews the deadline."""
+    def hold(self, req_id: str, now: float, producer: ProducerId) -> Hold:
+        """The request's hold, made (as ``producer``'s) or extended; a later AllocRequest of it
+        renews the deadline."""
         deadline = now + (self._hold_s if req_id in self.claimed else self._claim_s)
         hold = self._entries.get(req_id)
         if hold is None:
-            hold = self._entries[req_id] = Hold(set(), deadline)
-            heapq.heappush(self.deadlines, (deadline, req_id))
+            hold = self._entries[req_id] = Hold(set(), deadline, producer)
+            self._push_deadline(deadline, req_id)
         else:
             self._renew(hold, req_id, deadline)
         return hold
@@ -95,4 +104,10 @@ class Holds(OwnedMapping[str, Hold]):
 
     def _renew(self, hold: Hold, req_id: str, deadline: float) -> None:
         hold.deadline = deadline
+        self._push_deadline(deadline, req_id)
+
+    def _push_deadline(self, deadline: float, req_id: str) -> None:
         heapq.heappush(self.deadlines, (deadline, req_id))
+        if len(self.deadlines) > len(self._entries) + STALE_DEADLINES:
+            self.deadlines = [(held.deadline, held_id) for held_id, held in self._entries.items()]
+            heapq.heapify(self.deadlines)

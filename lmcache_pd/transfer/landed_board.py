@@ -7,9 +7,12 @@ without waiting on anyone. The consumer's process posts when chunks land, so wha
 reads is as fresh as the landing itself; a report carried back through the worker's step output
 arrives a step or two late on a busy core (measured: 4 to 6 of 13 requests in time). A post
 replaces the file whole (``os.replace``), so a reader sees one post or the next, never half of
-one. A missing or unreadable board reads as "nothing landed": the load is then asynchronous, as
-it would be without the board. The board is a hint, never trusted for bytes: the load itself
-checks where each chunk landed, and its checksum.
+one; the consumer posts only when what the board says changed, and only requests with chunks
+landed, at most ``MAX_BOARD_ENTRIES`` of them (``ChunkStore.unclaimed_landed``), so the file stays
+small whatever its peers send. A missing or unreadable board, or a request left off it, reads as
+"nothing landed": the load is then asynchronous, as it would be without the board. The board is
+a hint, never trusted for bytes: the load itself checks where each chunk landed, and its
+checksum.
 """
 
 from __future__ import annotations

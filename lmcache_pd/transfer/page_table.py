@@ -11,16 +11,18 @@ from dataclasses import dataclass, field
 
 from lmcache_pd.transfer.allocator import PageAllocator, PageState
 from lmcache_pd.transfer.owned_mapping import OwnedMapping
+from lmcache_pd.transfer.producer_shares import ProducerId
 from lmcache_pd.transfer.receive_buffer import LandedChunk
 
 
 @dataclass(slots=True)
 class PageInfo:
-    """What a used page holds."""
+    """What a used page holds, and the producer that writes (or wrote) it."""
 
     key: bytes
     nbytes: int
     alloc_id: int
+    writer: ProducerId
     holders: set[str] = field(default_factory=set)
     checksum: int | None = None
 

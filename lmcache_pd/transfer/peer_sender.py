@@ -103,6 +103,10 @@ class PeerSender:
         self._count = count
         self._trace = trace
         self._warm = warm
+        # This peer's jobs not finished yet, and when the last was submitted (the pool's thread
+        # reads both to pick an idle peer to let go).
+        self._unfinished = Outstanding()
+        self.last_used = time.monotonic()
         # Bounded in effect by the staging buffer: every push job holds staging pages.
         self._jobs: queue.Queue[Job] = queue.Queue()
         self._stop = threading.Event()
@@ -114,7 +118,19 @@ class PeerSender:
 
     def submit(self, job: Job) -> None:
         self._outstanding.add(1)
+        self._unfinished.add(1)
+        self.last_used = time.monotonic()
         self._jobs.put(job)
+
+    @property
+    def warm(self) -> bool:
+        """Whether this peer is connected ahead of its requests (a known decode rank)."""
+        return self._warm
+
+    @property
+    def idle(self) -> bool:
+        """No job of this peer is queued or running: no write in flight, no allocation due."""
+        return self._unfinished.count == 0
 
     def stop(self) -> None:
         self._stop.set()
@@ -141,6 +157,12 @@ class PeerSender:
         finally:
             for job in self._pending_jobs():
                 self._give_back(job)
+            if self._untold:
+                logger.warning(
+                    "sender for %s:%d stopped with %d notices not acknowledged; given up",
+                    *self.address[:2],
+                    len(self._untold),
+                )
             producer.close()
 
     def _serve(self, producer: Producer) -> None:
@@ -342,6 +364,7 @@ class PeerSender:
         if isinstance(job, PushJob):
             job.pages.__exit__(None, None, None)
         self._outstanding.add(-1)
+        self._unfinished.add(-1)
 
     def _pending_jobs(self) -> list[Job]:
         jobs = []

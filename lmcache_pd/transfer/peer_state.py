@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmcache_pd import protocol
+from lmcache_pd.auth import seal
 from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import BufferFull, PDError, PeerRestarted, ProtocolError, TransferError
 from lmcache_pd.protocol import DisaggSpec
@@ -85,7 +86,7 @@ class PeerState:
         segments[:, 0] = write.addresses
         segments[:, 1] = peer.buffer.base_addr + pages * peer.page_bytes
         segments[:, 2] = write.sizes
-        notif = protocol.encode(write.done)
+        notif = seal(peer.keys, protocol.encode(write.done))
         try:
             handle = peer.channel.post_write(peer.name, segments, peer.buffer, notif)
         except TransferError as exc:

@@ -7,22 +7,25 @@ were handed out. The producer's side of them is ``reservations.py``.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator, Mapping
 
 from lmcache_pd.errors import BufferFull
 from lmcache_pd.protocol import BUFFER_FULL_RETRY_AFTER_S, RESERVED_FRESH_S, RESERVED_LEASE_S
 from lmcache_pd.transfer.allocator import PageAllocator
+from lmcache_pd.transfer.producer_shares import ProducerId
 
 
 class ReservedPages(Mapping[int, set[int]]):
-    """The unwritten pages of each reservation by its id, the way back, and when each
-    reservation lapses."""
+    """The unwritten pages of each reservation by its id, the producer it is for, the way back,
+    and when each reservation lapses."""
 
     def __init__(self, allocator: PageAllocator, reserve_share: float) -> None:
         self._allocator = allocator
         self._reserved: dict[int, set[int]] = {}
         self.reservation_of: dict[int, int] = {}
+        self.producer_of: dict[int, ProducerId] = {}  # by reservation
+        self._pages_of_producer: Counter[ProducerId] = Counter()
         # When each reservation lapses, in the order they were handed out (which is that order).
         self._reserved_until: deque[tuple[float, int]] = deque()
         self._max_reserved = max(1, int(allocator.num_pages * reserve_share))
@@ -42,6 +45,10 @@ class ReservedPages(Mapping[int, set[int]]):
         """Pages reserved and not written yet."""
         return len(self.reservation_of)
 
+    def pages_of(self, producer: ProducerId) -> int:
+        """Pages reserved for ``producer`` and not written yet."""
+        return self._pages_of_producer[producer]
+
     def fresh(self, now: float) -> bool:
         """Whether pages are reserved and some were handed out within ``RESERVED_FRESH_S`` (a
         producer writes into them only that soon)."""
@@ -60,11 +67,20 @@ class ReservedPages(Mapping[int, set[int]]):
             )
         return count
 
-    def add(self, reservation_id: int, pages: list[int], now: float) -> None:
-        """``pages`` were just allocated and handed out as reservation ``reservation_id``."""
+    def add(self, reservation_id: int, pages: list[int], now: float, producer: ProducerId) -> None:
+        """``pages`` were just allocated and handed out to ``producer`` as reservation
+        ``reservation_id``."""
         self._last_reserved_at = now
         self._reserved[reservation_id] = set(pages)
+        self.producer_of[reservation_id] = producer
+        self._pages_of_producer[producer] += len(pages)
         self._reserved_until.append((now + RESERVED_LEASE_S, reservation_id))
+        if len(self._reserved_until) > 2 * len(self._reserved) + self._max_reserved:
+            # Reservations given back early leave their entries: a producer reserving and
+            # cancelling again and again must not grow the queue. Order is kept.
+            self._reserved_until = deque(
+                entry for entry in self._reserved_until if entry[1] in self._reserved
+            )
         for page in pages:
             self.reservation_of[page] = reservation_id
 
@@ -76,12 +92,18 @@ class ReservedPages(Mapping[int, set[int]]):
         reservation_id = self.reservation_of.pop(page)
         reserved = self._reserved[reservation_id]
         reserved.discard(page)
+        self._uncount(reservation_id, 1)
         if not reserved:
             del self._reserved[reservation_id]
+            del self.producer_of[reservation_id]
 
     def give_back(self, reservation_id: int) -> None:
         """Free the unwritten pages of a reservation (given back, or lapsed)."""
-        for page in self._reserved.pop(reservation_id, set()):
+        pages = self._reserved.pop(reservation_id, set())
+        if pages:
+            self._uncount(reservation_id, len(pages))
+            del self.producer_of[reservation_id]
+        for page in pages:
             del self.reservation_of[page]
             self._allocator.free(page)
 
@@ -90,3 +112,9 @@ class ReservedPages(Mapping[int, set[int]]):
         before ``now``."""
         while self._reserved_until and self._reserved_until[0][0] <= now:
             self.give_back(self._reserved_until.popleft()[1])
+
+    def _uncount(self, reservation_id: int, pages: int) -> None:
+        producer = self.producer_of[reservation_id]
+        self._pages_of_producer[producer] -= pages
+        if not self._pages_of_producer[producer]:
+            del self._pages_of_producer[producer]

@@ -1,6 +1,12 @@
 """A producer rank's sender threads: one per consumer rank (``peer_sender.py``), each the only
 user of its own NIXL agent, so that a consumer that is slow, dead or stuck in NIXL's connect
 delays no push to any other consumer. The jobs they take are ``sender_jobs.py``'s.
+
+At most ``MAX_PEERS`` senders run at once. A request naming one more consumer lets go of the
+sender idle longest (no job queued or running; never a warm peer's, a decode rank the launcher
+named): its thread ends and closes its producer, with its sockets and NIXL agent. Only when every
+sender is busy is the request refused. So bogus specs, or decode ranks that restarted on fresh
+ports, cannot keep a new decode out until prefill restarts.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ logger = logging.getLogger(__name__)
 # How long closing a pool waits for all its sender threads to end (one may be stuck in NIXL).
 SENDERS_JOIN_TIMEOUT_S = 10.0
 # A producer talks to a handful of decode ranks; a flood of distinct addresses (bad specs) must
-# not become a flood of threads and NIXL agents.
+# not become a flood of threads and NIXL agents: past this many, the idlest sender goes.
 MAX_PEERS = 64
 
 
@@ -44,6 +50,8 @@ class SenderPool:
         self._trace = trace
         self._outstanding = Outstanding()
         self._senders: dict[PeerAddress, PeerSender] = {}
+        # Senders let go whose threads may still be ending (joined on close).
+        self._stopping: list[PeerSender] = []
         for address in warm_peers:
             self._senders[address] = self._start(address, warm=True)
 
@@ -51,11 +59,12 @@ class SenderPool:
         address = PeerAddress.of(job.request.spec)
         sender = self._senders.get(address)
         if sender is None:
-            if len(self._senders) >= MAX_PEERS:
+            if len(self._senders) >= MAX_PEERS and not self._let_idlest_go():
                 job.request.abandoned.set()
                 self._count("push_failures", 1)
                 logger.error(
-                    "req %s: not pushed: already %d consumers, the most one producer serves",
+                    "req %s: not pushed: already %d consumers, the most one producer serves, "
+                    "and every one of them is busy",
                     job.request.spec.req_id,
                     MAX_PEERS,
                 )
@@ -72,10 +81,11 @@ class SenderPool:
 
     def close(self) -> None:
         """Stop every sender and wait for it (it closes its own NIXL agent)."""
-        for sender in self._senders.values():
+        senders = [*self._senders.values(), *self._stopping]
+        for sender in senders:
             sender.stop()
         deadline = time.monotonic() + SENDERS_JOIN_TIMEOUT_S
-        for sender in self._senders.values():
+        for sender in senders:
             if not sender.join(max(0.0, deadline - time.monotonic())):
                 logger.error(
                     "sender for %s:%d did not stop within %.0f s (stuck in NIXL?); its agent is "
@@ -84,6 +94,27 @@ class SenderPool:
                     SENDERS_JOIN_TIMEOUT_S,
                 )
         self._senders.clear()
+        self._stopping.clear()
+
+    def _let_idlest_go(self) -> bool:
+        """Stop the sender of a consumer not named in ``warm_peers`` that is idle and was used
+        least recently; its thread ends on its own, closing its producer. False if none is."""
+        idle = [s for s in self._senders.values() if s.idle and not s.warm]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda sender: sender.last_used)
+        del self._senders[victim.address]
+        victim.stop()
+        self._stopping = [s for s in self._stopping if not s.join(0)] + [victim]
+        self._count("peers_evicted", 1)
+        logger.warning(
+            "sender for %s:%d let go: %d consumers already, the most one producer keeps; it was "
+            "idle for %.1f s",
+            *victim.address[:2],
+            MAX_PEERS,
+            time.monotonic() - victim.last_used,
+        )
+        return True
 
     def _start(self, address: PeerAddress, *, warm: bool) -> PeerSender:
         logger.info("sender for %s:%d starting (connect ahead: %s)", *address[:2], warm)

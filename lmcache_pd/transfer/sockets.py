@@ -12,6 +12,7 @@ import time
 import zmq
 
 from lmcache_pd import protocol
+from lmcache_pd.auth import DeploymentKeys
 from lmcache_pd.errors import (
     AllocationError,
     BufferFull,
@@ -25,11 +26,14 @@ from lmcache_pd.errors import (
 from lmcache_pd.protocol import ErrorCode, ErrorReply
 
 
-def dealer(context: zmq.Context, host: str, port: int) -> zmq.Socket:
-    """A DEALER socket to ``host:port`` that never lingers or takes an oversized frame."""
+def dealer(context: zmq.Context, host: str, port: int, keys: DeploymentKeys | None) -> zmq.Socket:
+    """A DEALER socket to ``host:port`` that never lingers or takes an oversized frame, and
+    with ``keys`` reaches only a consumer of this deployment (``auth.py``)."""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
+    if keys is not None:
+        keys.connect(socket)
     socket.connect(f"tcp://{host}:{port}")
     return socket
 
@@ -51,7 +55,10 @@ def send(socket: zmq.Socket, message: protocol.Message, req_id: str) -> None:
     try:
         socket.send(protocol.encode(message), zmq.NOBLOCK)
     except zmq.ZMQError as exc:
-        raise PeerTimeout(f"req {req_id}: cannot send {type(message).__name__}: {exc}") from exc
+        raise PeerTimeout(
+            f"req {req_id}: cannot send {type(message).__name__} ({exc}): no connection to the "
+            "consumer (it is down, or does not share this deployment's secret)"
+        ) from exc
 
 
 def receive(
@@ -60,7 +67,10 @@ def receive(
     """The reply to the request named ``asked``, sent earlier, by ``deadline``."""
     remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
     if not socket.poll(remaining_ms, zmq.POLLIN):
-        raise PeerTimeout(f"req {req_id}: no reply to {asked} in time")
+        raise PeerTimeout(
+            f"req {req_id}: no reply to {asked} in time (the consumer is down or busy, or "
+            "does not share this deployment's secret)"
+        )
     return codec.decode(socket.recv())
 
 
@@ -78,12 +88,19 @@ def error_from_reply(req_id: str, reply: ErrorReply) -> PDError:
     return PeerError(reply.code.value, detail)
 
 
-def bind_router(context: zmq.Context, host: str, port: int) -> zmq.Socket:
-    """A ROUTER socket bound to ``host:port``; ``ConfigError`` if the address cannot be bound."""
+def bind_router(
+    context: zmq.Context, host: str, port: int, keys: DeploymentKeys | None
+) -> zmq.Socket:
+    """A ROUTER socket bound to ``host:port``, with ``keys`` answering only peers of this
+    deployment (``auth.py``); ``ConfigError`` if the address cannot be bound."""
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        keys.serve(socket)
     # zmq drops a peer that sends a larger frame before we would allocate for it.
     socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
+    # Past this many whole messages queued from one peer, zmq stops reading from it.
+    socket.setsockopt(zmq.RCVHWM, protocol.MAX_QUEUED_MESSAGES)
     try:
         socket.bind(f"tcp://{host}:{port}")
     except zmq.ZMQError as exc:
