@@ -120,10 +120,12 @@ class NoticeBoard:
     ``expect`` before prefill is asked, ``forget`` when the request no longer cares; a notice
     for a request nobody expects (late, or not ours) is dropped."""
 
-    def __init__(self, host: str, keys: DeploymentKeys | None = None) -> None:
+    def __init__(
+        self, host: str, keys: DeploymentKeys | None = None, port: int | None = None
+    ) -> None:
         """Listen on ``host`` (a wildcard listens everywhere and tells each prefill instance the
-        address it reaches the proxy by) on a port the system picks; with ``keys``, for
-        prefill engines of this deployment alone (``auth.py``)."""
+        address it reaches the proxy by) on ``port``, or one the system picks (None); with
+        ``keys``, for prefill engines of this deployment alone (``auth.py``)."""
         self._host = host
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.PULL)
@@ -135,7 +137,11 @@ class NoticeBoard:
         if ":" in bind_host:
             self._socket.setsockopt(zmq.IPV6, 1)
             bind_host = f"[{bind_host}]"
-        self.port = self._socket.bind_to_random_port(f"tcp://{bind_host}")
+        if port is None:
+            self.port = self._socket.bind_to_random_port(f"tcp://{bind_host}")
+        else:
+            self._socket.bind(f"tcp://{bind_host}:{port}")
+            self.port = port
         self._waiting: dict[str, asyncio.Future[FirstTokenNotice]] = {}
         self._addresses: dict[str, str] = {}  # by prefill URL
         self._reader: asyncio.Task | None = None

@@ -107,7 +107,7 @@ class Proxy:
             )
         if self.config.first_token_notices:
             try:
-                self._notices = NoticeBoard(self.config.host, keys)
+                self._notices = NoticeBoard(self.config.host, keys, self.config.notice_port)
             except zmq.ZMQError as exc:  # serve anyway: a notice is only a head start
                 logger.warning(
                     "no first-token notices (cannot listen on %s): %s", self.config.host, exc

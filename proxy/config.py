@@ -91,6 +91,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # prefill's HTTP answer arrives; the answer is still what the client sees. False: decode
     # is asked on the answer only.
     first_token_notices: bool = True
+    # The port of that socket (None: one the system picks); fixed where a firewall names it
+    # (the Kubernetes manifests' NetworkPolicy).
+    notice_port: Port | None = None
     # Where to append one JSON line per request with its phases' times (None: nowhere).
     trace_path: str | None = None
     # Prompts of fewer tokens are served by a decode instance alone, with no transfer (0: every

@@ -1,13 +1,16 @@
 """Kubernetes manifests (``lmcache-pd k8s``), checked offline: every object against the
-Kubernetes schemas of a pinned version, and the wiring between them (DNS names, ports, labels,
-probes, mounts) by ``wiring_faults``, which reads the objects as the cluster and our own config
-loaders would. Each check has a negative control: a broken manifest that it must catch."""
+Kubernetes schemas of a pinned version, and the wiring between them (DNS names, pod addresses,
+ports, labels, probes, mounts, the Secret's items) by ``wiring_faults``, which reads the objects
+as the cluster and our own config loaders would. Each check has a negative control: a broken
+manifest that it must catch. The NetworkPolicies and the secret's reach: test_k8s_security.py."""
 
 from __future__ import annotations
 
 import copy
+import ipaddress
 import json
 import re
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,8 +21,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from lmcache_pd.auth import SECRET_ENV, DeploymentKeys, load_keys
 from lmcache_pd.cli import app
-from lmcache_pd.config import ENV_PREFIX, PDConfig, load_config
+from lmcache_pd.config import ENV_PREFIX, PROXY_ENV_PREFIX, PDConfig, load_config
 from lmcache_pd.deploy.instance import THREAD_CPUS_ENV, instance_env
 from lmcache_pd.deploy.k8s import manifests, to_yaml
 from lmcache_pd.deploy.launcher import peer_text
@@ -62,16 +66,41 @@ def argument(command: list[str], flag: str) -> str:
     return command[command.index(flag) + 1]
 
 
-def pod_env(container: Manifest, pod_name: str) -> dict[str, str]:
-    """The container's environment as the kubelet makes it: the pod name through the downward
-    API, and ``$(VAR)`` of a variable defined earlier expanded."""
+def pod_ip(pod_name: str) -> str:
+    """The address the cluster gives pod ``pod_name`` here (one of its own, as a CNI would)."""
+    return str(ipaddress.IPv4Address((10 << 24) + zlib.crc32(pod_name.encode()) % (1 << 24)))
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """``$(VAR)`` of a variable defined in ``env`` replaced, as Kubernetes does in env values
+    and commands."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), text)
+
+
+def secret_items(objects: list[Manifest]) -> dict[str, dict[str, str]]:
+    """Each Secret's items, by the Secret's name."""
+    return {o["metadata"]["name"]: o["stringData"] for o in objects if o["kind"] == "Secret"}
+
+
+def pod_env(container: Manifest, pod_name: str, objects: list[Manifest]) -> dict[str, str]:
+    """The container's environment as the kubelet makes it: the pod's name and IP through the
+    downward API, a Secret's item read from ``objects`` (a missing one leaves the variable
+    unset, as a pod that never starts would), and ``$(VAR)`` of a variable defined earlier
+    expanded."""
+    downward = {"metadata.name": pod_name, "status.podIP": pod_ip(pod_name)}
+    secrets = secret_items(objects)
     env: dict[str, str] = {}
-    for item in container["env"]:
-        if "valueFrom" in item:
-            assert item["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
-            env[item["name"]] = pod_name
+    for item in container.get("env", []):
+        source = item.get("valueFrom", {})
+        if "secretKeyRef" in source:
+            reference = source["secretKeyRef"]
+            value = secrets.get(reference["name"], {}).get(reference["key"])
+            if value is not None:
+                env[item["name"]] = value
+        elif "fieldRef" in source:
+            env[item["name"]] = downward[source["fieldRef"]["fieldPath"]]
         else:
-            env[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), item["value"])
+            env[item["name"]] = expand(item["value"], env)
     return env
 
 
@@ -107,7 +136,12 @@ def wiring_faults(objects: list[Manifest], tmp_path: Path) -> list[str]:
             faults.append(f"{name}: Service variables would reach {ENV_PREFIX}* settings")
         for env in container_of(workload).get("env", []):
             key = env["name"].removeprefix(ENV_PREFIX).lower()
-            if env["name"].startswith(ENV_PREFIX) and key not in PDConfig.__struct_fields__:
+            setting = (
+                env["name"].startswith(ENV_PREFIX)
+                and not env["name"].startswith(PROXY_ENV_PREFIX)
+                and env["name"] != SECRET_ENV
+            )
+            if setting and key not in PDConfig.__struct_fields__:
                 faults.append(f"{name}: {env['name']} is no setting")
         if workload["kind"] == "StatefulSet":
             service = services.get(spec["serviceName"], {}).get("spec", {})
@@ -152,8 +186,17 @@ def _instance_faults(objects: list[Manifest], tmp_path: Path) -> list[str]:
     if text is None:
         return [f"proxy: nothing mounted at {proxy_path}"]
     proxy: ProxyConfig = proxy_config(yaml.safe_load(text))
-    if {p["containerPort"] for p in container_of(proxy_deployment)["ports"]} != {proxy.port}:
-        faults.append("proxy: its container port is not the port it listens on")
+    proxy_pod = f"{proxy_deployment['metadata']['name']}-0"
+    proxy_keys = _keys_or_fault(
+        load_keys(proxy.secret_file, pod_env(container_of(proxy_deployment), proxy_pod, objects)),
+        "proxy",
+        faults,
+    )
+    if {p["containerPort"] for p in container_of(proxy_deployment)["ports"]} != {
+        proxy.port,
+        proxy.notice_port,
+    }:
+        faults.append("proxy: its container ports are not the ports it listens on")
     if model_mount(proxy_deployment) != proxy.tokenizer:
         faults.append("proxy: its tokenizer is not the model mount")
     members = {"prefill": [m.url for m in proxy.prefill], "decode": [m.url for m in proxy.decode]}
@@ -165,6 +208,8 @@ def _instance_faults(objects: list[Manifest], tmp_path: Path) -> list[str]:
         command = container["command"]
         pods = [f"{name}-{i}" for i in range(workload["spec"]["replicas"])]
         domain = f"{service}.{namespace}.svc.cluster.local"
+        # The cluster's DNS: each pod's name under its headless Service is its IP.
+        resolve = {f"{pod}.{domain}": pod_ip(pod) for pod in pods}
         port = argument(command, "--port")
         if {p["containerPort"] for p in container["ports"] if p["name"] == "http"} != {int(port)}:
             faults.append(f"{component}: its http port is not vLLM's --port")
@@ -183,20 +228,27 @@ def _instance_faults(objects: list[Manifest], tmp_path: Path) -> list[str]:
         local.write_text(config_text)
         exposed = {p["containerPort"] for p in container["ports"]}
         for index, pod in enumerate(pods):
+            env = pod_env(container, pod, objects)
+            if expand(argument(command, "--host"), env) != pod_ip(pod):
+                faults.append(f"{pod}: vLLM binds {argument(command, '--host')}, not the pod's IP")
             try:
-                settings = load_config(local, environ=pod_env(container, pod))
+                settings = load_config(local, environ=env)
+                keys = load_keys(settings.secret_file, env)
             except ConfigError as exc:
                 faults.append(f"{pod}: its connector refuses its config: {exc}")
                 continue
+            if _keys_or_fault(keys, pod, faults) != proxy_keys:
+                faults.append(f"{pod}: its deployment secret is not the proxy's")
             if component == "prefill":
                 if settings.warm_peers != [peer_text(d) for d in proxy.decode]:
                     faults.append(f"{pod}: warm_peers {settings.warm_peers} are not decode's")
                 continue
             entry = proxy.decode[index] if index < len(proxy.decode) else None
-            if entry is None or {settings.receiver_host, entry.receiver_host} != {
-                f"{pod}.{domain}"
-            }:
-                faults.append(f"{pod}: advertises {settings.receiver_host}, not its DNS name")
+            if entry is None or entry.receiver_host != f"{pod}.{domain}":
+                faults.append(f"{pod}: the proxy names {entry and entry.receiver_host}, not it")
+                continue
+            if {settings.receiver_host, resolve.get(entry.receiver_host)} != {pod_ip(pod)}:
+                faults.append(f"{pod}: binds its KV ports on {settings.receiver_host}, not its IP")
                 continue
             listed = list(zip(ports_of(entry.init_port), ports_of(entry.alloc_port), strict=True))
             own = [settings.for_rank(r) for r in range(len(ports_of(settings.init_port)))]
@@ -205,6 +257,14 @@ def _instance_faults(objects: list[Manifest], tmp_path: Path) -> list[str]:
             if not {port for pair in listed for port in pair} <= exposed:
                 faults.append(f"{pod}: KV ports {listed} are not all container ports")
     return faults
+
+
+def _keys_or_fault(keys: DeploymentKeys | None, who: str, faults: list[str]) -> bytes | None:
+    """The public key a process derives from the secret it is given (None: none given)."""
+    if keys is None:
+        faults.append(f"{who}: no deployment secret reaches it")
+        return None
+    return keys.server_public
 
 
 def ports_of(ports: int | list[int]) -> list[int]:
@@ -260,7 +320,22 @@ def _break_service_name(objects: list[Manifest]) -> None:
 
 def _break_receiver_host(objects: list[Manifest]) -> None:
     [env] = [e for e in _decode(objects)["env"] if e["name"].endswith("RECEIVER_HOST")]
-    env["value"] = env["value"].replace(".svc.", ".pod.")
+    env["value"] = "0.0.0.0"
+
+
+def _break_vllm_host(objects: list[Manifest]) -> None:
+    command = container_of(one(objects, "StatefulSet", "prefill"))["command"]
+    command[command.index("--host") + 1] = "0.0.0.0"
+
+
+def _break_secret_item(objects: list[Manifest]) -> None:
+    [env] = [e for e in _decode(objects)["env"] if e["name"] == SECRET_ENV]
+    env["valueFrom"]["secretKeyRef"]["key"] = "instance-api-key"  # a secret, not the deployment's
+
+
+def _break_proxy_secret(objects: list[Manifest]) -> None:
+    container = container_of(one(objects, "Deployment", "proxy"))
+    container["env"] = [e for e in container["env"] if e["name"] != SECRET_ENV]
 
 
 def _break_warm_peers(objects: list[Manifest]) -> None:
@@ -291,6 +366,9 @@ def _break_service_links(objects: list[Manifest]) -> None:
         _break_selector,
         _break_service_name,
         _break_receiver_host,
+        _break_vllm_host,
+        _break_secret_item,
+        _break_proxy_secret,
         _break_warm_peers,
         _break_config_mount,
         _break_probe,
@@ -383,10 +461,21 @@ def test_the_command_prints_the_stream_or_writes_a_file_per_object(tmp_path: Pat
     printed = runner.invoke(app, ["k8s", str(CONFIGS / "pools.yaml")])
     assert printed.exit_code == 0, printed.output
     objects = list(yaml.safe_load_all(printed.stdout))
-    assert objects == manifests(load_pools(CONFIGS / "pools.yaml"))
+    [items] = [o["stringData"] for o in objects if o["kind"] == "Secret"]
+    assert objects == manifests(
+        load_pools(CONFIGS / "pools.yaml"),
+        instance_key=items["instance-api-key"],
+        kv_secret=items["kv-secret"],
+    )
     assert to_yaml(objects) == printed.stdout
     written = runner.invoke(app, ["k8s", str(CONFIGS / "pools.yaml"), "--output", str(tmp_path)])
     assert written.exit_code == 0, written.output
     files = sorted(tmp_path.glob("*.yaml"))
-    assert [yaml.safe_load(f.read_text()) for f in files] == objects
+    # Each run writes a fresh instance key and secret: the same objects, but for their values.
+    for secret in (o for o in objects if o["kind"] == "Secret"):
+        secret["stringData"] = {item: "<fresh>" for item in secret["stringData"]}
+    in_files = [yaml.safe_load(f.read_text()) for f in files]
+    for secret in (o for o in in_files if o["kind"] == "Secret"):
+        secret["stringData"] = {item: "<fresh>" for item in secret["stringData"]}
+    assert in_files == objects
     assert files[0].name == "00-lmcache-pd-prefill-configmap.yaml"

@@ -137,16 +137,15 @@ def test_kubernetes_pods_and_the_proxy_read_one_key_from_the_secret(tmp_path: Pa
     kubernetes_validate.validate(secret, KUBERNETES_VERSION, strict=True)
     key = secret["stringData"]["instance-api-key"]
     assert len(key) >= 43
-    reference = f"{secret['metadata']['name']}/instance-api-key"
     for component in ("prefill", "decode"):
         workload = one(objects, "StatefulSet", component)
         container = container_of(workload)
-        assert pod_env(container, f"pod-{component}")[KEY_ENV] == reference
+        assert pod_env(container, f"pod-{component}", objects)[KEY_ENV] == key
         assert container["command"][container["command"].index("--middleware") + 1] == (
             GUARD_IMPORT_PATH
         )
     proxy = one(objects, "Deployment", "proxy")
-    assert pod_env(container_of(proxy), "proxy")[INSTANCE_API_KEY_ENV] == reference
+    assert pod_env(container_of(proxy), "proxy", objects)[INSTANCE_API_KEY_ENV] == key
     text = mounted_file(proxy, objects, "/etc/lmcache-pd/proxy.yaml")
     assert text is not None
     as_the_pod_loads_it = tmp_path / "proxy.yaml"

@@ -2,12 +2,17 @@
 one network namespace (prefill's node, and the driver: ``lmcache-pd serve`` and its proxy), a
 worker node in another (decode's), joined by a veth pair, so the KV crosses it as between hosts.
 
+The cluster runs with Ray's token auth (``RAY_AUTH_MODE=token``, the token in each node's and
+each driver's environment): a caller without it is refused, and ``serve`` does not warn.
+
 Shown, through the proxy with the official ``openai`` client: answers equal to one plain vLLM's
 (tokens, logprobs within the end-to-end tolerance) with decode's counters showing the prompt
-loaded, not computed; decode's vLLM SIGKILLed, Ray restarting it on new ports, and requests
-succeeding again through the same proxy; a second decode instance added by ``lmcache-pd scale``
-taking requests, and removed again after draining the stream it was serving. Everything started
-is stopped by process group. Needs root (network namespaces) and Ray; skipped otherwise.
+loaded, not computed; the deployment secret in every vLLM's environment (decode's KV ports
+authenticated) and on no command line nor in any log; decode's vLLM SIGKILLed, Ray restarting it
+on new ports, and requests succeeding again through the same proxy; a second decode instance
+added by ``lmcache-pd scale`` taking requests, and removed again after draining the stream it was
+serving. Everything started is stopped by process group. Needs root (network namespaces) and
+Ray; skipped otherwise.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -30,6 +36,8 @@ import httpx
 import pytest
 import yaml
 
+from lmcache_pd.auth import SECRET_ENV
+from lmcache_pd.deploy.ray_cluster import asks_for_token
 from lmcache_pd.harness import netns
 from lmcache_pd.metrics_scrape import decode_sources, scrape
 from tests.vllm_support import SERVER_ARGS, PlainVLLM, assert_close_answer, body, prompt
@@ -56,6 +64,8 @@ STOP_TIMEOUT_S = 60.0
 # A Ray node stops itself on SIGTERM in ~30 s here; what is ours on it is stopped already.
 NODE_GRACE_S = 5.0
 REFUSED_RETRY_S = 30.0
+# Every node and every driver (serve, scale) of the cluster: Ray's token auth, one token.
+RAY_TOKEN_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
 
 @contextlib.contextmanager
@@ -68,7 +78,7 @@ def started(command: list[str], log: Path, grace_s: float = STOP_TIMEOUT_S) -> I
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **RAY_TOKEN_ENV},
         )
     try:
         yield process.pid
@@ -200,7 +210,7 @@ class Cluster:
         subprocess.run(
             [*self.head.wrap, str(BIN / "lmcache-pd"), "scale", "decode", str(count),
              "--address", self.address, "--namespace", NAMESPACE],
-            check=True, timeout=900, capture_output=True,
+            check=True, timeout=900, capture_output=True, env={**os.environ, **RAY_TOKEN_ENV},
         )  # fmt: skip
         return time.monotonic() - began
 
@@ -224,6 +234,22 @@ def pools_file(cluster: Cluster) -> Path:
     path = cluster.workdir / "pools.yaml"
     path.write_text(yaml.safe_dump(pools))
     return path
+
+
+def process_environment(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(pair.decode(errors="replace").partition("=")[::2] for pair in pairs if pair)
+
+
+def files_holding(text: str, folders: list[Path]) -> list[Path]:
+    """Every file under ``folders`` whose bytes contain ``text``."""
+    needle = text.encode()
+    return [
+        path
+        for folder in folders
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and needle in path.read_bytes()
+    ]
 
 
 def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> float:
@@ -289,6 +315,16 @@ def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
             [decode_url] = cluster.decode_urls()
             assert decode_url == f"http://{cluster.worker.address}:{decode_port}"
 
+            # Ray's token: a caller without it is refused (the control), so serve did not warn.
+            assert cluster.at_head(lambda: asks_for_token(cluster.address), 30) is True
+            assert "Ray's token" not in (tmp_path / "serve.log").read_text()
+            # The deployment secret: in every vLLM's environment, on no command line.
+            secret = (tmp_path / "run" / "kv.secret").read_text().strip()
+            for side in (cluster.head, cluster.worker):
+                for pid in vllm_servers(side).values():
+                    assert process_environment(pid).get(SECRET_ENV) == secret
+                assert not [c for _, c in processes_in(side) if secret in c]
+
             # Answers equal one plain vLLM's; decode loaded the prompts.
             before = cluster.decode_counters(decode_url)
             for name, tokens in PROMPTS.items():
@@ -298,6 +334,7 @@ def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
             computed = after.get("local_compute", 0) - before.get("local_compute", 0)
             assert loaded >= sum(len(t) for t in PROMPTS.values()) - 3 * 256, (loaded, computed)
             assert after["loads_failed"] == before.get("loads_failed", 0)
+            assert after["consumer_unauthenticated"] == 0  # its KV ports know the secret
 
             # Decode's vLLM dies; Ray restarts its actor; requests succeed again.
             os.killpg(vllm_servers(cluster.worker)[decode_port], signal.SIGKILL)
@@ -349,6 +386,9 @@ def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
             assert len(vllm_servers(cluster.worker)) == 1
             measured["serve_total_s"] = time.monotonic() - began
             measured["answers_refused_503"] = cluster.refused
+            # No log of serve's, Ray's or any instance's holds the secret (its own file does).
+            holding = files_holding(secret, [tmp_path, Path(temp)])
+            assert holding == [tmp_path / "run" / "kv.secret"], holding
         # serve, then both nodes, stopped by process group: nothing is left in either namespace
         # (Ray's idle workers end with their raylet).
         for side in (cluster.head, cluster.worker):

@@ -101,7 +101,8 @@ def scale(
     decode instance leaving is drained first. Prints every instance afterwards."""
     import ray
 
-    from lmcache_pd.deploy.ray_pools import connect, controller
+    from lmcache_pd.deploy.ray_cluster import connect
+    from lmcache_pd.deploy.ray_pools import controller
 
     if pool not in ("prefill", "decode"):
         raise typer.BadParameter(f"pool is prefill or decode, not {pool!r}")

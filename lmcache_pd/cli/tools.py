@@ -39,8 +39,9 @@ def k8s(
     """Write the Kubernetes manifests of POOLS (its `kubernetes:` section says the image,
     namespace, names and model volume): decode and prefill as StatefulSets with headless
     Services, the proxy as a Deployment with a Service, their YAMLs as ConfigMaps, the
-    instances' key (fresh each time) as a Secret. Printed as one YAML stream, or with --output
-    one file per object; then `kubectl apply -f`."""
+    instances' key and the deployment secret (both fresh each time) as a Secret, and the
+    NetworkPolicies that keep the KV and vLLM ports to the pools' own pods. Printed as one YAML
+    stream, or with --output one file per object; then `kubectl apply -f`."""
     from lmcache_pd.deploy.k8s import file_name, manifests, to_yaml
     from lmcache_pd.errors import ConfigError
 

@@ -2,16 +2,22 @@
 start, as objects a cluster runs, each a plain dict ready for YAML.
 
 - Decode: a StatefulSet behind a headless Service, as LMCache's Kubernetes example and llm-d
-  do. Each pod has a stable DNS name, ``PREFIX-decode-N.PREFIX-decode.NAMESPACE.svc.DOMAIN``:
-  it advertises it as its ``receiver_host`` (its pod name reaches it through the downward API)
-  and binds its KV ports on it (the kubelet writes that name into the pod's /etc/hosts), and
-  prefill's ``warm_peers`` and the proxy's decode list name the same pods and ports.
+  do. Each pod has a stable DNS name, ``PREFIX-decode-N.PREFIX-decode.NAMESPACE.svc.DOMAIN``,
+  which prefill's ``warm_peers`` and the proxy's decode list name with its KV ports; the name
+  resolves to the pod's IP, on which the pod binds those ports (its ``receiver_host``, from the
+  downward API) and vLLM's HTTP port, not on every interface.
 - Prefill: a StatefulSet behind a headless Service too, though nothing pushes to it: the proxy
   then sees each pod, so it keeps least-outstanding routing and health per pod, and retries a
   failed prefill on another; one Service in front of a Deployment would hide them all behind one
   address.
 - The proxy: a Deployment of ``lmcache-pd proxy`` with a Service in front.
 - The transfer YAMLs and the proxy's YAML: ConfigMaps, mounted read-only at /etc/lmcache-pd.
+- A Secret (both items fresh each time the manifests are written) holding the instances' key
+  (vLLM pods answer only /health and /metrics without it; the proxy sends it) and the deployment
+  secret (``LMCACHE_PD_SECRET`` in every vLLM pod and the proxy): the KV channel admits no
+  process without it.
+- NetworkPolicies (``k8s_policy.py``): the KV ports and vLLM's take only the pools' own pods and
+  the proxy; the proxy's HTTP port takes anyone.
 
 A StatefulSet's pods are alike, so every instance of a pool must be, except in its cores
 (``cpus``, ``thread_cpus``, ``process_cpus``) and ``port``, which are not used: they name one
@@ -22,14 +28,21 @@ edit the pools file and generate again.
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 import msgspec
 import yaml
 
+from lmcache_pd.auth import generate_secret
 from lmcache_pd.deploy.instance import transfer_settings
+from lmcache_pd.deploy.k8s_policy import PortRange, deployment_policies
 from lmcache_pd.deploy.k8s_workloads import (
+    INSTANCE_KEY_ITEM,
+    KV_SECRET_ITEM,
+    PROXY_NOTICE_PORT,
     RECEIVER_HOST_ENV,
+    SECRETS,
     TRACE_DIR,
     Manifest,
     Names,
@@ -38,22 +51,37 @@ from lmcache_pd.deploy.k8s_workloads import (
     proxy_deployment,
     stateful_set,
 )
-from lmcache_pd.deploy.launcher import peer_text
+from lmcache_pd.deploy.launcher import INSTANCE_KEY_BYTES, peer_text
 from lmcache_pd.deploy.pools import InstanceSpec, KubernetesSpec, PoolsConfig
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig, Timeouts
 
+# UCX's TCP listening ports per decode rank (``UCX_TCP_PORT_RANGE``; one per network interface,
+# with room: UCX picks one at random in the range and tries another where one is taken).
+UCX_PORTS_PER_RANK = 16
+UCX_PORT_RANGE_ENV = "UCX_TCP_PORT_RANGE"
 
-def manifests(pools: PoolsConfig) -> list[Manifest]:
-    """Every object of ``pools``, in an order to apply them: ConfigMaps, Services, then what
-    runs. Reads the pools' transfer YAMLs; ``ConfigError`` if a pool's instances differ where
-    pods must be alike, or a decode instance's ports would pass 65535."""
+
+def manifests(
+    pools: PoolsConfig, instance_key: str | None = None, kv_secret: str | None = None
+) -> list[Manifest]:
+    """Every object of ``pools``, in an order to apply them: ConfigMaps, the Secret, Services,
+    NetworkPolicies, then what runs; the instances' key is ``instance_key`` and the deployment
+    secret ``kv_secret`` (None: fresh random ones). Reads the pools' transfer YAMLs;
+    ``ConfigError`` if a pool's instances differ where pods must be alike, or a decode pod's
+    ports would pass 65535 or meet another."""
     k8s = pools.kubernetes
     names = Names(k8s)
     model = model_mount_path(pools)
     prefill_spec = _pool_spec(pools.prefill, "prefill")
     decode_spec = _pool_spec(pools.decode, "decode")
     receive = receive_ports(k8s, decode_spec.tensor_parallel_size)
+    ucx = ucx_port_range(k8s, decode_spec.tensor_parallel_size)
+    if pools.proxy.port == PROXY_NOTICE_PORT:
+        raise ConfigError(
+            f"proxy.port {PROXY_NOTICE_PORT} is the proxy pod's port for first-token notices: "
+            "pick another"
+        )
     decode = [
         DecodeInstance(
             f"http://{names.pod_host('decode', index)}:{k8s.http_port}",
@@ -68,7 +96,7 @@ def manifests(pools: PoolsConfig) -> list[Manifest]:
     ]
     trace = pools.trace
     decode_settings = transfer_settings("decode", decode_spec, "kv_consumer", dict(receive))
-    decode_settings.pop("receiver_host", None)  # each pod's own: RECEIVER_HOST_ENV
+    decode_settings.pop("receiver_host", None)  # each pod's own IP: RECEIVER_HOST_ENV
     prefill_settings = transfer_settings(
         "prefill", prefill_spec, "kv_producer", {"warm_peers": [peer_text(d) for d in decode]}
     )
@@ -78,6 +106,7 @@ def manifests(pools: PoolsConfig) -> list[Manifest]:
         decode=decode,
         host="0.0.0.0",  # reached through its Service, from other pods
         port=pools.proxy.port,
+        notice_port=PROXY_NOTICE_PORT,
         timeouts=Timeouts(decode_read_s=pools.proxy.decode_read_timeout_s),
         trace_path=f"{TRACE_DIR}/proxy.trace.jsonl" if trace else None,
         tokenizer=model,
@@ -88,13 +117,33 @@ def manifests(pools: PoolsConfig) -> list[Manifest]:
         "decode": _with_trace(decode_settings, "decode", trace),
         "proxy": msgspec.to_builtins(proxy),
     }
+    keys = {
+        INSTANCE_KEY_ITEM: instance_key or secrets.token_urlsafe(INSTANCE_KEY_BYTES),
+        KV_SECRET_ITEM: kv_secret or generate_secret(),
+    }
+    policies = deployment_policies(
+        names,
+        http_port=k8s.http_port,
+        init_ports=_listed(receive["init_port"]),
+        alloc_ports=_listed(receive["alloc_port"]),
+        ucx_ports=ucx,
+        proxy_port=pools.proxy.port,
+        notice_port=PROXY_NOTICE_PORT,
+    )
+    decode_env = {UCX_PORT_RANGE_ENV: f"{ucx[0]}-{ucx[1]}"}
     return [
         *(_config_map(names, component, text) for component, text in configs.items()),
+        _secret(names, keys),
         _headless_service(names, "prefill", {"http": k8s.http_port}),
         _headless_service(names, "decode", decode_ports(k8s, receive)),
         _proxy_service(names, k8s),
-        stateful_set(names, pools, prefill_spec, "prefill", len(prefill), {"http": k8s.http_port}),
-        stateful_set(names, pools, decode_spec, "decode", len(decode), decode_ports(k8s, receive)),
+        *policies,
+        stateful_set(
+            names, pools, prefill_spec, "prefill", len(prefill), {"http": k8s.http_port}, {}
+        ),
+        stateful_set(
+            names, pools, decode_spec, "decode", len(decode), decode_ports(k8s, receive), decode_env
+        ),
         proxy_deployment(names, pools),
     ]
 
@@ -111,6 +160,28 @@ def receive_ports(k8s: KubernetesSpec, ranks: int) -> dict[str, int | list[int]]
     if ranks == 1:
         return {"init_port": init[0], "alloc_port": alloc[0]}
     return {"init_port": init, "alloc_port": alloc}
+
+
+def ucx_port_range(k8s: KubernetesSpec, ranks: int) -> PortRange:
+    """Where a decode pod's UCX listens (first and last port): right after its KV ports.
+    ``ConfigError`` if it would pass 65535 or take vLLM's HTTP port."""
+    first = k8s.kv_port_base + 2 * ranks
+    last = first + UCX_PORTS_PER_RANK * ranks - 1
+    if last > 65535:
+        raise ConfigError(
+            f"kubernetes.kv_port_base {k8s.kv_port_base} leaves no room for {ranks} rank(s) of "
+            f"KV ports and UCX's ({2 + UCX_PORTS_PER_RANK} each) below 65536"
+        )
+    if k8s.kv_port_base <= k8s.http_port <= last:
+        raise ConfigError(
+            f"kubernetes.http_port {k8s.http_port} is among a decode pod's KV and UCX ports "
+            f"({k8s.kv_port_base}-{last}): move one of them"
+        )
+    return first, last
+
+
+def _listed(ports: int | list[int]) -> list[int]:
+    return ports if isinstance(ports, list) else [ports]
 
 
 def _pool_spec(specs: list[InstanceSpec], pool: str) -> InstanceSpec:
@@ -149,12 +220,22 @@ def _with_trace(settings: dict[str, Any], component: str, trace: bool) -> dict[s
 def _config_map(names: Names, component: str, settings: dict[str, Any]) -> Manifest:
     text = yaml.safe_dump(settings, sort_keys=False)
     if component == "decode":
-        text = f"# receiver_host: each pod's own DNS name, from ${RECEIVER_HOST_ENV}\n{text}"
+        text = f"# receiver_host: each pod's own IP, from ${RECEIVER_HOST_ENV}\n{text}"
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": names.metadata(component),
         "data": {f"{component}.yaml": text},
+    }
+
+
+def _secret(names: Names, items: dict[str, str]) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": names.metadata(SECRETS),
+        "type": "Opaque",
+        "stringData": items,
     }
 
 

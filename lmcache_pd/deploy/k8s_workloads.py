@@ -1,6 +1,7 @@
 """The workloads of ``lmcache-pd k8s``'s manifests: the StatefulSets of vLLM pods and the
-proxy's Deployment, each pod with its ConfigMap, the model folder, probes on ``/health`` and
-resource requests from the pools file. ``k8s.py`` says what is deployed and how it is wired."""
+proxy's Deployment, each pod with its ConfigMap, the model folder, probes on ``/health``,
+resource requests from the pools file and the deployment's keys from its Secret. ``k8s.py`` says
+what is deployed and how it is wired."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmcache_pd.auth import SECRET_ENV
 from lmcache_pd.config import ENV_PREFIX
 from lmcache_pd.deploy.instance import Role, connector_config, instance_args, instance_env
+from lmcache_pd.deploy.instance_guard import KEY_ENV
 from lmcache_pd.deploy.pools import InstanceSpec, KubernetesSpec, PoolsConfig
 from lmcache_pd.deploy.vllm_server import server_env, vllm_command
+from lmcache_pd.proxy.config import INSTANCE_API_KEY_ENV
 
 Manifest = dict[str, Any]
 
@@ -19,6 +23,17 @@ CONFIG_DIR = "/etc/lmcache-pd"
 TRACE_DIR = "/var/log/lmcache-pd"
 POD_PYTHON = "python3"
 RECEIVER_HOST_ENV = f"{ENV_PREFIX}RECEIVER_HOST"
+# The deployment's Secret (``PREFIX-secrets``) and its items: the instances' key, which vLLM pods
+# want from their callers and the proxy sends, and the deployment secret that authenticates the
+# KV channel between them all (``lmcache_pd/auth.py``).
+SECRETS = "secrets"
+INSTANCE_KEY_ITEM = "instance-api-key"
+KV_SECRET_ITEM = "kv-secret"
+# A vLLM pod's own address (the downward API's status.podIP): vLLM and decode's KV ports bind it,
+# not every interface of the pod.
+POD_IP_ENV = "POD_IP"
+# The proxy's port for first-token notices from prefill pods (fixed: its NetworkPolicy names it).
+PROXY_NOTICE_PORT = 5557
 # vLLM loads a model for seconds to minutes: the startup probe (KubernetesSpec.startup_timeout_s)
 # covers that; after it, a pod that stops answering /health for a minute is restarted, and one
 # that fails it three times in a row (15 s) takes no traffic until it answers again.
@@ -89,9 +104,11 @@ def stateful_set(
     component: str,
     replicas: int,
     ports: dict[str, int],
+    pod_env: dict[str, str],
 ) -> Manifest:
-    """A pool's pods, each named ``NAME-N`` under its headless Service (of the same name)."""
-    container = _vllm_container(names, pools, spec, component, ports)
+    """A pool's pods, each named ``NAME-N`` under its headless Service (of the same name), with
+    ``pod_env`` on top of the instance's environment."""
+    container = _vllm_container(names, pools, spec, component, ports, pod_env)
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -124,29 +141,36 @@ def _vllm_container(
     spec: InstanceSpec,
     component: str,
     ports: dict[str, int],
+    pod_env: dict[str, str],
 ) -> Manifest:
-    """The vLLM server of a pod: the command ``serve`` would run (``vllm_command``), its
-    environment less ``cpus``'s pinning, which names one host's cores (the pool's pod template
-    ``spec`` has no ``cpus``, ``thread_cpus`` nor ``process_cpus``)."""
+    """The vLLM server of a pod: the command ``serve`` would run (``vllm_command``) bound to the
+    pod's IP, its environment less ``cpus``'s pinning, which names one host's cores (the pool's
+    pod template ``spec`` has no ``cpus``, ``thread_cpus`` nor ``process_cpus``), and both keys
+    from the deployment's Secret (never in the command or a ConfigMap)."""
     k8s = pools.kubernetes
     role: Role = "kv_consumer" if component == "decode" else "kv_producer"
     command = vllm_command(
         model_mount_path(pools),
         k8s.http_port,
-        host="0.0.0.0",
+        host=f"$({POD_IP_ENV})",  # Kubernetes expands it in a command too
         engine_args=pools.engine_args,
         extra_args=instance_args(pools, spec),
         log_stats=True,
         kv_transfer_config=connector_config(role, f"{CONFIG_DIR}/{component}.yaml"),
         python=POD_PYTHON,
+        key_guard=True,
     )
-    env: list[Manifest] = []
-    values = server_env(cpu=None, env=instance_env(pools, spec))
+    # Kubernetes expands $(POD_IP), defined first, in later variables' values.
+    env = [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    values = server_env(cpu=None, env=instance_env(pools, spec)) | pod_env
     if component == "decode":
-        # Kubernetes expands $(POD_NAME), defined just before, in a later variable's value.
-        env.append({"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
-        values[RECEIVER_HOST_ENV] = f"$(POD_NAME).{names.service_domain('decode')}"
+        # Its KV ports bind the pod's IP; the proxy and prefill name its DNS name, which is it.
+        values[RECEIVER_HOST_ENV] = f"$({POD_IP_ENV})"
     env += [{"name": name, "value": value} for name, value in values.items()]
+    env += [
+        secret_env(names, KEY_ENV, INSTANCE_KEY_ITEM),
+        secret_env(names, SECRET_ENV, KV_SECRET_ITEM),
+    ]
     requests = {
         "cpu": _cpu_quantity(spec.cores),
         "memory": _memory_quantity((spec.memory_gib or 0) + pools.kv_cache_gib),
@@ -185,17 +209,30 @@ def _health_probe(period_s: int, failures: int) -> Manifest:
     }
 
 
+def secret_env(names: Names, variable: str, item: str) -> Manifest:
+    """An environment variable set from an item of the deployment's Secret."""
+    reference = {"name": names.of(SECRETS), "key": item}
+    return {"name": variable, "valueFrom": {"secretKeyRef": reference}}
+
+
 def proxy_deployment(names: Names, pools: PoolsConfig) -> Manifest:
-    """``lmcache-pd proxy`` on its ConfigMap. Ready once its /health says a prefill and a decode
-    pod are up; alive while its port accepts (its /health fails whenever they are all down,
-    which is no reason to restart it)."""
+    """``lmcache-pd proxy`` on its ConfigMap, with both keys from the deployment's Secret. Ready
+    once its /health says a prefill and a decode pod are up; alive while its port accepts (its
+    /health fails whenever they are all down, which is no reason to restart it)."""
     k8s = pools.kubernetes
     container = {
         "name": "proxy",
         "image": k8s.image,
         "imagePullPolicy": k8s.image_pull_policy,
         "command": ["lmcache-pd", "proxy", f"{CONFIG_DIR}/proxy.yaml"],
-        "ports": [{"name": "http", "containerPort": pools.proxy.port, "protocol": "TCP"}],
+        "env": [
+            secret_env(names, INSTANCE_API_KEY_ENV, INSTANCE_KEY_ITEM),
+            secret_env(names, SECRET_ENV, KV_SECRET_ITEM),
+        ],
+        "ports": [
+            {"name": "http", "containerPort": pools.proxy.port, "protocol": "TCP"},
+            {"name": "notice", "containerPort": PROXY_NOTICE_PORT, "protocol": "TCP"},
+        ],
         "resources": {"requests": {"cpu": PROXY_CPU, "memory": PROXY_MEMORY}},
         "readinessProbe": _health_probe(READY_PERIOD_S, READY_FAILURES),
         "livenessProbe": {

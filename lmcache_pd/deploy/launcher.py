@@ -151,16 +151,21 @@ def start_instance(
     host: str = "127.0.0.1",
     api_key: str | None = None,
     secret_file: Path | None = None,
+    secret: str | None = None,
 ) -> VLLMServer:
     """Start instance ``name`` of ``pools`` without waiting for it: its transfer config is a copy
     of ``spec.config`` with ``kv_role`` and ``settings_of_role`` (a decode rank's receive ports,
     a prefill's warm peers), written to ``workdir/NAME.yaml``; its log is ``workdir/NAME.log``
     (or ``LOG_NAME.log``); with ``api_key`` it answers only /health and /metrics without it;
-    ``secret_file``: the deployment secret's (it replaces any the instance's config names).
+    ``secret_file``: the deployment secret's (it replaces any the instance's config names);
+    ``secret``: the secret itself, given in the server's environment (``SECRET_ENV``, never on
+    its command line) where no file on its host holds it, over any file its config names.
     Every engine starts its instances with this."""
     settings = transfer_settings(name, spec, role, settings_of_role)
     if secret_file is not None:
         settings["secret_file"] = str(secret_file.resolve())
+    elif secret is not None:
+        settings.pop("secret_file", None)
     if pools.trace:
         settings["trace_path"] = str(workdir / f"{name}.trace.jsonl")
     config_path = workdir / f"{name}.yaml"
@@ -173,7 +178,7 @@ def start_instance(
         kv_transfer_config=connector_config(role, str(config_path)),
         cpu=spec.cpus,
         process_cpus=spec.process_cpus,
-        env=instance_env(pools, spec),
+        env=instance_env(pools, spec) | ({} if secret is None else {SECRET_ENV: secret}),
         engine_args=pools.engine_args,
         extra_args=instance_args(pools, spec),
         log_stats=True,

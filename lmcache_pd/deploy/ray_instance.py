@@ -70,7 +70,13 @@ class InstanceActor:
         role: Literal["prefill", "decode"],
         spec: InstanceSpec,
         settings_of_role: dict[str, Any],
+        instance_key: str,
+        secret: str,
     ) -> None:
+        """Start instance ``name``'s server, answering without ``instance_key`` only /health and
+        /metrics, its KV channel authenticated by the deployment ``secret`` (in the server's
+        environment: no file of it is on this node); a restart by Ray starts it again with the
+        same arguments, key and secret too."""
         quiet_actor_logging()
         self._host = ray.util.get_node_ip_address()
         with warnings.catch_warnings():  # Ray's own use of a deprecated property inside
@@ -95,6 +101,8 @@ class InstanceActor:
             # A restart's log beside the first one's, never over it.
             log_name=f"{name}.{os.getpid()}" if restarted else None,
             host=self._host,
+            api_key=instance_key,
+            secret=secret,
         )
         if role == "decode":
             member = Member(

@@ -12,6 +12,12 @@ instance on new ports takes requests again without the proxy restarting. ``lmcac
 finds the controller by name: growing a pool starts instances and returns when they are ready;
 shrinking one drains first (no new requests; stopped once neither the proxy nor vLLM has any of
 its requests left, or at ``drain_timeout_s``).
+
+The deployment secret (``lmcache_pd/auth.py``: ``$LMCACHE_PD_SECRET``, else a fresh one) reaches
+the controller and every instance actor as an argument, and each vLLM in its environment; the
+proxy, beside the driver, reads it from ``WORKDIR/kv.secret``. Ray carries it in its own calls,
+so the cluster should ask for Ray's token: ``connect`` warns when it does not
+(``ray_cluster.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +37,17 @@ from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from lmcache_pd.deploy.launcher import LaunchError, peer_text, proxy_config_for
+from lmcache_pd.auth import SECRET_ENV, DeploymentKeys, generate_secret
+from lmcache_pd.deploy.launcher import (
+    KV_SECRET_FILE,
+    LaunchError,
+    new_instance_key,
+    peer_text,
+    proxy_config_for,
+    write_key,
+)
 from lmcache_pd.deploy.pools import InstanceSpec, PoolsConfig
+from lmcache_pd.deploy.ray_cluster import connect
 from lmcache_pd.deploy.ray_instance import InstanceActor, InstanceState, quiet_actor_logging
 from lmcache_pd.deploy.vllm_server import START_TIMEOUT_S, WARM_UP_TIMEOUT_S
 from lmcache_pd.errors import ConfigError
@@ -80,10 +96,14 @@ class PoolsController:
     """Owns one deployment's instance actors (a Ray async actor; one event loop, so its state
     needs no locks)."""
 
-    def __init__(self, pools: PoolsConfig, workdir: str) -> None:
+    def __init__(self, pools: PoolsConfig, workdir: str, instance_key: str, secret: str) -> None:
+        """``instance_key``: what every instance it starts wants from its callers; ``secret``:
+        the deployment secret they all authenticate the KV channel with."""
         quiet_actor_logging()
         self._pools = pools
         self._workdir = workdir
+        self._instance_key = instance_key
+        self._secret = secret
         self._instances: dict[str, _Instance] = {}
         self._indexes = {"prefill": itertools.count(), "decode": itertools.count()}
         self._reports = _Reports()
@@ -170,7 +190,16 @@ class PoolsController:
         handle = (
             ray.remote(InstanceActor)
             .options(**options)
-            .remote(self._pools, self._workdir, name, role, spec, settings)
+            .remote(
+                self._pools,
+                self._workdir,
+                name,
+                role,
+                spec,
+                settings,
+                self._instance_key,
+                self._secret,
+            )
         )
         self._instances[name] = _Instance(name, role, spec, handle)
         return name
@@ -269,20 +298,6 @@ class PoolsController:
         del self._instances[instance.name]
 
 
-def connect(address: str, namespace: str) -> None:
-    """Join the Ray cluster at ``address`` as a driver in ``namespace``; ``ConfigError`` with the
-    reason when there is none to join."""
-    try:
-        ray.init(
-            address=address,
-            namespace=namespace,
-            log_to_driver=True,
-            logging_level=logging.WARNING,
-        )
-    except ConnectionError as exc:
-        raise ConfigError(f"no Ray cluster at {address!r}: {exc}") from exc
-
-
 def controller(namespace: str) -> ActorHandle:
     """The running deployment's controller (``lmcache-pd scale``)."""
     try:
@@ -301,6 +316,9 @@ class RayPools:
         self.pools = pools
         self.workdir = workdir
         self.interval_s = pools.ray.discovery_interval_s
+        self.instance_key = new_instance_key()
+        self.secret = os.environ.get(SECRET_ENV) or generate_secret()
+        DeploymentKeys.from_secret(self.secret)  # one too short fails here, not in every vLLM
         self._controller: ActorHandle | None = None
 
     def start(self) -> ProxyConfig:
@@ -317,6 +335,8 @@ class RayPools:
                 "name another (ray.namespace in the pools file)"
             )
         self.workdir.mkdir(parents=True, exist_ok=True)
+        secret_file = self.workdir / KV_SECRET_FILE
+        write_key(secret_file, self.secret)
         pools = _absolute(self.pools)
         self._controller = (
             ray.remote(PoolsController)
@@ -329,12 +349,14 @@ class RayPools:
                     ray.get_runtime_context().get_node_id(), soft=False
                 ),
             )
-            .remote(pools, str(self.workdir.resolve()))
+            .remote(pools, str(self.workdir.resolve()), self.instance_key, self.secret)
         )
         members = ray.get(self._controller.start.remote(), timeout=READY_TIMEOUT_S * 2)
         prefill = [PrefillInstance(m.url) for m in members if m.role == "prefill"]
         decode = [_decode_instance(m) for m in members if m.role == "decode"]
-        return proxy_config_for(pools, prefill, decode, self.workdir)
+        return proxy_config_for(
+            pools, prefill, decode, self.workdir, self.instance_key, secret_file
+        )
 
     async def members(self, outstanding: Outstanding) -> list[Member]:
         assert self._controller is not None
