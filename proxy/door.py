@@ -8,13 +8,12 @@ probes and scrapers carry no key, and a full proxy must still say how it is.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from lmcache_pd.bearer import BearerKey
 from lmcache_pd.proxy.responses import error_response
 
 logger = logging.getLogger(__name__)
@@ -34,7 +33,7 @@ class Door:
     def __init__(self, key: str | None, max_in_flight: int, refused: Callable[[str], None]) -> None:
         """``key``: what clients must send as ``Authorization: Bearer KEY`` (None: nothing);
         ``refused`` counts a refusal by its reason (``unauthorized``, ``over_capacity``)."""
-        self._digest = None if key is None else _digest(key)
+        self._key = None if key is None else BearerKey(key)
         self._max_in_flight = max_in_flight
         self._refused = refused
         self.in_flight = 0
@@ -43,7 +42,7 @@ class Door:
     async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if not request.path.startswith(GUARDED_PREFIX):
             return await handler(request)
-        if self._digest is not None and not self._authorized(request):
+        if self._key is not None and not self._key.admits(request.headers.get("Authorization", "")):
             self._refused("unauthorized")
             logger.info("refused %s from %s: no valid API key", request.path, request.remote)
             response = error_response(
@@ -75,15 +74,3 @@ class Door:
             return await handler(request)
         finally:
             self.in_flight -= 1
-
-    def _authorized(self, request: web.Request) -> bool:
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        assert self._digest is not None
-        # Digests of equal length: the comparison tells nothing of the key's length either.
-        return hmac.compare_digest(_digest(token.strip()), self._digest)
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()

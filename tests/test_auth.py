@@ -210,3 +210,24 @@ def test_only_a_producer_with_the_secret_puts_kv_into_a_consumer(tmp_path: Path)
         wait_for(lambda: consumer.call("lookup", tokens=tokens) == len(tokens), what="landed")
         got = consumer.call("checksums", keys=[key.hex() for key, _ in chunks])
         assert got == [checksum(data) for _, data in chunks]
+
+
+@pytest.mark.parametrize(
+    ("host", "secret", "flagged"),
+    [
+        ("0.0.0.0", None, 1),
+        ("127.0.0.1", None, 0),
+        ("0.0.0.0", SECRET, 0),
+    ],
+)
+def test_the_unauthenticated_gauge_says_when_anyone_may_write_kv(
+    monkeypatch: pytest.MonkeyPatch, host: str, secret: str | None, flagged: int
+) -> None:
+    """What reaches /metrics as ``lmcache_pd_consumer_unauthenticated``."""
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    if secret is not None:
+        monkeypatch.setenv(SECRET_ENV, secret)
+    config = load_config(None, environ={}, **consumer_fields(num_pages=4, receiver_host=host))
+    channel = FakeChannel(FakeFabric(), "consumer")
+    with Consumer(config, make_keyer(), channel=channel) as consumer:
+        assert consumer.stats_snapshot()["unauthenticated"] == flagged

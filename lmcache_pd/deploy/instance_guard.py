@@ -12,11 +12,11 @@ Plain ASGI: nothing of vLLM or Starlette is imported.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+from lmcache_pd.bearer import BearerKey
 
 # What ``vllm --middleware`` is given (``vllm_server.vllm_command``).
 GUARD_IMPORT_PATH = "lmcache_pd.deploy.instance_guard.InstanceKeyGuard"
@@ -40,11 +40,11 @@ class InstanceKeyGuard:
     def __init__(self, app: App) -> None:
         self.app = app
         key = os.environ.get(KEY_ENV)
-        self._digest = _digest(key) if key else None
+        self._key = BearerKey(key) if key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
-            self._digest is None
+            self._key is None
             or scope["type"] not in ("http", "websocket")
             or scope.get("method") == "OPTIONS"
             or scope["path"].removeprefix(scope.get("root_path", "")) in OPEN_PATHS
@@ -70,12 +70,5 @@ class InstanceKeyGuard:
 
     def _authorized(self, scope: Scope) -> bool:
         header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
-        scheme, _, token = header.decode("latin-1").partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        assert self._digest is not None
-        return hmac.compare_digest(_digest(token.strip()), self._digest)
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
+        assert self._key is not None
+        return self._key.admits(header.decode("latin-1"))
