@@ -20,6 +20,7 @@ from typing import Annotated, Any
 import msgspec
 
 from lmcache_pd.protocol import KVTransferParams
+from lmcache_pd.request_body import MAX_JSON_DEPTH, nests_deeper
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -27,9 +28,6 @@ TokenIds = list[NonNegative]
 
 # vLLM's default max_tokens for /v1/completions (chat has none: up to the context length).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-# Levels of arrays and objects a body may nest (a chat's image part is 6 deep).
-MAX_JSON_DEPTH = 32
 
 # Fields that decode must see exactly as the client gave them (chat and completions name them
 # alike): the sampling ones, and the prefix-cache salt, without which decode would look for the
@@ -138,24 +136,9 @@ def _validate(endpoint: Endpoint, body: dict[str, Any]) -> _CompletionFields | _
         _one_prompt(fields.prompt)
     # The prompt is checked: a text or token ids, at most two deep. The rest is walked.
     for name, value in body.items():
-        if name != "prompt" and _nests_deeper(value, MAX_JSON_DEPTH - 1):
+        if name != "prompt" and nests_deeper(value, MAX_JSON_DEPTH - 1):
             raise BadRequest(f"`{name}` is nested deeper than {MAX_JSON_DEPTH} levels")
     return fields
-
-
-def _nests_deeper(value: object, levels: int) -> bool:
-    """Whether ``value`` holds arrays or objects more than ``levels`` deep (no recursion: the
-    walk goes level by level)."""
-    level = [value] if isinstance(value, list | dict) else []
-    for _ in range(levels):
-        inner = []
-        for container in level:
-            items = container.values() if isinstance(container, dict) else container
-            inner += [item for item in items if isinstance(item, list | dict)]
-        if not inner:
-            return False
-        level = inner
-    return bool(level)
 
 
 def _one_prompt(prompt: str | list[Any]) -> None:

@@ -24,13 +24,13 @@ from aiohttp import web
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.harness.standin import Fault, Standin, StandinState
 from lmcache_pd.proxy.app import Proxy
-from lmcache_pd.proxy.client_request import MAX_JSON_DEPTH
 from lmcache_pd.proxy.config import (
     API_KEY_ENV,
     INSTANCE_API_KEY_ENV,
     load_proxy_config,
     proxy_config,
 )
+from lmcache_pd.request_body import MAX_JSON_DEPTH
 from tests.helpers import wait_for
 from tests.test_proxy import MODEL, Stack
 

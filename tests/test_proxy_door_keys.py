@@ -128,6 +128,57 @@ def test_the_guard_asks_for_the_key_on_every_path_but_health_and_metrics(
     assert asgi_call(InstanceKeyGuard(None), path) == 200  # type: ignore[arg-type]  # control
 
 
+def guard_passes(parts: list[bytes]) -> tuple[int, bytes]:
+    """The status the guard (no key set) answers a POST whose body arrives in ``parts``, and
+    the body vLLM's app then read."""
+    sent: list[dict[str, Any]] = []
+    seen = bytearray()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            seen.extend(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    messages = [
+        {"type": "http.request", "body": part, "more_body": index < len(parts) - 1}
+        for index, part in enumerate(parts)
+    ]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    guard = InstanceKeyGuard(app)
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    asyncio.run(guard(scope, receive, send))
+    return sent[0]["status"], bytes(seen)
+
+
+def test_the_guard_refuses_bodies_that_would_end_vllms_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kv_transfer_params nested 600 deep, sent with the key, ended prefill's and decode's
+    engines (benchmarks/abuse, ``deep_params``); vllm_xargs carrying kv_transfer_params got a
+    500 from vLLM's API server. Both are refused with 400; everything else reaches vLLM whole,
+    however it was split."""
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    deep = b'{"prompt": [1], "kv_transfer_params": {"x": ' + b"[" * 600 + b"]" * 600 + b"}}"
+    assert guard_passes([deep])[0] == 400
+    assert guard_passes([deep[:7], deep[7:]])[0] == 400
+    way_deeper = b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert guard_passes([way_deeper])[0] == 400
+    smuggled = b'{"prompt": [1], "vllm_xargs": {"kv_transfer_params": "x"}}'
+    assert guard_passes([smuggled])[0] == 400
+    fine = b'{"prompt": [1, 2], "vllm_xargs": {"other": 1}, "kv_transfer_params": {"a": [[1]]}}'
+    assert guard_passes([fine[:10], fine[10:20], fine[20:]]) == (200, fine)
+    assert guard_passes([b"not json"]) == (200, b"not json")  # vLLM's own 400
+
+
 def test_kubernetes_pods_and_the_proxy_read_one_key_from_the_secret(tmp_path: Path) -> None:
     """The Secret holds the key; each vLLM container gets it as VLLM_API_KEY with the guard on
     its command line, the proxy as its instance key; no ConfigMap holds it, and each writing

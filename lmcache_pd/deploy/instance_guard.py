@@ -7,15 +7,19 @@ vLLM's own ``--api-key`` (``VLLM_API_KEY``) guards the paths under ``/v1``, ``/v
 and all. This ASGI middleware, loaded into vLLM's API server by ``--middleware``, asks for the
 same key on every path but those two (and CORS preflights, which run no handler). It reads the
 key from ``VLLM_API_KEY`` when vLLM builds its app; with none set it lets everything through.
-Plain ASGI: nothing of vLLM or Starlette is imported.
+It also reads each request body before vLLM does and refuses, with 400, one that no request of
+ours holds and that would end vLLM's engine or fail in its API server
+(``lmcache_pd/request_body.py``). Plain ASGI: nothing of vLLM or Starlette is imported.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from lmcache_pd import request_body
 from lmcache_pd.bearer import BearerKey
 
 # What ``vllm --middleware`` is given (``vllm_server.vllm_command``).
@@ -35,7 +39,7 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 class InstanceKeyGuard:
     """Refuses, with 401, every HTTP request to a path outside ``OPEN_PATHS`` that lacks
-    ``Authorization: Bearer $VLLM_API_KEY``."""
+    ``Authorization: Bearer $VLLM_API_KEY``, and with 400 a body ``request_body`` refuses."""
 
     def __init__(self, app: App) -> None:
         self.app = app
@@ -50,25 +54,55 @@ class InstanceKeyGuard:
             or scope["path"].removeprefix(scope.get("root_path", "")) in OPEN_PATHS
             or self._authorized(scope)
         ):
-            await self.app(scope, receive, send)
+            if scope["type"] == "http" and scope.get("method") == "POST":
+                await self._checked(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": POLICY_VIOLATION})
             return
-        body = b'{"error": {"message": "Unauthorized", "type": "AuthenticationError", "code": 401}}'
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await _refuse(send, 401, "Unauthorized", "AuthenticationError")
+
+    async def _checked(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Read the whole body, refuse it or hand it to vLLM as one message."""
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: vLLM sees it so
+                await self.app(scope, _replay(message, receive), send)
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        reason = request_body.refusal(bytes(body))
+        if reason is not None:
+            await _refuse(send, 400, reason, "BadRequestError")
+            return
+        whole = {"type": "http.request", "body": bytes(body), "more_body": False}
+        await self.app(scope, _replay(whole, receive), send)
 
     def _authorized(self, scope: Scope) -> bool:
         header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
         assert self._key is not None
         return self._key.admits(header.decode("latin-1"))
+
+
+def _replay(first: Message, receive: Receive) -> Receive:
+    """``first``, then whatever ``receive`` gives."""
+    pending = [first]
+
+    async def replayed() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replayed
+
+
+async def _refuse(send: Send, status: int, message: str, kind: str) -> None:
+    """An OpenAI-style error answer."""
+    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    headers = [(b"content-type", b"application/json")]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
