@@ -412,7 +412,8 @@ def test_a_service_loop_that_stops_turning_is_reported_with_its_stack(
     with caplog.at_level("WARNING", "lmcache_pd.transfer.watchdog"):
         with consumer._lock:
             wait_for(lambda: "has not turned" in caplog.text, SERVICE_STALL_S + 2, "a report")
-            assert consumer.stats.service_stalls == 1
+            # counted just after the report (the stacks are logged first, by design)
+            wait_for(lambda: consumer.stats.service_stalls == 1, 2, "the stall counted")
         # the stuck thread's own frames: the loop's turn, waiting at the lock
         assert "--- thread lmcache-pd-consumer:" in caplog.text
         assert "in _turn" in caplog.text
