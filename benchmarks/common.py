@@ -7,6 +7,7 @@ import contextlib
 import json
 import socket
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -69,3 +70,21 @@ def write_json(output: Path, document: Any) -> None:
     """``document`` as indented JSON at ``output``, its folder made if missing."""
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(document, indent=2) + "\n")
+
+
+# The checkout the benchmarks run from.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_commit() -> str | None:
+    """The repository's commit, if this runs from a git checkout (read only)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if done.returncode == 0:
+            return done.stdout.strip()
+    return None

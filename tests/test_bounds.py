@@ -416,10 +416,9 @@ def push_and_load(node: Node, producer: Producer, keyer: ChunkKeyer, req_id: str
     tokens = list(range(50_000, 50_000 + 3 * CHUNK_SIZE))
     chunks = make_chunks(keyer.chunk_keys(tokens), seed=len(req_id))
     producer.push(node.spec(req_id), chunks)
-    deadline = time.monotonic() + 10
-    while node.process.call("lookup", tokens=tokens) != len(tokens):
-        assert time.monotonic() < deadline, "the push did not land"
-        time.sleep(0.01)
+    wait_for(
+        lambda: node.process.call("lookup", tokens=tokens) == len(tokens), 10, "the push landing"
+    )
     landed = node.process.call("checksums", keys=[key.hex() for key, _ in chunks])
     assert landed == [checksum(t.view(-1).view(torch.uint8)) for _, t in chunks]
     node.process.call("release", req_id=req_id)

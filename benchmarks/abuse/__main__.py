@@ -18,10 +18,9 @@ from benchmarks.abuse.deployment import ADMISSION_LIMIT, POOLS, Deployment
 from benchmarks.abuse.normal import Client, NormalStream, answer_check_control, baseline, prompts
 from benchmarks.abuse.report import cases_table, summary_table
 from benchmarks.abuse.run import DOORS, Suite
-from benchmarks.chaos.__main__ import _commit
 from benchmarks.chaos.judge import LOGPROB_TOLERANCE
 from benchmarks.chaos.pools import ROOT, alive_groups, pools_file
-from benchmarks.common import LOG_FORMAT, write_json
+from benchmarks.common import LOG_FORMAT, git_commit, write_json
 from benchmarks.environment import run_environment
 from lmcache_pd.harness.model_maker import ensure_model
 
@@ -105,7 +104,7 @@ def main(
             "normal_prompts": [p.name for p in prompts()],
             "workdir": str(workdir),
             "source": str(ROOT),
-            "commit": _commit(),
+            "commit": git_commit(),
         },
         "wall_s": round(time.monotonic() - started, 1),
         "answer_check_control": control,

