@@ -7,13 +7,24 @@ connect held a producer's only NIXL thread until decode gave up waiting). This s
 answers /health, and records each one's latency and whether decode loaded its KV or computed it.
 Goal: no request over ``--goal-s`` (5 s).
 
+``--shared-prefix-tokens N``: the requests of a start share their first N token ids (drawn anew
+per start, so that no start's cache serves another), then each has a short tail of its own
+(``--tail-tokens``), and they are streamed: a request's latency is the time to its last byte.
+Both prefill instances then push the same prefix chunks to decode at once, and decode's consumer
+lands and posts them while the instances are still settling: once, 3 of 19 such starts took
+~6.8 s a request (the consumer's serving loop stuck 2.1 s and more in a file system call).
+
 Reproduce: ``.venv/bin/python -m benchmarks.cold_start --starts 20`` (2P1D, ~1 min a start here);
-writes ``benchmarks/results/cold_start.json``.
+writes ``benchmarks/results/cold_start.json``. The shared-prefix mode:
+``.venv/bin/python -m benchmarks.cold_start --starts 30 --shared-prefix-tokens 1000 --output
+benchmarks/results/cold_start-shared-prefix.json``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 import statistics
 import tempfile
 import time
@@ -39,6 +50,9 @@ ROOT = Path(__file__).resolve().parent.parent
 HEALTH_POLL_S = 0.05
 HEALTH_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 120.0
+# Token ids the shared-prefix mode draws from (the tiny model's vocabulary is 4096; 0-3 are its
+# special tokens).
+TOKEN_IDS = range(10, 4000)
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
@@ -49,6 +63,17 @@ def _prompt(start: int, index: int, tokens: int) -> list[int]:
     return [base + (i * 13) % 997 for i in range(tokens)]
 
 
+def _shared_prefix_prompts(start: int, count: int, prefix: int, tail: int) -> list[list[int]]:
+    """``count`` prompts that share their first ``prefix`` token ids, drawn for this start, then
+    ``tail`` ids of their own each."""
+    shared = random.Random(f"cold-start-{start}")
+    common = [shared.choice(TOKEN_IDS) for _ in range(prefix)]
+    return [
+        common + [own.choice(TOKEN_IDS) for _ in range(tail)]
+        for own in (random.Random(f"cold-start-{start}-{index}") for index in range(count))
+    ]
+
+
 def _complete(url: str, model: str, prompt: list[int]) -> float:
     started = time.monotonic()
     response = httpx.post(
@@ -57,6 +82,21 @@ def _complete(url: str, model: str, prompt: list[int]) -> float:
         timeout=REQUEST_TIMEOUT_S,
     )
     response.raise_for_status()
+    return time.monotonic() - started
+
+
+def _stream(url: str, model: str, prompt: list[int]) -> float:
+    """A streamed completion; the seconds until its last byte. An error event in the stream
+    (decode failed after the first token) raises as an HTTP error would."""
+    started = time.monotonic()
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S
+    ) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: {") and "error" in json.loads(line[len("data: ") :]):
+                raise httpx.HTTPError(f"error event in the stream: {line[:200]}")
     return time.monotonic() - started
 
 
@@ -72,18 +112,33 @@ def _wait_healthy(url: str) -> None:
     raise TimeoutError(f"proxy {url} not healthy after {HEALTH_TIMEOUT_S} s")
 
 
-def one_start(pools_path: Path, start: int, concurrency: int, tokens: int, workdir: Path) -> dict:
-    """Start the pools and the proxy, fire the requests at once, stop everything."""
+def one_start(
+    pools_path: Path,
+    start: int,
+    concurrency: int,
+    tokens: int,
+    workdir: Path,
+    shared_prefix: int = 0,
+    tail: int = 0,
+) -> dict:
+    """Start the pools and the proxy, fire the requests at once, stop everything. With
+    ``shared_prefix``, the requests share that many leading tokens and are streamed."""
     pools = load_pools(pools_path)
     launcher_started = time.monotonic()
-    with PoolLauncher(pools, workdir / f"start-{start}", Console(stderr=True)) as launcher:
+    start_dir = workdir / f"start-{start}"
+    with PoolLauncher(pools, start_dir, Console(stderr=True)) as launcher:
         config = launcher.start()
         with proxy_thread(config) as proxy:
             _wait_healthy(proxy.url)
             ready_s = time.monotonic() - launcher_started
-            prompts = [_prompt(start, i, tokens) for i in range(concurrency)]
+            if shared_prefix:
+                prompts = _shared_prefix_prompts(start, concurrency, shared_prefix, tail)
+                send = _stream
+            else:
+                prompts = [_prompt(start, i, tokens) for i in range(concurrency)]
+                send = _complete
             with ThreadPoolExecutor(concurrency) as pool:
-                futures = [pool.submit(_complete, proxy.url, pools.model, p) for p in prompts]
+                futures = [pool.submit(send, proxy.url, pools.model, p) for p in prompts]
                 latencies, errors = [], []
                 for future in futures:
                     try:
@@ -96,6 +151,7 @@ def one_start(pools_path: Path, start: int, concurrency: int, tokens: int, workd
             counters = [scrape(url) for url in decode]
     return {
         "start": start,
+        "workdir": str(start_dir),
         "ready_s": round(ready_s, 1),
         "latencies_s": [round(x, 3) for x in latencies],
         "errors": errors,
@@ -115,6 +171,12 @@ def main(
     starts: Annotated[int, typer.Option(min=1)] = 20,
     concurrency: Annotated[int, typer.Option(min=1)] = 4,
     prompt_tokens: Annotated[int, typer.Option(min=2)] = 300,
+    shared_prefix_tokens: Annotated[
+        int, typer.Option(min=0, help="share this many leading tokens, streamed (0: off)")
+    ] = 0,
+    tail_tokens: Annotated[
+        int, typer.Option(min=1, help="each request's own tokens after the shared prefix")
+    ] = 24,
     goal_s: float = 5.0,
     output: Path = ROOT / "benchmarks/results/cold_start.json",
     workdir: Path | None = None,
@@ -126,20 +188,30 @@ def main(
     console = Console()
     records = []
     for start in range(starts):
-        record = one_start(pools, start, concurrency, prompt_tokens, workdir)
+        record = one_start(
+            pools, start, concurrency, prompt_tokens, workdir, shared_prefix_tokens, tail_tokens
+        )
         records.append(record)
         worst = max(record["latencies_s"], default=float("nan"))
         console.print(
             f"start {start}: ready after {record['ready_s']} s, slowest request {worst:.2f} s, "
             f"{len(record['errors'])} errors, decode loaded {record['decode_tokens_loaded']:.0f} "
-            f"tokens, {record['decode_load_timeouts']:.0f} load timeouts"
+            f"tokens, computed {record['decode_tokens_by_source']['local_compute']:.0f}, "
+            f"{record['decode_load_timeouts']:.0f} load timeouts"
         )
     latencies = [x for r in records for x in r["latencies_s"]]
+    command = f"python -m benchmarks.cold_start --pools {pools} --starts {starts}"
+    if shared_prefix_tokens:
+        command += f" --shared-prefix-tokens {shared_prefix_tokens} --tail-tokens {tail_tokens}"
     summary = {
         "pools": str(pools),
         "starts": starts,
         "concurrency": concurrency,
-        "prompt_tokens": prompt_tokens,
+        "prompt_tokens": (
+            shared_prefix_tokens + tail_tokens if shared_prefix_tokens else prompt_tokens
+        ),
+        "shared_prefix_tokens": shared_prefix_tokens,
+        "streamed": bool(shared_prefix_tokens),
         "requests": len(latencies) + sum(len(r["errors"]) for r in records),
         "errors": sum(len(r["errors"]) for r in records),
         "over_goal": sum(x > goal_s for x in latencies),
@@ -147,7 +219,15 @@ def main(
         "max_latency_s": max(latencies, default=None),
         "median_latency_s": statistics.median(latencies) if latencies else None,
         "load_timeouts": sum(r["decode_load_timeouts"] for r in records),
-        "command": f"python -m benchmarks.cold_start --pools {pools} --starts {starts}",
+        "loads_failed": sum(r["decode_loads_failed"] for r in records),
+        "decode_tokens_by_source": {
+            source: sum(r["decode_tokens_by_source"][source] for r in records)
+            for source in ("external_kv_transfer", "local_compute", "local_cache_hit")
+        },
+        "starts_over_goal": [
+            r["start"] for r in records if any(x > goal_s for x in r["latencies_s"]) or r["errors"]
+        ],
+        "command": command,
         "workdir": str(workdir),
     }
     write_json(output, {"summary": summary, "starts": records})

@@ -759,30 +759,30 @@ def test_a_consumer_process_that_dies_fails_the_pending_loads_at_once(workers: W
     assert (totals["loads_abandoned"], totals["consumer_process_down"]) == (2, 1)
 
 
-def board_with(path: Path, landed: dict[str, int]) -> Path:
-    landed_board.post(path, landed)
-    return path
-
-
 def test_the_scheduler_loads_synchronously_only_kv_landed_on_every_rank(tmp_path: Path) -> None:
     """A request is loaded before its first step only once both ranks posted all of its
     prompt's chunks landed (200 tokens of KV: 4 chunks of 64); before that, or with no boards
     (``sync_loads`` off: the control), its load is asynchronous."""
-    boards = [board_with(tmp_path / "rank0", {"d-1": 4}), tmp_path / "rank1"]
-    scheduler = ConsumerScheduler(chunk_size=CHUNK, boards=boards)
+    paths = [tmp_path / "rank0", tmp_path / "rank1"]
+    rank0 = landed_board.BoardWriter(paths[0])
+    rank0.post({"d-1": 4})
+    scheduler = ConsumerScheduler(chunk_size=CHUNK, boards=paths)
     req = request("c", list(range(201)), {"disagg_spec": SPEC})
-    assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)  # rank 1 posted nothing
-    board_with(boards[1], {"d-1": 3, "other": 4})
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)  # rank 1 has no board
+    rank1 = landed_board.BoardWriter(paths[1])  # its consumer process started
+    rank1.post({"d-1": 3, "other": 4})
     assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)  # rank 1 lacks one
-    board_with(boards[1], {"d-1": 4})
+    rank1.post({"d-1": 4})
     assert scheduler.get_num_new_matched_tokens(req, 64) == (136, False)
-    board_with(boards[1], {})  # claimed meanwhile: what was answered stands
+    rank1.post({})  # claimed meanwhile: what was answered stands
     blocks = SimpleNamespace(get_block_ids=lambda: ([3, 1, 4, 1],))
     scheduler.update_state_after_alloc(req, blocks, 136)
     [load] = scheduler.build_connector_meta(step()).loads
     assert (load.start, load.sync) == (64, True)
     unboarded = ConsumerScheduler(chunk_size=CHUNK)
     assert unboarded.get_num_new_matched_tokens(req, 64) == (136, True)
+    rank0.close()
+    rank1.close()
 
 
 def wait_landed(workers: Workers, chunks: int) -> None:

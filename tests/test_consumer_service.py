@@ -118,15 +118,13 @@ def test_control_a_consumer_inside_the_worker_stalls_with_it(producer: ProducerP
 SERVICE_OWNER = """
 import sys, time
 from pathlib import Path
-from lmcache_pd.transfer import landed_board
 from lmcache_pd.config import load_config
 from lmcache_pd.transfer.consumer_service import ConsumerService
 from lmcache_pd.kernels.integrity import checksum
 from lmcache_pd.keys import ChunkKeyer
 keyer = ChunkKeyer(model_name="m", world_size=1, worker_id=0, kv_dtype="float32", chunk_size=256)
 board = Path(sys.argv[3])
-service = ConsumerService(load_config(sys.argv[1]), keyer, board=board)
-landed_board.post(board, {})  # as the service does when chunks land
+service = ConsumerService(load_config(sys.argv[1]), keyer, board=board)  # made at its start
 with open(sys.argv[2], "w") as out:
     out.write(str(service.pid))
 time.sleep(600)

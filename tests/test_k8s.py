@@ -436,6 +436,14 @@ def test_requests_come_from_the_pools_file() -> None:
     assert {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "2"} in decode["env"]
 
 
+def test_decodes_landed_boards_live_on_the_pods_memory_volume() -> None:
+    """The consumer's serving loop writes its landed board's pages on every landing: they must
+    not be on the image's disk-backed /tmp (``landed_board.py``)."""
+    decode = _decode(manifests(shipped("pools.yaml")))
+    [base] = [e["value"] for e in decode["env"] if e["name"] == "VLLM_RPC_BASE_PATH"]
+    assert {"name": "dshm", "mountPath": base} in decode["volumeMounts"]
+
+
 def test_one_hosts_cores_stay_out_of_the_pods() -> None:
     """``cpus`` and ``thread_cpus`` name cores of the host ``serve`` runs on; a pod has its own.
     Control: the same instance's environment on that host pins our threads."""

@@ -257,7 +257,8 @@ class ConsumerScheduler(SchedulerHalf):
         self._count = count
         self._door = ParamsDoor(count)
         self._chunk_size = chunk_size
-        self._boards = list(boards)
+        # Each maps its board once the consumer process made it; a read is memory reads only.
+        self._boards = [landed_board.BoardReader(board) for board in boards]
         # Whether each request's load is synchronous, as answered in get_num_new_matched_tokens
         # (the boards may change before update_state_after_alloc in the same pass).
         self._sync: dict[str, bool] = {}
@@ -297,7 +298,7 @@ class ConsumerScheduler(SchedulerHalf):
         decode's prompt but its last token, the producer's first output) landed."""
         chunks = -(-kv_tokens // self._chunk_size)
         return bool(self._boards) and all(
-            landed_board.read(board).get(disagg_req_id, 0) >= chunks for board in self._boards
+            board.read().get(disagg_req_id, 0) >= chunks for board in self._boards
         )
 
     def update_state_after_alloc(

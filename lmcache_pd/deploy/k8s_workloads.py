@@ -32,6 +32,9 @@ KV_SECRET_ITEM = "kv-secret"
 # A vLLM pod's own address (the downward API's status.podIP): vLLM and decode's KV ports bind it,
 # not every interface of the pod.
 POD_IP_ENV = "POD_IP"
+# Where a vLLM pod's memory volume is mounted: its ranks share tensors there, and a decode pod's
+# vLLM puts its IPC sockets and our landed boards there.
+SHARED_MEMORY_MOUNT = "/dev/shm"
 # The proxy's port for first-token notices from prefill pods (fixed: its NetworkPolicy names it).
 PROXY_NOTICE_PORT = 5557
 # vLLM loads a model for seconds to minutes: the startup probe (KubernetesSpec.startup_timeout_s)
@@ -166,6 +169,11 @@ def _vllm_container(
     if component == "decode":
         # Its KV ports bind the pod's IP; the proxy and prefill name its DNS name, which is it.
         values[RECEIVER_HOST_ENV] = f"$({POD_IP_ENV})"
+        # vLLM's IPC sockets and our landed boards on the pod's memory volume, not the image's
+        # disk-backed /tmp: the consumer's serving loop writes its board's pages on every
+        # landing, and a page being written back to a disk may keep it waiting
+        # (``landed_board.py``). The pod goes with them.
+        values.setdefault("VLLM_RPC_BASE_PATH", SHARED_MEMORY_MOUNT)
     env += [{"name": name, "value": value} for name, value in values.items()]
     env += [
         secret_env(names, KEY_ENV, INSTANCE_KEY_ITEM),
@@ -194,7 +202,7 @@ def _vllm_container(
         "livenessProbe": _health_probe(PROBE_PERIOD_S, LIVENESS_FAILURES),
         "volumeMounts": [
             *_common_mounts(pools, component),
-            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "dshm", "mountPath": SHARED_MEMORY_MOUNT},
         ],
     }
 

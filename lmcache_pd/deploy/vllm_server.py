@@ -188,6 +188,17 @@ def worker_leftovers(log_path: Path) -> list[Path]:
     return found
 
 
+def runtime_parent() -> Path | None:
+    """Where an instance's runtime folder goes: /dev/shm, memory, when it is a folder we may
+    write in, else the default temporary folder (None). The consumers' landed boards are files
+    mapped into memory there, which their serving loops write on every landing: on a disk-backed
+    folder their pages are written back to the disk, and a write to a page under writeback may
+    wait for it (``landed_board.py``)."""
+    if SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK | os.X_OK):
+        return SHARED_MEMORY
+    return None
+
+
 def _group_gone(group: int, timeout_s: float) -> bool:
     """Wait until no process of ``group`` is left; False if some still are at the deadline."""
     deadline = time.monotonic() + timeout_s
@@ -251,10 +262,12 @@ class VLLMServer:
         self.headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         self.model = str(model)
         self.log_path = log_path
-        # vLLM's IPC sockets go here, not into the shared temporary directory: vLLM leaves
-        # them behind when it stops (7 per instance, seen by the thousand in /tmp), and this
-        # folder is removed with the instance.
-        self.runtime_dir = Path(tempfile.mkdtemp(prefix=f"lmcache-pd-vllm-{port}-"))
+        # vLLM's IPC sockets and our landed boards go here, not into the shared temporary
+        # directory: vLLM leaves its sockets behind when it stops (7 per instance, seen by the
+        # thousand in /tmp), and this folder is removed with the instance.
+        self.runtime_dir = Path(
+            tempfile.mkdtemp(prefix=f"lmcache-pd-vllm-{port}-", dir=runtime_parent())
+        )
         runtime = {"VLLM_RPC_BASE_PATH": str(self.runtime_dir)}
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         try:

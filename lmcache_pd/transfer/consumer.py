@@ -90,7 +90,8 @@ class Consumer:
         self.profile = profile or KVProfile(
             chunk_size=config.chunk_size, page_bytes=config.page_bytes
         )
-        self._board = board
+        self._board_path = board
+        self._board: landed_board.BoardWriter | None = None
         # Chunks landed (or were found held) since the last post, and that post: the service
         # thread's alone (a post that would change nothing is not written).
         self._landed_changed = False
@@ -141,6 +142,7 @@ class Consumer:
         except BaseException:
             self._close_resources()
             raise
+        self._board = self._make_board()
         self._watchdog = Watchdog(
             "consumer service loop", SERVICE_STALL_S, self._count_stall, config.thread_cpus
         )
@@ -271,7 +273,7 @@ class Consumer:
             return
         self._close_resources()
         if self._board is not None:
-            landed_board.remove(self._board)
+            self._board.close()
 
     def __enter__(self) -> Consumer:
         return self
@@ -320,7 +322,7 @@ class Consumer:
             with self._lock:
                 landed = self._store.unclaimed_landed()
             if landed != self._last_post:
-                landed_board.post(self._board, landed)
+                self._board.post(landed)  # memory writes only: no system call
                 self._last_post = landed
 
     def _drain(
@@ -432,6 +434,22 @@ class Consumer:
             )
 
     # ---- helpers ----
+
+    def _make_board(self) -> landed_board.BoardWriter | None:
+        """The landed board, made here, at start, not on the service loop: its posts are then
+        memory writes only. None if there is no board or it cannot be made (every load is
+        then asynchronous)."""
+        if self._board_path is None:
+            return None
+        try:
+            return landed_board.BoardWriter(self._board_path)
+        except OSError as exc:
+            logger.warning(
+                "cannot make the landed board %s (every load will be asynchronous): %s",
+                self._board_path,
+                exc,
+            )
+            return None
 
     def _mark_landed(self) -> None:
         self._landed_changed = True
