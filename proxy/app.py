@@ -26,10 +26,13 @@ from lmcache_pd.proxy.config import ProxyConfig
 from lmcache_pd.proxy.door import Door
 from lmcache_pd.proxy.flow import MAX_EVENT_BYTES, UPSTREAM_KEEPALIVE_S, Disaggregator
 from lmcache_pd.proxy.kv_drop import KVDropper
+from lmcache_pd.proxy.kv_index import KVIndex
 from lmcache_pd.proxy.membership import Membership, MemberSource
 from lmcache_pd.proxy.metrics import ProxyMetrics
 from lmcache_pd.proxy.orchestration import Orchestrator
+from lmcache_pd.proxy.placement import Placer
 from lmcache_pd.proxy.prompt_size import PromptSizer
+from lmcache_pd.proxy.prompt_tokens import PromptTokens
 from lmcache_pd.proxy.responses import error_response, json_response
 from lmcache_pd.proxy.routing import HealthChecker, NoHealthyInstance, Pool, Role, Upstream
 from lmcache_pd.trace import TraceFile
@@ -48,11 +51,19 @@ class Proxy:
         self.config = config
         # The instances' key, on every call to their /v1/* (never the client's headers).
         self._instance_headers = config.instance_headers()
-        self.prefill = Pool(Role.PREFILL, [Upstream(p.url, Role.PREFILL) for p in config.prefill])
+        self.prefill = Pool(
+            Role.PREFILL,
+            [Upstream(p.url, Role.PREFILL, kv_events=p.kv_events) for p in config.prefill],
+        )
         self.decode = Pool(
             Role.DECODE,
             [
-                Upstream(d.url, Role.DECODE, (d.receiver_host, d.init_port, d.alloc_port))
+                Upstream(
+                    d.url,
+                    Role.DECODE,
+                    (d.receiver_host, d.init_port, d.alloc_port),
+                    kv_events=d.kv_events,
+                )
                 for d in config.decode
             ],
         )
@@ -72,6 +83,7 @@ class Proxy:
             )
         )
         self._session: aiohttp.ClientSession | None = None
+        self._index: KVIndex | None = None
         self._health: HealthChecker | None = None
         self._dropper: KVDropper | None = None
         self._notices: NoticeBoard | None = None
@@ -115,6 +127,19 @@ class Proxy:
             else:
                 self._notices.start()
         self._dropper = KVDropper(keys)
+        placer = Placer(self.decode, self._sizer)
+        if self.config.routing == "kv":
+            self._index = KVIndex(self._upstreams, keys, self.config.kv_index_max_blocks)
+            self.metrics.registry.register(self._index.collector())
+            await self._index.sync()
+            self._index.periodic.start()
+            tokens = PromptTokens(
+                self._session,
+                self._upstreams,
+                self._instance_headers,
+                self.config.timeouts.health_s,
+            )
+            placer = Placer(self.decode, self._sizer, self._index, tokens, self.config.model)
         self._orchestrator = Orchestrator(
             model=self.config.model,
             flow=Disaggregator(
@@ -125,9 +150,8 @@ class Proxy:
                 self._notices,
                 self._instance_headers,
             ),
-            decode=self.decode,
+            placer=placer,
             metrics=self.metrics,
-            sizer=self._sizer,
             dropper=self._dropper,
             notices=self._notices,
             trace=self._trace,
@@ -157,6 +181,9 @@ class Proxy:
             await self._membership.periodic.stop()
         if self._health is not None:
             await self._health.periodic.stop()
+        if self._index is not None:
+            await self._index.periodic.stop()
+            await self._index.close()
         if self._dropper is not None:
             await self._dropper.close()
         if self._notices is not None:

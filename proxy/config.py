@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 import yaml
@@ -25,6 +25,9 @@ from lmcache_pd.protocol import Port, RankPorts
 # 64, 256): below this, decode computing the prompt costs its running streams less than one
 # inter-token latency, while PD adds ~3-20 ms to the first token and a transfer.
 MIN_DISAGG_TOKENS = 256
+# Blocks the proxy's KV index remembers per instance: 256 Ki blocks of 16 tokens are 4 Mi
+# tokens, more than a CPU instance caches; ~200 bytes each (``prefix_index.py``).
+MAX_INDEX_BLOCKS = 1 << 18
 # Requests the proxy serves at once; past it a client gets 503 with Retry-After. vLLM's own
 # serving benchmark sends its default 1000 prompts at once, which must all be taken.
 MAX_IN_FLIGHT = 1024
@@ -39,10 +42,25 @@ Url = Annotated[str, msgspec.Meta(pattern=r"^https?://[^/]+$")]
 ApiKey = Annotated[str, msgspec.Meta(pattern=r"^[\x21-\x7e]+$", max_length=1024)]
 
 
+class KVEventsAddress(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where an instance publishes its KV events (vLLM's ``--kv-events-config``): the PUB port
+    and the replay ROUTER port, both CURVE servers under the deployment secret."""
+
+    host: Annotated[str, msgspec.Meta(min_length=1)]
+    port: Port
+    replay_port: Port
+
+    def endpoint(self, port: int) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{port}"
+
+
 class PrefillInstance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A producer vLLM: only its HTTP address matters to the proxy."""
+    """A producer vLLM: its HTTP address, and where it publishes its KV events (None: it does
+    not; routing then knows nothing of its cache)."""
 
     url: Url
+    kv_events: KVEventsAddress | None = None
 
 
 class DecodeInstance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -53,6 +71,7 @@ class DecodeInstance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     receiver_host: Annotated[str, msgspec.Meta(min_length=1)]
     init_port: Port | RankPorts
     alloc_port: Port | RankPorts
+    kv_events: KVEventsAddress | None = None
 
     def __post_init__(self) -> None:
         ranks = [len(p) if isinstance(p, list) else 1 for p in (self.init_port, self.alloc_port)]
@@ -100,6 +119,13 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # prompt is disaggregated). The default is where PD's first token stops costing more than
     # decode's own on this project's machines (benchmarks/selective.py).
     min_disagg_tokens: Annotated[int, msgspec.Meta(ge=0)] = MIN_DISAGG_TOKENS
+    # How instances are chosen: "kv" scores each by the prompt tokens its prefix cache holds
+    # (from the KV events of the instances that publish them) against its load, and serves a
+    # prompt whose uncached part is under min_disagg_tokens by decode alone; "load": the
+    # least-outstanding instance, and the prompt's whole length decides.
+    routing: Literal["kv", "load"] = "kv"
+    # Blocks remembered per instance by the KV index (oldest forgotten first).
+    kv_index_max_blocks: Annotated[int, msgspec.Meta(ge=1)] = MAX_INDEX_BLOCKS
     # A model folder whose tokenizer.json counts text prompts near that threshold (None: such
     # texts are disaggregated).
     tokenizer: str | None = None

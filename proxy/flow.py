@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,14 +131,19 @@ class Disaggregator:
         )
 
     async def prefill(
-        self, request: ClientRequest, req_id: str, kv_transfer_params: KVTransferParams
+        self,
+        request: ClientRequest,
+        req_id: str,
+        kv_transfer_params: KVTransferParams,
+        work: Callable[[Upstream], int] | None = None,
     ) -> Prefilled:
-        """The first token, from the least busy prefill instance, or from a second one if the
-        first fails without answering. A 4xx is the client's problem and is not retried."""
+        """The first token, from the prefill instance that ``work`` (the prompt tokens each
+        would compute; None: unknown) and load make cheapest, or from a second one if the first
+        fails without answering. A 4xx is the client's problem and is not retried."""
         failed: UpstreamFailed | None = None
         for _ in range(PREFILL_ATTEMPTS):
             try:
-                member = self._prefill.pick(exclude=failed.member if failed else None)
+                member = self._prefill.pick(exclude=failed.member if failed else None, work=work)
             except NoHealthyInstance:
                 if failed is None:
                     raise
@@ -154,7 +159,7 @@ class Disaggregator:
                 params = msgspec.structs.replace(params, first_tok_to=address)
             body = request.prefill_body(params)
             try:
-                with member.busy():
+                with member.busy(0 if work is None else work(member)):
                     prefilled = await self._prefill_once(member, request.endpoint, req_id, body)
                 return dataclasses.replace(prefilled, instance=member.url)
             except UpstreamFailed as exc:

@@ -1,8 +1,9 @@
 """One client request's path through the pools, from its body to its answer.
 
-The body is checked at the door; a prompt under ``min_disagg_tokens`` goes to a decode instance
-alone (``direct.py``). Any other goes to prefill for one token, and decode is asked for the rest,
-on the exact prompt token ids plus that token, as soon as the proxy knows the token: from
+The body is checked at the door; where it goes is ``placement.py``'s: a prompt of which the
+chosen decode instance would compute fewer than ``min_disagg_tokens`` goes there alone
+(``direct.py``). Any other goes to prefill for one token, and decode is asked for the rest, on
+the exact prompt token ids plus that token, as soon as the proxy knows the token: from
 prefill's engine directly (a first-token notice, ``decode_stream.py``) or from prefill's answer,
 whichever comes first. The answer (``answer.py``) sends that token at once and then decode's
 stream. KV pushed for a request that decode will not load is dropped at its consumer when the
@@ -30,9 +31,9 @@ from lmcache_pd.proxy.flow import Disaggregator, Prefilled, UpstreamFailed, Upst
 from lmcache_pd.proxy.kv_drop import KVDropper
 from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
 from lmcache_pd.proxy.openai_format import ResponseWriter
-from lmcache_pd.proxy.prompt_size import PromptSizer
+from lmcache_pd.proxy.placement import Placer, Plan
 from lmcache_pd.proxy.responses import error_response
-from lmcache_pd.proxy.routing import NoHealthyInstance, Pool, Upstream
+from lmcache_pd.proxy.routing import NoHealthyInstance, Upstream
 from lmcache_pd.trace import TraceFile
 
 logger = logging.getLogger(__name__)
@@ -48,9 +49,8 @@ class Orchestrator:
         *,
         model: str,
         flow: Disaggregator,
-        decode: Pool,
+        placer: Placer,
         metrics: ProxyMetrics,
-        sizer: PromptSizer,
         dropper: KVDropper,
         notices: NoticeBoard | None,
         trace: TraceFile,
@@ -59,9 +59,8 @@ class Orchestrator:
         prefill's first-token notice when it comes before prefill's answer."""
         self._model = model
         self._flow = flow
-        self._decode = decode
+        self._placer = placer
         self._metrics = metrics
-        self._sizer = sizer
         self._dropper = dropper
         self._notices = notices
         self._trace = trace
@@ -109,12 +108,14 @@ class Orchestrator:
         """Pick decode (none if prefill's one token is the whole answer), serve a short prompt
         there alone, and drop the pushed KV of a request that ends before decode loads it."""
         try:
-            decoder = self._decode.pick() if client.needs_decode else None
+            plan = await self._placer.plan(client)
         except NoHealthyInstance as exc:
             return error_response(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE
-        if decoder is not None and self._sizer.is_short(client):
+        decoder = plan.decoder
+        trace |= plan.trace()
+        if decoder is not None and plan.alone:
             self._metrics.served_alone.inc()
-            with decoder.busy():
+            with decoder.busy(plan.work_at(decoder)):
                 return await serve_alone(
                     http, self._flow, self._metrics, client, req_id, decoder, started, trace
                 )
@@ -128,7 +129,7 @@ class Orchestrator:
         try:
             with decoder.busy() if decoder is not None else contextlib.nullcontext():
                 response, outcome, answer = await self._answer(
-                    http, client, req_id, decoder, spec, started, trace
+                    http, client, req_id, plan, spec, started, trace
                 )
                 return response, outcome
         except asyncio.CancelledError:  # the client went away: say so in the drop notice
@@ -146,14 +147,15 @@ class Orchestrator:
         http: web.Request,
         client: ClientRequest,
         req_id: str,
-        decoder: Upstream | None,
+        plan: Plan,
         spec: DisaggSpec | None,
         started: float,
         trace: dict[str, Any],
     ) -> tuple[web.StreamResponse, Outcome, Answer | None]:
         """Prefill for the first token, then the answer (streamed or whole) with decode's rest."""
+        decoder = plan.decoder
         try:
-            prefilled, early = await self._first_token(client, req_id, decoder, spec, trace)
+            prefilled, early = await self._first_token(client, req_id, plan, spec, trace)
         except NoHealthyInstance as exc:
             return error_response(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE, None
         except UpstreamRejected as exc:
@@ -196,14 +198,17 @@ class Orchestrator:
         self,
         client: ClientRequest,
         req_id: str,
-        decoder: Upstream | None,
+        plan: Plan,
         spec: DisaggSpec | None,
         trace: dict[str, Any],
     ) -> tuple[Prefilled, DecodeStream | None]:
         """Prefill's answer, and decode's stream if it was asked on a first-token notice that
         came first. On any failure, or if the client goes away, neither is left running."""
         params = KVTransferParams(ret_first_tok=True, disagg_spec=spec)
-        prefill = asyncio.get_running_loop().create_task(self._flow.prefill(client, req_id, params))
+        decoder = plan.decoder
+        prefill = asyncio.get_running_loop().create_task(
+            self._flow.prefill(client, req_id, params, plan.work)
+        )
         early: DecodeStream | None = None
         answered = False
         try:

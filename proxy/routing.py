@@ -1,5 +1,13 @@
-"""Which instance gets the next request: least outstanding requests, round-robin among equals,
-never one that is marked down. Health checks and failed requests mark instances down and up.
+"""Which instance gets the next request, never one that is marked down. Health checks and failed
+requests mark instances down and up.
+
+Without a measure of the work (``routing: load``, or nothing known of the prompt): least
+outstanding requests, round-robin among equals. With one (``placement.py``: the prompt tokens an
+instance would have to compute, given what its cache holds), the instance of least cost (that
+work, plus the prompt tokens queued on it, plus a weight per outstanding request) among those
+whose load stays within a bound of the least loaded one, so that a hot prefix spreads once its
+instance is busy; ties go as without one. This is llm-d's precise-prefix and load scorers in one
+sum, in tokens.
 
 Everything here runs on the proxy's one event loop, so counters need no locks.
 """
@@ -15,7 +23,18 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from lmcache_pd.proxy.config import KVEventsAddress
+
 logger = logging.getLogger(__name__)
+
+# The load bound of a costed pick: an instance with more than IMBALANCE times the outstanding
+# requests of the least loaded one (and IMBALANCE_SLACK more) is not chosen, however much of the
+# prompt it holds: requests per instance stay within ~2x under load.
+IMBALANCE = 2
+IMBALANCE_SLACK = 2
+# What one outstanding request weighs against prompt tokens to compute: a running decode stream
+# takes a share of every step, about what a few dozen prompt tokens cost on these machines.
+TOKENS_PER_OUTSTANDING = 64
 
 
 class Role(enum.Enum):
@@ -32,17 +51,24 @@ class Upstream:
     # Only decode instances: where their connector receives KV (host, init and alloc ports;
     # the ports are lists indexed by rank for a tensor-parallel instance).
     receiver: tuple[str, int | list[int], int | list[int]] | None = None
+    # Where it publishes its KV events (None: it does not).
+    kv_events: KVEventsAddress | None = None
     outstanding: int = 0
+    # Prompt tokens it computes for the requests outstanding on it (as the proxy estimated).
+    queued_tokens: int = 0
     healthy: bool = True
 
     @contextlib.contextmanager
-    def busy(self) -> Iterator[None]:
-        """Counts one outstanding request for as long as the block runs."""
+    def busy(self, tokens: int = 0) -> Iterator[None]:
+        """Counts one outstanding request, computing ``tokens`` prompt tokens here, for as long
+        as the block runs."""
         self.outstanding += 1
+        self.queued_tokens += tokens
         try:
             yield
         finally:
             self.outstanding -= 1
+            self.queued_tokens -= tokens
 
     def mark(self, healthy: bool, why: str) -> None:
         """Record a health change, logging only transitions so a dead instance is one line."""
@@ -52,6 +78,11 @@ class Upstream:
                 logger.info("%s instance %s is back up (%s)", self.role.value, self.url, why)
             else:
                 logger.warning("%s instance %s marked down: %s", self.role.value, self.url, why)
+
+
+def cost(member: Upstream, work: Callable[[Upstream], int]) -> int:
+    """What sending a request of ``work`` to ``member`` costs, in prompt tokens."""
+    return work(member) + member.queued_tokens + TOKENS_PER_OUTSTANDING * member.outstanding
 
 
 class NoHealthyInstance(Exception):
@@ -72,14 +103,24 @@ class Pool:
         self.members = members
         self._cursor %= max(len(members), 1)
 
-    def pick(self, exclude: Upstream | None = None) -> Upstream:
-        """The healthy instance with the fewest outstanding requests; ties go round-robin."""
+    def pick(
+        self, exclude: Upstream | None = None, work: Callable[[Upstream], int] | None = None
+    ) -> Upstream:
+        """The healthy instance of least cost among those within the load bound, ``work`` being
+        the prompt tokens each would compute (without it: of fewest outstanding requests); ties
+        go round-robin."""
         count = len(self.members)
         rotated = self.members[self._cursor :] + self.members[: self._cursor]
         healthy = [member for member in rotated if member.healthy and member is not exclude]
         if not healthy:
             raise NoHealthyInstance(f"no healthy {self.role.value} instance")
-        chosen = min(healthy, key=lambda member: member.outstanding)  # first of equals wins
+        if work is None:
+            chosen = min(healthy, key=lambda member: member.outstanding)  # first of equals wins
+        else:
+            least = min(member.outstanding for member in healthy)
+            bound = max(IMBALANCE * least, least + IMBALANCE_SLACK)
+            allowed = [member for member in healthy if member.outstanding <= bound]
+            chosen = min(allowed, key=lambda member: (cost(member, work), member.outstanding))
         self._cursor = (self.members.index(chosen) + 1) % count
         return chosen
 

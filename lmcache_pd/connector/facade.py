@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from lmcache_pd.auth import load_keys
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import CONFIG_PATH_ENV, PDConfig, load_config
+from lmcache_pd.connector import kv_event_publisher
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
 from lmcache_pd.connector.metadata import PDConnectorMetadata, PushProgress
 from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler, SchedulerHalf
@@ -168,6 +169,10 @@ class LMCachePDConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerHalf = SchedulerHalf()
         if role == KVConnectorRole.SCHEDULER:
             self._stats = StatsRecorder("scheduler")
+            events = vllm_config.kv_events_config
+            if events is not None and events.enable_kv_cache_events:
+                # Before vLLM's scheduler, which makes its publisher after this connector.
+                kv_event_publisher.install(load_keys(self._config.secret_file))
             self._scheduler = (
                 ProducerScheduler(self._stats.add, load_keys(self._config.secret_file))
                 if producer

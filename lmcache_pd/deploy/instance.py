@@ -6,6 +6,7 @@ same instance whichever of them runs it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +16,7 @@ import yaml
 from lmcache_pd.config import ENV_PREFIX, PDConfig
 from lmcache_pd.deploy.pools import InstanceSpec, PoolsConfig
 from lmcache_pd.errors import ConfigError
+from lmcache_pd.proxy.config import KVEventsAddress
 
 THREAD_CPUS_ENV = f"{ENV_PREFIX}THREAD_CPUS"  # read by the instance's transfer config
 
@@ -68,3 +70,16 @@ def instance_env(pools: PoolsConfig, spec: InstanceSpec) -> dict[str, str]:
     threads run, its own."""
     threads = {} if spec.thread_cpus is None else {THREAD_CPUS_ENV: spec.thread_cpus}
     return {"VLLM_CPU_KVCACHE_SPACE": str(pools.kv_cache_gib), **threads, **spec.env}
+
+
+def kv_events_args(address: KVEventsAddress) -> list[str]:
+    """vLLM's ``--kv-events-config`` publishing the prefix cache's events where the proxy
+    follows them (the connector makes the publisher's sockets authenticated ones:
+    ``connector/kv_event_publisher.py``)."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": address.endpoint(address.port),
+        "replay_endpoint": address.endpoint(address.replay_port),
+    }
+    return ["--kv-events-config", json.dumps(config)]

@@ -42,6 +42,7 @@ from lmcache_pd.deploy.instance import (
     connector_config,
     instance_args,
     instance_env,
+    kv_events_args,
     transfer_settings,
 )
 from lmcache_pd.deploy.pools import InstanceSpec, PoolsConfig
@@ -52,6 +53,7 @@ from lmcache_pd.peers import format_peer
 from lmcache_pd.proxy.config import (
     INSTANCE_API_KEY_ENV,
     DecodeInstance,
+    KVEventsAddress,
     PrefillInstance,
     ProxyConfig,
     Timeouts,
@@ -152,6 +154,7 @@ def start_instance(
     api_key: str | None = None,
     secret_file: Path | None = None,
     secret: str | None = None,
+    kv_events: KVEventsAddress | None = None,
 ) -> VLLMServer:
     """Start instance ``name`` of ``pools`` without waiting for it: its transfer config is a copy
     of ``spec.config`` with ``kv_role`` and ``settings_of_role`` (a decode rank's receive ports,
@@ -159,8 +162,9 @@ def start_instance(
     (or ``LOG_NAME.log``); with ``api_key`` it answers only /health and /metrics without it;
     ``secret_file``: the deployment secret's (it replaces any the instance's config names);
     ``secret``: the secret itself, given in the server's environment (``SECRET_ENV``, never on
-    its command line) where no file on its host holds it, over any file its config names.
-    Every engine starts its instances with this."""
+    its command line) where no file on its host holds it, over any file its config names;
+    ``kv_events``: where it publishes its prefix cache's KV events (None: nowhere). Every engine
+    starts its instances with this."""
     settings = transfer_settings(name, spec, role, settings_of_role)
     if secret_file is not None:
         settings["secret_file"] = str(secret_file.resolve())
@@ -180,7 +184,10 @@ def start_instance(
         process_cpus=spec.process_cpus,
         env=instance_env(pools, spec) | ({} if secret is None else {SECRET_ENV: secret}),
         engine_args=pools.engine_args,
-        extra_args=instance_args(pools, spec),
+        extra_args=[
+            *instance_args(pools, spec),
+            *([] if kv_events is None else kv_events_args(kv_events)),
+        ],
         log_stats=True,
         wait=False,
         host=host,
@@ -215,6 +222,7 @@ def proxy_config_for(
         trace_path=str(workdir / "proxy.trace.jsonl") if pools.trace else None,
         tokenizer=pools.model,
         min_disagg_tokens=pools.proxy.min_disagg_tokens,
+        routing=pools.proxy.routing,
         cpus=pools.proxy.cpus,
         first_token_notices=pools.proxy.first_token_notices,
         api_key_file=None if client_key_file is None else str(Path(client_key_file).resolve()),
@@ -234,6 +242,7 @@ class _Launch:
     role: Role
     port: int
     settings_of_role: dict[str, Any]
+    kv_events: KVEventsAddress | None
 
 
 class PoolLauncher:
@@ -272,16 +281,27 @@ class PoolLauncher:
             for spec in self.pools.decode:
                 port = ports.take(spec.port)
                 receive = receive_ports(ports, spec.tensor_parallel_size)
-                decode.append(DecodeInstance(f"http://127.0.0.1:{port}", "127.0.0.1", **receive))
+                decode.append(
+                    DecodeInstance(
+                        f"http://127.0.0.1:{port}",
+                        "127.0.0.1",
+                        **receive,
+                        kv_events=self._events_address(ports),
+                    )
+                )
             peers = [peer_text(d) for d in decode]
             for index, spec in enumerate(self.pools.prefill):
                 port = ports.take(spec.port)
-                self._launch(f"prefill-{index}", spec, "kv_producer", port, {"warm_peers": peers})
-                prefill.append(PrefillInstance(f"http://127.0.0.1:{port}"))
+                events = self._events_address(ports)
+                name = f"prefill-{index}"
+                self._launch(name, spec, "kv_producer", port, {"warm_peers": peers}, events)
+                prefill.append(PrefillInstance(f"http://127.0.0.1:{port}", kv_events=events))
             for index, (spec, member) in enumerate(zip(self.pools.decode, decode, strict=True)):
                 receive = {"init_port": member.init_port, "alloc_port": member.alloc_port}
                 port = int(member.url.rsplit(":", 1)[1])
-                self._launch(f"decode-{index}", spec, "kv_consumer", port, receive)
+                self._launch(
+                    f"decode-{index}", spec, "kv_consumer", port, receive, member.kv_events
+                )
             self._wait_all_healthy()
         except BaseException:
             self.stop()
@@ -297,10 +317,11 @@ class PoolLauncher:
         role: Role,
         port: int,
         settings_of_role: dict[str, Any],
+        kv_events: KVEventsAddress | None,
         log_name: str | None = None,
     ) -> None:
         """Start one instance and remember how, for ``restart``."""
-        self._launches[name] = _Launch(spec, role, port, settings_of_role)
+        self._launches[name] = _Launch(spec, role, port, settings_of_role, kv_events)
         self.servers[name] = start_instance(
             self.pools,
             self.workdir,
@@ -312,7 +333,14 @@ class PoolLauncher:
             log_name=log_name,
             api_key=self.instance_key,
             secret_file=self.secret_file,
+            kv_events=kv_events,
         )
+
+    def _events_address(self, ports: Ports) -> KVEventsAddress | None:
+        """Where a new instance publishes its KV events: for the proxy's KV routing only."""
+        if self.pools.proxy.routing != "kv":
+            return None
+        return KVEventsAddress("127.0.0.1", ports.take(), ports.take())
 
     def _wait_all_healthy(self) -> None:
         """Each instance healthy, then warmed up (``VLLMServer.warm_up``), all at once."""
@@ -378,6 +406,7 @@ class PoolLauncher:
             launch.role,
             launch.port,
             launch.settings_of_role,
+            launch.kv_events,
             f"{name}.{count}",
         )
         try:

@@ -77,6 +77,9 @@ class ProxySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     decode_read_timeout_s: float = 120.0
     # Prompts shorter than this go to decode alone (0: every prompt is disaggregated).
     min_disagg_tokens: Annotated[int, msgspec.Meta(ge=0)] = MIN_DISAGG_TOKENS
+    # "kv": route by what each instance's prefix cache holds (every instance publishes its KV
+    # events to the proxy); "load": least outstanding requests. See ``ProxyConfig.routing``.
+    routing: Literal["kv", "load"] = "kv"
     # CPUs the proxy runs on (None: any); see ``ProxyConfig.cpus``.
     cpus: Annotated[str, msgspec.Meta(pattern=f"^{CPU_LIST.pattern}$")] | None = None
     # Decode asked on prefill's first-token notice; see ``ProxyConfig.first_token_notices``.

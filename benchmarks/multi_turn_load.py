@@ -1,0 +1,346 @@
+"""The multi-turn benchmark's client side (``benchmarks/multi_turn.py``): conversations made of
+random words, an asyncio client that streams every turn through the chat endpoint and times its
+chunks, and the pure accounting on top (new tokens per turn, per-turn statistics).
+
+Kept apart from the pools and proxies so that the fast lane can test what decides the numbers
+(which messages a turn sends, what counts as a turn's new tokens, the percentiles) without
+starting anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+
+# Beyond the proxy's own read deadlines (120 s): a request that hangs shows as a timeout.
+REQUEST_TIMEOUT_S = 180.0
+# Words of the tiny model's vocabulary that are one token each with their leading space (the
+# byte-level BPE writes that space as "Ġ"): N of them make a text of about N tokens.
+WORD_TOKEN = re.compile(r"\u0120([a-z]{3,})")
+
+
+# Characters a token an answer sent back keeps at most: twice what English text takes.
+ANSWER_CHARS_PER_TOKEN = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What one run sends: ``conversations`` chats of ``turns`` turns each, all opening with the
+    same system prompt of ``system_tokens`` words; each turn adds a user message of
+    ``user_tokens`` words (the first turn's carries a document of ``document_tokens`` more, as
+    a chat about a file does) and asks for ``answer_tokens`` tokens (forced: ``ignore_eos``)."""
+
+    conversations: int
+    turns: int
+    system_tokens: int
+    user_tokens: int
+    answer_tokens: int
+    document_tokens: int = 0
+
+    def longest_prompt(self, per_message: int = 8) -> int:
+        """Tokens of the last turn's prompt plus its answer, roughly: every word a token, and
+        ``per_message`` tokens of chat template around each message."""
+        messages = 1 + 2 * self.turns
+        words = self.system_tokens + self.document_tokens
+        words += self.turns * (self.user_tokens + self.answer_tokens)
+        return words + per_message * messages
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """A chat's fixed parts: the system prompt and the user message of every turn."""
+
+    name: str
+    system: str
+    users: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class TurnResult:
+    """One turn as the client saw it (seconds relative to its own start, except
+    ``started_at``: since the run's start)."""
+
+    conversation: str
+    turn: int  # 1-based
+    started_at: float = 0.0
+    ttft_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)
+    e2e_s: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    # The tokens this turn added to its conversation (``account_new_tokens``).
+    new_tokens: int | None = None
+    # The response's id (the proxy's request id for a disaggregated turn) and the KV bytes
+    # prefill pushed for it, from the producers' traces (``attribute_pushed_bytes``).
+    response_id: str | None = None
+    pushed_bytes: float | None = None
+    answer: str = ""
+    error: str | None = None
+
+    def as_record(self) -> dict[str, Any]:
+        """What the JSON keeps of it: no answer text and no single gaps."""
+        return {
+            "conversation": self.conversation,
+            "turn": self.turn,
+            "started_at_s": round(self.started_at, 4),
+            "ttft_ms": None if self.ttft_s is None else self.ttft_s * 1e3,
+            "itl_ms_p50": percentile_ms(self.gaps_s, 50),
+            "e2e_ms": None if self.e2e_s is None else self.e2e_s * 1e3,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "new_tokens": self.new_tokens,
+            "pushed_bytes": self.pushed_bytes,
+            "error": self.error,
+        }
+
+
+def vocabulary_words(tokenizer_json: Path) -> list[str]:
+    """The words a tokenizer holds as single tokens after a space, in a fixed order."""
+    vocab = json.loads(tokenizer_json.read_text())["model"]["vocab"]
+    words = sorted({m[1] for token in vocab if (m := WORD_TOKEN.fullmatch(token))})
+    if len(words) < 100:
+        raise ValueError(f"{tokenizer_json}: only {len(words)} single-token words")
+    return words
+
+
+def make_conversations(
+    words: Sequence[str], shape: Shape, seed: int, run_id: str
+) -> list[Conversation]:
+    """The run's conversations: random words from an RNG seeded by ``seed`` and ``run_id``, so
+    that every run sends text no other run sent and no run's cache serves another's prompts
+    (the runs share the same instances). One system prompt for all of them, as a deployment's
+    system prompt is."""
+    rng = random.Random(f"multi-turn:{seed}:{run_id}")
+
+    def text(count: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(count))
+
+    system = text(shape.system_tokens)
+    return [
+        Conversation(
+            f"{run_id}/c{index}",
+            system,
+            tuple(
+                text(shape.user_tokens + (shape.document_tokens if turn == 0 else 0))
+                for turn in range(shape.turns)
+            ),
+        )
+        for index in range(shape.conversations)
+    ]
+
+
+def turn_messages(conversation: Conversation, answers: Sequence[str]) -> list[dict[str, str]]:
+    """The chat messages of the turn after ``answers``: the system prompt, every earlier user
+    message followed by its answer, then this turn's user message (turn ``len(answers) + 1``)."""
+    turn = len(answers)
+    if turn >= len(conversation.users):
+        raise ValueError(f"{conversation.name} has {len(conversation.users)} turns, not {turn + 1}")
+    messages = [{"role": "system", "content": conversation.system}]
+    for user, answer in zip(conversation.users, answers, strict=False):
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    messages.append({"role": "user", "content": conversation.users[turn]})
+    return messages
+
+
+def account_new_tokens(turns: Sequence[TurnResult]) -> None:
+    """Set each turn's ``new_tokens``: what it adds beyond all that the turn before it sent or
+    produced, from the token counts usage reports: turn t's prompt tokens minus turn t-1's
+    prompt and completion tokens (its user message and the chat template around it, plus any
+    difference of the previous answer tokenized again as text); turn 1: its whole prompt. The
+    previous answer is counted as that turn's completion, not as new. None where a count is
+    missing (a failed turn, or the turn after one)."""
+    before: TurnResult | None = None
+    for result in sorted(turns, key=lambda r: r.turn):
+        if result.prompt_tokens is None:
+            result.new_tokens = None
+        elif result.turn == 1:
+            result.new_tokens = result.prompt_tokens
+        elif (
+            before is not None
+            and before.turn == result.turn - 1
+            and before.prompt_tokens is not None
+            and before.completion_tokens is not None
+        ):
+            result.new_tokens = (
+                result.prompt_tokens - before.prompt_tokens - before.completion_tokens
+            )
+        else:
+            result.new_tokens = None
+        before = result
+
+
+def percentile_ms(seconds: Sequence[float], q: float) -> float | None:
+    """The ``q``th percentile (numpy's linear interpolation, as ``serving_load`` takes it) in
+    milliseconds; None for no values."""
+    return float(np.percentile(seconds, q)) * 1e3 if seconds else None
+
+
+def turn_statistics(results: Sequence[TurnResult]) -> dict[int, dict[str, Any]]:
+    """Per turn index: requests, failures, TTFT p50/p90 and ITL p50 (ms, over the successful
+    requests of that turn), mean prompt and new tokens. Later turns carry longer histories, so
+    their TTFT tells whether that history was computed again or found cached."""
+    table: dict[int, dict[str, Any]] = {}
+    for turn in sorted({r.turn for r in results}):
+        rows = [r for r in results if r.turn == turn]
+        done = [r for r in rows if r.error is None and r.ttft_s is not None]
+        prompts = [r.prompt_tokens for r in done if r.prompt_tokens is not None]
+        new = [r.new_tokens for r in done if r.new_tokens is not None]
+        table[turn] = {
+            "requests": len(rows),
+            "failures": len(rows) - len(done),
+            "ttft_ms_p50": percentile_ms([r.ttft_s for r in done if r.ttft_s is not None], 50),
+            "ttft_ms_p90": percentile_ms([r.ttft_s for r in done if r.ttft_s is not None], 90),
+            "itl_ms_p50": percentile_ms([g for r in done for g in r.gaps_s], 50),
+            "prompt_tokens_mean": statistics.fmean(prompts) if prompts else None,
+            "new_tokens_mean": statistics.fmean(new) if new else None,
+        }
+    return table
+
+
+async def ask(
+    client: openai.AsyncOpenAI,
+    model: str,
+    messages: list[dict[str, str]],
+    result: TurnResult,
+    answer_tokens: int,
+) -> None:
+    """One streamed chat turn at temperature 0, its answer forced to ``answer_tokens``: fills
+    ``result`` with the time to the first chunk, the gaps between chunks, the answer and the
+    usage, or the error. Bounded by ``REQUEST_TIMEOUT_S`` as a whole."""
+    started = last = time.perf_counter()
+    try:
+        async with asyncio.timeout(REQUEST_TIMEOUT_S):
+            stream = await client.chat.completions.create(
+                model=model,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=answer_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            async with stream:
+                async for chunk in stream:
+                    if chunk.usage is not None:
+                        result.prompt_tokens = chunk.usage.prompt_tokens
+                        result.completion_tokens = chunk.usage.completion_tokens
+                    result.response_id = result.response_id or chunk.id
+                    if not chunk.choices:
+                        continue
+                    now = time.perf_counter()
+                    if result.ttft_s is None:
+                        result.ttft_s = now - started
+                    else:
+                        result.gaps_s.append(now - last)
+                    last = now
+                    result.answer += chunk.choices[0].delta.content or ""
+    # A stream cut mid-read surfaces as httpx's own error, not wrapped by openai.
+    except (openai.OpenAIError, httpx.HTTPError, TimeoutError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:200]
+        return
+    result.e2e_s = time.perf_counter() - started
+    if result.ttft_s is None:
+        result.error = "no token"
+    elif result.prompt_tokens is None:
+        result.error = "no usage"
+
+
+async def converse(
+    client: openai.AsyncOpenAI,
+    model: str,
+    conversation: Conversation,
+    answer_tokens: int,
+    run_started: float,
+) -> list[TurnResult]:
+    """A conversation's turns one after the other, each resending the whole conversation with
+    the previous answer; a failed turn ends it (its later turns are counted as failed)."""
+    results: list[TurnResult] = []
+    answers: list[str] = []
+    for turn in range(1, len(conversation.users) + 1):
+        result = TurnResult(conversation.name, turn, time.perf_counter() - run_started)
+        results.append(result)
+        if len(answers) < turn - 1:
+            result.error = "not sent: an earlier turn failed"
+            continue
+        await ask(client, model, turn_messages(conversation, answers), result, answer_tokens)
+        if result.error is None:
+            # The tiny model's answers are arbitrary tokens; sent back as text, some tokenize
+            # many times longer (replacement characters) and overflow the context. Kept to
+            # ANSWER_CHARS_PER_TOKEN characters a token, as a real model's answer is.
+            answers.append(result.answer[: ANSWER_CHARS_PER_TOKEN * answer_tokens])
+    account_new_tokens(results)
+    return results
+
+
+async def drive(
+    base_url: str,
+    model: str,
+    conversations: Sequence[Conversation],
+    answer_tokens: int,
+    *,
+    concurrency: int | None,
+    rate: float | None,
+    arrivals_seed: int,
+) -> list[TurnResult]:
+    """Every conversation, ``concurrency`` at a time (each one's turns in sequence) or started
+    at Poisson arrivals of ``rate`` per second (exactly one of the two; the arrival times come
+    from ``arrivals_seed``, so that two policies' runs of one index see the same ones)."""
+    if (concurrency is None) == (rate is None):
+        raise ValueError("give either a concurrency or a rate")
+    run_started = time.perf_counter()
+    async with openai.AsyncOpenAI(
+        base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT_S
+    ) as client:
+
+        async def one(conversation: Conversation) -> list[TurnResult]:
+            return await converse(client, model, conversation, answer_tokens, run_started)
+
+        if concurrency is not None:
+            slots = asyncio.Semaphore(concurrency)
+
+            async def bounded(conversation: Conversation) -> list[TurnResult]:
+                async with slots:
+                    return await one(conversation)
+
+            done = await asyncio.gather(*(bounded(c) for c in conversations))
+        else:
+            assert rate is not None
+            arrivals = random.Random(arrivals_seed)
+            tasks = []
+            for conversation in conversations:
+                tasks.append(asyncio.create_task(one(conversation)))
+                await asyncio.sleep(arrivals.expovariate(rate))
+            done = await asyncio.gather(*tasks)
+    return [result for results in done for result in results]
+
+
+def pushed_bytes_by_request(traces: Iterable[Path]) -> dict[str, float]:
+    """KV bytes pushed per disaggregated request id, from producers' trace files (one
+    ``{"event": "push", "req_id", "bytes"}`` line per push to a decode rank)."""
+    pushed: dict[str, float] = {}
+    for trace in traces:
+        for line in trace.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("event") == "push" and "bytes" in record:
+                pushed[record["req_id"]] = pushed.get(record["req_id"], 0.0) + record["bytes"]
+    return pushed
+
+
+def attribute_pushed_bytes(results: Iterable[TurnResult], pushed: dict[str, float]) -> None:
+    """Each turn's pushed bytes: its response id is the proxy's request id (``chatcmpl-pd-...``)
+    when prefill ran; a turn decode served alone has vLLM's own id, and pushed nothing."""
+    for result in results:
+        if result.response_id is not None:
+            result.pushed_bytes = pushed.get(result.response_id.removeprefix("chatcmpl-"), 0.0)

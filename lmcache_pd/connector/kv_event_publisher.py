@@ -1,0 +1,59 @@
+"""vLLM's KV event publisher, with sockets that answer only this deployment.
+
+vLLM publishes its prefix cache's events (``--kv-events-config``) on a ZMQ PUB socket and
+replays recent ones on a ROUTER socket, both open to anyone who can connect, and its config
+names only its own publishers (``"zmq"``, ``"null"``). The proxy routes by these events, so a
+stranger who could read them would learn what every tenant's prompts hold. This publisher is
+vLLM's own, but its two sockets are CURVE servers under the deployment secret (``auth.py``) and
+bind to exactly the address given (vLLM's would connect, not bind, to an address that names a
+host). The connector's scheduler half installs it in its engine process, under vLLM's name
+``"zmq"``, before vLLM's scheduler makes its publisher (vLLM makes the connector first).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import zmq
+from vllm.distributed.kv_events import EventPublisherFactory, ZmqEventPublisher
+
+from lmcache_pd.auth import DeploymentKeys
+
+logger = logging.getLogger(__name__)
+
+# vLLM's name for its ZMQ publisher, the one its config accepts.
+VLLM_PUBLISHER = "zmq"
+
+
+class AuthenticatedEventPublisher(ZmqEventPublisher):
+    """vLLM's ZMQ publisher whose PUB and replay sockets admit only deployment peers."""
+
+    def __init__(self, *args: object, keys: DeploymentKeys | None, **kwargs: object) -> None:
+        self._keys = keys  # read by _socket_setup, which vLLM's __init__ calls
+        super().__init__(*args, **kwargs)
+
+    def _socket_setup(self) -> None:
+        self._pub = self._serving_socket(zmq.PUB, self._endpoint)
+        self._pub.set_hwm(self._hwm)
+        if self._replay_endpoint is not None:
+            self._replay = self._serving_socket(zmq.ROUTER, self._replay_endpoint)
+
+    def _serving_socket(self, kind: int, endpoint: str) -> zmq.Socket:
+        socket = self._ctx.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        if self._keys is not None:
+            self._keys.serve(socket)
+        socket.bind(endpoint)
+        return socket
+
+
+def install(keys: DeploymentKeys | None) -> None:
+    """Make vLLM's ``"zmq"`` publisher this one, in this process (vLLM's registry is per
+    process; each engine installs its own)."""
+    # register_publisher refuses a name it has; "zmq" is the only one its config accepts.
+    registry = EventPublisherFactory._registry
+    registry[VLLM_PUBLISHER] = functools.partial(AuthenticatedEventPublisher, keys=keys)
+    logger.info(
+        "kv events published by CURVE sockets" if keys else "kv events published unauthenticated"
+    )

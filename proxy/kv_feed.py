@@ -1,0 +1,205 @@
+"""Following one instance's KV events into its ``InstanceBlocks``, losing none unseen.
+
+vLLM numbers its event batches (``seq``, from 0 per publisher) and keeps the last ones for
+replay on a second socket. The feed applies batches in order. Every connection of the
+subscription (the first, and each reconnection: an instance restarted on the same address is a
+new publisher, whatever its numbers say) is followed by a replay of all the publisher has, the
+index of that instance cleared first. A batch that skips numbers (the publisher dropped some at
+its high-water mark) is preceded by a replay of the missing ones; a number not above the last
+one seen means a new publisher too. What no replay can give back (it was older than vLLM's
+buffer, or the replay did not answer in time) clears the index of that instance: forgetting
+blocks only costs a routing hint, while remembering blocks the instance evicted would send
+requests where nothing is held. So an instance that restarts re-enters the index within one
+replay.
+
+Both sockets are CURVE clients of the instance's publisher (``auth.py``): only instances of
+this deployment are heard. Every frame is checked before use; a malformed batch is counted and
+skipped, never raised. Runs on the proxy's event loop, one task per instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from lmcache_pd.auth import DeploymentKeys
+from lmcache_pd.kv_events import BATCHES, MAX_BATCH_BYTES
+from lmcache_pd.proxy.config import KVEventsAddress
+from lmcache_pd.proxy.prefix_index import InstanceBlocks
+
+logger = logging.getLogger(__name__)
+
+SEQ_BYTES = 8
+# vLLM's replay socket ends its answer with this sequence number (-1, signed).
+END_OF_REPLAY = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
+# Longest wait for each message of a replay; a publisher on a busy host answers in milliseconds.
+REPLAY_TIMEOUT_S = 2.0
+# Batches read per turn of the feed, so that a connection's replay is never long delayed.
+MAX_BATCHES_PER_TURN = 64
+
+
+class EventFeed:
+    """One instance's events, applied to ``blocks``; ``count(what)`` counts what happened:
+    batches, malformed, resyncs."""
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        name: str,
+        address: KVEventsAddress,
+        keys: DeploymentKeys | None,
+        blocks: InstanceBlocks,
+        count: Callable[[str], None],
+    ) -> None:
+        self._context = context
+        self._name = name
+        self._address = address
+        self._keys = keys
+        self.blocks = blocks
+        self._count = count
+        self._next_seq: int | None = None  # the batch expected next; None: none seen yet
+        self._last_live: int | None = None  # the last batch the subscription delivered
+        self._connected = False  # the subscription connected once already
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"kv-events {self._name}"
+        )
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _run(self) -> None:
+        subscriber = self._socket(zmq.SUB)
+        subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+        # Every (re)connection may be to a new publisher (the instance restarted, on the same
+        # address): each is followed by a replay of all the publisher has.
+        connections = subscriber.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        subscriber.connect(self._address.endpoint(self._address.port))
+        replay = self._socket(zmq.DEALER)
+        replay.connect(self._address.endpoint(self._address.replay_port))
+        poller = zmq.asyncio.Poller()
+        poller.register(subscriber, zmq.POLLIN)
+        poller.register(connections, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(await poller.poll())
+                if connections in ready:
+                    while await connections.poll(0):
+                        await connections.recv_multipart()
+                    if self._connected:
+                        logger.info("%s: its events reconnected: resync", self._name)
+                        self._count("reconnects")
+                    self._connected = True
+                    self._next_seq = self._last_live = None
+                    await self._resync(replay, 0, None)
+                for _ in range(MAX_BATCHES_PER_TURN if subscriber in ready else 0):
+                    try:
+                        frames = await subscriber.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    batch = self._read(frames)
+                    if batch is not None:
+                        await self._on_batch(replay, *batch)
+        except zmq.ZMQError:
+            logger.exception("kv events of %s stopped; routing goes on without them", self._name)
+        finally:
+            subscriber.disable_monitor()
+            connections.close(linger=0)
+            subscriber.close(linger=0)
+            replay.close(linger=0)
+
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        socket = self._context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
+        if self._keys is not None:
+            self._keys.connect(socket)
+        return socket
+
+    async def _on_batch(self, replay: zmq.asyncio.Socket, seq: int, payload: bytes) -> None:
+        expected = self._next_seq
+        if self._last_live is not None and seq <= self._last_live:
+            # Live batches come in order: a number not above the last is a new publisher.
+            logger.info("%s: its events restarted (instance restarted?): resync", self._name)
+            self._count("restarts")
+            await self._resync(replay, 0, seq)
+        elif expected is not None and seq < expected:
+            return  # had already, from a replay
+        elif expected is None or seq > expected:
+            await self._resync(replay, expected or 0, seq)
+        self._apply(payload)
+        self._next_seq = seq + 1
+        self._last_live = seq
+
+    async def _resync(self, replay: zmq.asyncio.Socket, start: int, live: int | None) -> None:
+        """Apply the replay of batches ``start`` up to ``live`` (exclusive; None: all there
+        are); clear the index first when any of them cannot be had."""
+        if start == 0:
+            self.blocks.clear()
+        self._count("resyncs")
+        batches: list[tuple[int, bytes]] = []
+        try:
+            await replay.send_multipart([b"", start.to_bytes(SEQ_BYTES, "big")])
+            while True:
+                frames = await asyncio.wait_for(replay.recv_multipart(), REPLAY_TIMEOUT_S)
+                if len(frames) >= 3 and frames[2] == END_OF_REPLAY:
+                    break
+                batch = self._read(frames[1:])
+                if batch is not None and start <= batch[0] and (live is None or batch[0] < live):
+                    batches.append(batch)
+        except (TimeoutError, zmq.ZMQError) as exc:
+            logger.warning("%s: no replay of its events (%r): index of it cleared", self._name, exc)
+            self._count("replay_failures")
+            self.blocks.clear()
+            return
+        if live is None:  # all there are: up to the last one replayed
+            live = batches[-1][0] + 1 if batches else start
+            self._next_seq = live if batches else None
+        tail = _contiguous_tail(batches, live)
+        if len(tail) != live - start:
+            # What came before the tail is lost: blocks it stored or removed are unknown.
+            logger.info("%s: events %d-%d not all replayable: index reset", self._name, start, live)
+            self._count("replay_gaps")
+            self.blocks.clear()
+        for _, payload in tail:
+            self._apply(payload)
+
+    def _read(self, frames: list[bytes]) -> tuple[int, bytes] | None:
+        """``[topic, seq, payload]`` as (seq, payload); None, counted, if malformed."""
+        if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+            self._count("malformed")
+            logger.warning("%s: a KV event message of %d frames ignored", self._name, len(frames))
+            return None
+        return int.from_bytes(frames[1], "big"), frames[2]
+
+    def _apply(self, payload: bytes) -> None:
+        try:
+            batch = BATCHES.decode(payload)
+            for event in batch.events:
+                self.blocks.apply(event)
+        except (msgspec.DecodeError, ValueError) as exc:
+            self._count("malformed")
+            logger.warning("%s: a malformed KV event batch ignored: %s", self._name, exc)
+            return
+        self._count("batches")
+
+
+def _contiguous_tail(batches: list[tuple[int, bytes]], live: int) -> list[tuple[int, bytes]]:
+    """The longest run of ``batches`` (in the order replayed) numbered up to ``live - 1``
+    without a gap: what can be applied right before batch ``live``."""
+    tail: list[tuple[int, bytes]] = []
+    for seq, payload in reversed(batches):
+        if seq != live - 1 - len(tail):
+            break
+        tail.append((seq, payload))
+    return tail[::-1]

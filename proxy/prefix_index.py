@@ -1,0 +1,111 @@
+"""What each instance's prefix cache holds, as its KV events told the proxy.
+
+One ``InstanceBlocks`` per instance maps vLLM's block hashes to the proxy's prefix keys
+(``lmcache_pd.kv_events``), and counts the keys it holds. ``held_tokens`` walks a prompt's keys
+from the start and stops at the first the instance lacks: what it holds is a prefix, as vLLM
+can only reuse a prefix.
+
+Memory is bounded: at most ``max_blocks`` blocks per instance; past it the oldest stored go
+first (vLLM evicts least recently used blocks too, and re-announces a block it reuses, which
+moves it to the young end here). A block whose parent the proxy never saw (its event lost) is
+not indexed: its key cannot be computed. Everything here runs on the proxy's event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from lmcache_pd.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, prefix_key
+
+logger = logging.getLogger(__name__)
+
+# What one remembered block takes: two dict entries, a 16-byte key, vLLM's hash.
+BYTES_PER_BLOCK = 200
+
+
+class InstanceBlocks:
+    """The blocks one instance holds, by vLLM's hash and by the proxy's key."""
+
+    def __init__(self, max_blocks: int) -> None:
+        self._max_blocks = max_blocks
+        self._by_hash: dict[BlockHash, bytes] = {}  # insertion order: oldest first
+        self._keys: dict[bytes, int] = {}  # key -> how many of the instance's hashes name it
+        self.block_size: int | None = None
+        self.orphans = 0  # blocks whose parent was unknown: not indexed
+        self.evicted = 0  # blocks forgotten to stay within max_blocks
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    @property
+    def approx_bytes(self) -> int:
+        """What the index of this instance takes, roughly (the dicts and their keys)."""
+        tables = sys.getsizeof(self._by_hash) + sys.getsizeof(self._keys)
+        return tables + len(self._by_hash) * BYTES_PER_BLOCK
+
+    def apply(self, event: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
+        match event:
+            case BlockStored():
+                self._store(event)
+            case BlockRemoved():
+                for block_hash in event.block_hashes:
+                    self._forget(block_hash)
+            case AllBlocksCleared():
+                self.clear()
+
+    def clear(self) -> None:
+        self._by_hash.clear()
+        self._keys.clear()
+
+    def held_tokens(self, keys: Sequence[bytes]) -> int:
+        """How many leading tokens of the prompt whose block keys are ``keys`` are held."""
+        held = 0
+        for key in keys:
+            if key not in self._keys:
+                break
+            held += 1
+        return held * (self.block_size or 0)
+
+    def _store(self, event: BlockStored) -> None:
+        size = event.block_size
+        if len(event.token_ids) != len(event.block_hashes) * size:
+            raise ValueError(
+                f"BlockStored of {len(event.block_hashes)} blocks of {size} carries "
+                f"{len(event.token_ids)} token ids"
+            )
+        if event.group_idx:  # a second KV-cache group (hybrid models): not routed on
+            return
+        if self.block_size != size:
+            if self.block_size is not None:
+                logger.warning("block size changed %s -> %d: index reset", self.block_size, size)
+                self.clear()
+            self.block_size = size
+        parent = None
+        if event.parent_block_hash is not None:
+            parent = self._by_hash.get(event.parent_block_hash)
+            if parent is None:
+                self.orphans += len(event.block_hashes)
+                return
+        extras = event.extra_keys or []
+        for index, block_hash in enumerate(event.block_hashes):
+            tokens = event.token_ids[index * size : (index + 1) * size]
+            extra = extras[index] if index < len(extras) else None
+            parent = prefix_key(parent, tokens, extra)
+            self._forget(block_hash)  # re-announced: now the youngest
+            self._by_hash[block_hash] = parent
+            self._keys[parent] = self._keys.get(parent, 0) + 1
+        while len(self._by_hash) > self._max_blocks:
+            self._forget(next(iter(self._by_hash)))
+            self.evicted += 1
+
+    def _forget(self, block_hash: BlockHash) -> None:
+        key = self._by_hash.pop(block_hash, None)
+        if key is None:
+            return
+        count = self._keys[key] - 1
+        if count:
+            self._keys[key] = count
+        else:
+            del self._keys[key]

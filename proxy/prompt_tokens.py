@@ -1,0 +1,87 @@
+"""A request's prompt as token ids, before any instance is chosen: what KV routing looks up.
+
+A completion given as token ids is its own answer. Anything else (a text, a chat) is tokenized
+by an instance (vLLM's ``/tokenize``, which applies the same chat template and special tokens as
+serving does: the proxy could only approximate them), the least busy healthy one. One short
+call per request, bounded by the health deadline; a failure means "unknown" and the request is
+routed by load alone, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
+from lmcache_pd.proxy.routing import Upstream
+
+logger = logging.getLogger(__name__)
+
+# The fields of a chat request that change its tokens (vLLM's TokenizeChatRequest takes them).
+CHAT_TEMPLATE_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template_kwargs",
+)
+
+
+class _Tokenized(msgspec.Struct):
+    tokens: list[int]
+
+
+class PromptTokens:
+    """Token ids of a request's prompt, from the request or from an instance's tokenizer."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        instances: Callable[[], Iterable[Upstream]],
+        headers: dict[str, str],
+        timeout_s: float,
+    ) -> None:
+        """``instances()`` gives the instances that may tokenize now."""
+        self._session = session
+        self._instances = instances
+        self._headers = {"Content-Type": "application/json", **headers}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def of(self, request: ClientRequest, model: str) -> list[int] | None:
+        """The prompt's token ids; None if they cannot be had now."""
+        body = request.body
+        if request.endpoint is Endpoint.COMPLETIONS:
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and len(prompt) == 1:  # a batch of one (the door's)
+                prompt = prompt[0]
+            if isinstance(prompt, list):
+                return prompt
+            ask: dict[str, Any] = {"model": model, "prompt": prompt}
+            if "add_special_tokens" in body:
+                ask["add_special_tokens"] = body["add_special_tokens"]
+        else:
+            ask = {"model": model, "messages": body["messages"]}
+            ask |= {key: body[key] for key in CHAT_TEMPLATE_FIELDS if key in body}
+        healthy = [member for member in self._instances() if member.healthy]
+        if not healthy:
+            return None
+        member = min(healthy, key=lambda member: member.outstanding)
+        try:
+            async with self._session.post(
+                f"{member.url}/tokenize",
+                data=msgspec.json.encode(ask),
+                headers=self._headers,
+                timeout=self._timeout,
+            ) as response:
+                raw = await response.read()
+                if response.status != 200:
+                    status = response.status
+                    logger.warning("%s: /tokenize answered %d: %r", member.url, status, raw[:200])
+                    return None
+            return msgspec.json.decode(raw, type=_Tokenized).tokens
+        except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
+            logger.warning("%s could not tokenize a prompt: %r", member.url, exc)
+            return None

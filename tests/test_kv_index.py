@@ -1,0 +1,307 @@
+"""The proxy's KV index: vLLM's own event structs and publisher (with our authenticated sockets)
+feeding the index over real ZMQ, the prefix keys the proxy computes from a prompt, and the
+placement that reads them. No process is started: the publisher runs on its own thread here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+from vllm.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+
+from lmcache_pd.auth import DeploymentKeys, generate_secret
+from lmcache_pd.connector.kv_event_publisher import AuthenticatedEventPublisher
+from lmcache_pd.kv_events import BATCHES, prefix_keys
+from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
+from lmcache_pd.proxy.config import KVEventsAddress
+from lmcache_pd.proxy.kv_feed import EventFeed
+from lmcache_pd.proxy.kv_index import KVIndex
+from lmcache_pd.proxy.placement import Placer, Plan
+from lmcache_pd.proxy.prefix_index import InstanceBlocks
+from lmcache_pd.proxy.prompt_size import PromptSizer
+from lmcache_pd.proxy.prompt_tokens import PromptTokens
+from lmcache_pd.proxy.routing import Pool, Role, Upstream, cost
+from tests.helpers import free_port
+
+BLOCK = 4
+
+
+def stored(
+    hashes: list[int], parent: int | None, tokens: list[int], extra: list | None = None
+) -> BlockStored:
+    """vLLM's own event for ``hashes`` (one per block of ``tokens``)."""
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=BLOCK,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+        extra_keys=extra,
+    )
+
+
+def encoded(*events: object) -> bytes:
+    """A batch as vLLM's publisher encodes it."""
+    return msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=list(events)))
+
+
+def index_of(*events: object, max_blocks: int = 1000) -> InstanceBlocks:
+    blocks = InstanceBlocks(max_blocks)
+    for event in BATCHES.decode(encoded(*events)).events:
+        blocks.apply(event)
+    return blocks
+
+
+PROMPT = list(range(100, 113))  # three full blocks and one token
+
+
+def test_a_prompt_is_held_up_to_its_first_missing_block() -> None:
+    blocks = index_of(stored([11, 12], None, PROMPT[:8]), stored([13], 12, PROMPT[8:12]))
+    assert blocks.held_tokens(prefix_keys(PROMPT, BLOCK)) == 12
+    other = [*PROMPT[:4], 999, *PROMPT[5:]]  # differs in the second block
+    assert blocks.held_tokens(prefix_keys(other, BLOCK)) == 4
+    assert blocks.held_tokens(prefix_keys([7, *PROMPT], BLOCK)) == 0  # same tokens, shifted
+
+
+def test_removed_and_cleared_blocks_are_not_held() -> None:
+    blocks = index_of(stored([11, 12, 13], None, PROMPT[:12]), BlockRemoved([12], "CPU"))
+    assert blocks.held_tokens(prefix_keys(PROMPT, BLOCK)) == 4
+    blocks.apply(BATCHES.decode(encoded(AllBlocksCleared())).events[0])
+    assert blocks.held_tokens(prefix_keys(PROMPT, BLOCK)) == 0 and len(blocks) == 0
+
+
+def test_a_salted_prefix_is_held_for_its_salt_only() -> None:
+    blocks = index_of(stored([11, 12], None, PROMPT[:8], extra=[("tenant-a",), None]))
+    assert blocks.held_tokens(prefix_keys(PROMPT, BLOCK, salt="tenant-a")) == 8
+    assert blocks.held_tokens(prefix_keys(PROMPT, BLOCK)) == 0
+    assert blocks.held_tokens(prefix_keys(PROMPT, BLOCK, salt="tenant-b")) == 0
+
+
+def test_a_block_whose_parent_was_never_seen_is_not_indexed() -> None:
+    blocks = index_of(stored([13], 12, PROMPT[8:12]))
+    assert len(blocks) == 0 and blocks.orphans == 1
+
+
+def test_the_index_forgets_its_oldest_blocks_past_its_bound() -> None:
+    blocks = index_of(stored([11, 12, 13], None, PROMPT[:12]), max_blocks=2)
+    assert len(blocks) == 2 and blocks.evicted == 1
+    # The first block went: the prompt is held from nowhere on.
+    assert blocks.held_tokens(prefix_keys(PROMPT, BLOCK)) == 0
+
+
+def test_a_batch_whose_tokens_do_not_fit_its_blocks_is_refused() -> None:
+    with pytest.raises(ValueError, match="carries 3 token ids"):
+        index_of(stored([11], None, PROMPT[:3]))
+
+
+# ---- the feed, over vLLM's publisher with our sockets ----
+
+
+@contextlib.contextmanager
+def publisher(address: KVEventsAddress, keys: DeploymentKeys | None) -> Iterator[object]:
+    published = AuthenticatedEventPublisher(
+        0,
+        endpoint=address.endpoint(address.port),
+        replay_endpoint=address.endpoint(address.replay_port),
+        keys=keys,
+    )
+    try:
+        yield published
+    finally:
+        published.shutdown()
+
+
+@contextlib.contextmanager
+def rebound(address: KVEventsAddress, keys: DeploymentKeys) -> Iterator[object]:
+    """A publisher on the ports one just closed: ZMQ lets them go in the background."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            published = publisher(address, keys)
+            pub = published.__enter__()
+            break
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    try:
+        yield pub
+    finally:
+        published.__exit__(None, None, None)
+
+
+def follow(
+    address: KVEventsAddress,
+    keys: DeploymentKeys | None,
+    steps: list,
+    settle_s: float = 0.5,
+) -> tuple[InstanceBlocks, dict[str, int]]:
+    """Run a feed while ``steps`` (callables) run, each followed by a pause; what it indexed."""
+    counts: dict[str, int] = {}
+
+    async def run() -> InstanceBlocks:
+        import zmq.asyncio
+
+        context = zmq.asyncio.Context()
+        blocks = InstanceBlocks(1000)
+        feed = EventFeed(
+            context,
+            "test",
+            address,
+            keys,
+            blocks,
+            lambda w: counts.update({w: counts.get(w, 0) + 1}),
+        )
+        feed.start()
+        try:
+            for step in steps:  # off the loop, as an instance runs beside the proxy
+                await asyncio.to_thread(step)
+                await asyncio.sleep(settle_s)
+        finally:
+            await feed.stop()
+            context.destroy(linger=0)
+        return blocks
+
+    return asyncio.run(run()), counts
+
+
+def batch(*events: object) -> KVEventBatch:
+    return KVEventBatch(ts=1.0, events=list(events))
+
+
+def test_a_late_subscriber_gets_earlier_events_by_replay() -> None:
+    keys = DeploymentKeys.from_secret(generate_secret())
+    address = KVEventsAddress("127.0.0.1", free_port(), free_port())
+    with publisher(address, keys) as pub:
+        pub.publish(batch(stored([11, 12], None, PROMPT[:8])))  # before anyone subscribed
+        later = batch(stored([13], 12, PROMPT[8:12]))
+        # The first pause lets the subscription connect (ZMQ's slow joiner).
+        blocks, counts = follow(address, keys, [lambda: None, lambda: pub.publish(later)])
+    assert blocks.held_tokens(prefix_keys(PROMPT, BLOCK)) == 12
+    assert counts["resyncs"] == 1 and counts["batches"] == 2
+
+
+def test_a_subscriber_without_the_secret_hears_nothing() -> None:
+    keys = DeploymentKeys.from_secret(generate_secret())
+    stranger = DeploymentKeys.from_secret(generate_secret())
+    address = KVEventsAddress("127.0.0.1", free_port(), free_port())
+    with publisher(address, keys) as pub:
+        blocks, counts = follow(
+            address,
+            stranger,
+            [lambda: pub.publish(batch(stored([11, 12], None, PROMPT[:8])))] * 2,
+        )
+    assert len(blocks) == 0 and "batches" not in counts
+
+
+def test_a_restarted_instance_reenters_the_index_within_one_resync() -> None:
+    keys = DeploymentKeys.from_secret(generate_secret())
+    address = KVEventsAddress("127.0.0.1", free_port(), free_port())
+    with contextlib.ExitStack() as running:
+
+        def start() -> None:
+            pub = running.enter_context(publisher(address, keys))
+            time.sleep(0.3)  # the subscription connects (ZMQ's slow joiner)
+            for _ in range(3):  # seq 0-2: the whole prompt, announced three times
+                pub.publish(batch(stored([11, 12, 13], None, PROMPT[:12])))
+
+        def restart() -> None:
+            running.close()  # the instance dies with its cache
+            pub = running.enter_context(rebound(address, keys))
+            time.sleep(0.3)
+            pub.publish(batch(stored([21], None, PROMPT[:4])))  # seq 0 of the new one
+
+        blocks, counts = follow(address, keys, [lambda: None, start, restart])
+    assert blocks.held_tokens(prefix_keys(PROMPT, BLOCK)) == 4, "old blocks gone, new indexed"
+    assert counts["reconnects"] == 1
+
+
+# ---- placement ----
+
+
+def upstream(name: str, outstanding: int = 0) -> Upstream:
+    member = Upstream(f"http://{name}", Role.DECODE)
+    member.outstanding = outstanding
+    return member
+
+
+def test_the_instance_holding_the_prompt_is_chosen() -> None:
+    a, b = upstream("a"), upstream("b")
+    pool = Pool(Role.DECODE, [a, b])
+    work = {a: 1000, b: 40}  # b holds all but 40 of the prompt's tokens
+    assert [pool.pick(work=work.__getitem__) for _ in range(4)] == [b] * 4
+
+
+def test_a_hot_prefix_spreads_once_its_instance_is_loaded() -> None:
+    a, b = upstream("a", outstanding=4), upstream("b", outstanding=1)
+    pool = Pool(Role.DECODE, [a, b])
+    # a holds the prompt, but has more than twice b's requests (and two more): b gets it.
+    assert pool.pick(work={a: 0, b: 3000}.__getitem__) is b
+    a.outstanding = 3  # within the bound: a again
+    assert pool.pick(work={a: 0, b: 3000}.__getitem__) is a
+
+
+def test_load_weighs_against_held_tokens() -> None:
+    a, b = upstream("a", outstanding=2), upstream("b")
+    a.queued_tokens = 2000  # a is busy computing other prompts
+    work = {a: 0, b: 600}.__getitem__
+    assert cost(a, work) > cost(b, work)
+    assert Pool(Role.DECODE, [a, b]).pick(work=work) is b
+
+
+def test_without_a_work_measure_the_pick_is_least_outstanding_round_robin() -> None:
+    a, b = upstream("a"), upstream("b")
+    pool = Pool(Role.DECODE, [a, b])
+    assert [pool.pick() for _ in range(4)] == [a, b, a, b]
+
+
+def test_placement_sends_a_prompt_decode_mostly_holds_to_decode_alone() -> None:
+    """Two decode instances publishing over real sockets; one holds 24 of a prompt's 30 tokens.
+    With ``min_disagg_tokens`` 8, the prompt goes to it alone; one it holds less of goes
+    through prefill; and with no index (``routing: load``) the holder is not preferred."""
+    keys = DeploymentKeys.from_secret(generate_secret())
+    addresses = [KVEventsAddress("127.0.0.1", free_port(), free_port()) for _ in range(2)]
+    members = [Upstream(f"http://d{i}", Role.DECODE, kv_events=a) for i, a in enumerate(addresses)]
+    held = list(range(500, 524))  # six blocks of 4
+
+    def request(tokens: list[int]) -> ClientRequest:
+        body = {"model": "m", "prompt": tokens, "max_tokens": 4}
+        return ClientRequest.from_json(Endpoint.COMPLETIONS, msgspec.json.encode(body), "m")
+
+    async def run() -> list[Plan]:
+        index = KVIndex(lambda: members, keys, 1000)
+        await index.sync()
+        await asyncio.sleep(0.5)  # the subscriptions connect
+        pubs[1].publish(batch(stored(list(range(1, 7)), None, held)))
+        await asyncio.sleep(0.5)
+        placer_tokens = PromptTokens(None, lambda: members, {}, 1.0)  # token ids: no call
+        placer = Placer(Pool(Role.DECODE, members), PromptSizer(8, None), index, placer_tokens)
+        by_load = Placer(Pool(Role.DECODE, members), PromptSizer(8, None))
+        plans = [
+            await placer.plan(request([*held, 1, 2, 3, 4, 5, 6])),
+            await placer.plan(request([*held[:8], *range(900, 922)])),
+            await by_load.plan(request([*held, 1, 2, 3, 4, 5, 6])),
+        ]
+        await index.close()
+        return plans
+
+    with contextlib.ExitStack() as stack:
+        pubs = [stack.enter_context(publisher(a, keys)) for a in addresses]
+        alone, through_prefill, by_load = asyncio.run(run())
+    assert alone.decoder is members[1] and alone.alone
+    assert alone.trace() == {"prompt_tokens": 30, "decode_held_tokens": 24}
+    assert not through_prefill.alone
+    assert by_load.decoder is members[0] and not by_load.alone  # 30 tokens: not short
