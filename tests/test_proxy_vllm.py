@@ -359,6 +359,9 @@ def test_first_token_reaches_the_client_without_waiting_for_decode(
             "prefill": [{**prefill, "url": f"http://127.0.0.1:{slow_prefill.port}"}],
             "decode": [{**decode, "url": f"http://127.0.0.1:{watch.port}"}],
             "first_token_notices": notices,
+            # The same prompts go through twice (notices on, then off): by KV, decode would hold
+            # them the second time and serve them alone. This is about the disaggregated path.
+            "routing": "load",
         }
         path = tmp_path / "proxy.yaml"
         path.write_text(yaml.safe_dump(config))
