@@ -25,8 +25,13 @@ class AppThread:
     # How long leaving waits for the app's thread to clean up and end.
     JOIN_TIMEOUT_S = 10.0
 
-    def __init__(self, app: web.Application, host: str, port: int) -> None:
+    def __init__(
+        self, app: web.Application, host: str, port: int, start_timeout_s: float | None = None
+    ) -> None:
+        """``start_timeout_s``: how long the app may take to listen (its start-up hooks
+        included; default ``START_TIMEOUT_S``)."""
         self.url = f"http://{host}:{port}"
+        self._start_timeout_s = start_timeout_s or self.START_TIMEOUT_S
         self._app, self._host, self._port = app, host, port
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -50,8 +55,8 @@ class AppThread:
 
     def __enter__(self) -> AppThread:
         self._thread.start()
-        if not self._ready.wait(self.START_TIMEOUT_S):
-            raise TimeoutError(f"{self.url} not listening after {self.START_TIMEOUT_S} s")
+        if not self._ready.wait(self._start_timeout_s):
+            raise TimeoutError(f"{self.url} not listening after {self._start_timeout_s} s")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -61,5 +66,8 @@ class AppThread:
 
 
 def proxy_thread(config: ProxyConfig, members: MemberSource | None = None) -> AppThread:
-    """The proxy of ``config`` in a thread of this process (the demo, benchmarks, tests)."""
-    return AppThread(Proxy(config, members).app(), config.host, config.port)
+    """The proxy of ``config`` in a thread of this process (the demo, benchmarks, tests). Its
+    start-up asks every instance's /health once (each call bounded by ``timeouts.health_s``):
+    on a loaded host that alone can take longer than a plain app's start."""
+    start_timeout_s = AppThread.START_TIMEOUT_S + config.timeouts.health_s
+    return AppThread(Proxy(config, members).app(), config.host, config.port, start_timeout_s)
