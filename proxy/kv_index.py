@@ -1,6 +1,6 @@
 """The proxy's KV index: one event feed per instance that publishes, kept equal to the pools.
 
-``held_tokens(member, tokens, salt)`` says how many leading tokens of a prompt an instance's
+``held_tokens(member, keys)`` says how many leading tokens of a prompt an instance's
 prefix cache holds, as far as its events told. The feeds follow the pools: an instance that
 joins (a cluster engine added it, or it came back on a new address) gets a feed, and one that
 leaves loses its feed and its entries. Everything here runs on the proxy's event loop.
@@ -9,14 +9,13 @@ leaves loses its feed and its entries. Everything here runs on the proxy's event
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 
 import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from lmcache_pd.auth import DeploymentKeys
-from lmcache_pd.kv_events import prefix_keys
 from lmcache_pd.proxy.config import KVEventsAddress
 from lmcache_pd.proxy.kv_feed import EventFeed
 from lmcache_pd.proxy.prefix_index import InstanceBlocks
@@ -76,12 +75,13 @@ class KVIndex:
             self._feeds[key] = feed
             logger.info("following kv events of %s at %s", url, address.endpoint(address.port))
 
-    def held_tokens(self, member: Upstream, tokens: Sequence[int], salt: str | None) -> int:
-        """Leading tokens of ``tokens`` that ``member``'s prefix cache holds (0: unknown)."""
+    def held_tokens(self, member: Upstream, keys: Callable[[int], list[bytes]]) -> int:
+        """Leading tokens of a prompt that ``member``'s prefix cache holds (0: unknown);
+        ``keys(block_size)`` gives the prompt's block keys (``kv_events.prefix_keys``)."""
         feed = self._feeds.get((member.url, member.kv_events))
         if feed is None or not feed.blocks.block_size:
             return 0
-        return feed.blocks.held_tokens(prefix_keys(tokens, feed.blocks.block_size, salt))
+        return feed.blocks.held_tokens(keys(feed.blocks.block_size))
 
     async def close(self) -> None:
         for feed in self._feeds.values():

@@ -13,9 +13,11 @@ cannot be had) the choice is by load alone and the prompt's whole length decides
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lmcache_pd.kv_events import prefix_keys
 from lmcache_pd.proxy.client_request import ClientRequest
 from lmcache_pd.proxy.kv_index import KVIndex
 from lmcache_pd.proxy.prompt_size import PromptSizer
@@ -77,14 +79,15 @@ class Placer:
 
 
 def _work(index: KVIndex, tokens: list[int], salt: object) -> Callable[[Upstream], int]:
-    """Prompt tokens each instance would compute: those its prefix cache does not hold
-    (looked up once per instance)."""
+    """Prompt tokens each instance would compute: those its prefix cache does not hold (the
+    prompt's keys hashed once per block size, looked up once per instance)."""
     salt = salt if isinstance(salt, str) else None
-    held: dict[int, int] = {}
+    keys = functools.cache(lambda block_size: prefix_keys(tokens, block_size, salt))
+    held: dict[Upstream, int] = {}
 
     def work(member: Upstream) -> int:
-        if id(member) not in held:
-            held[id(member)] = index.held_tokens(member, tokens, salt)
-        return len(tokens) - held[id(member)]
+        if member not in held:
+            held[member] = index.held_tokens(member, keys)
+        return len(tokens) - held[member]
 
     return work

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
@@ -268,6 +268,15 @@ def test_without_a_work_measure_the_pick_is_least_outstanding_round_robin() -> N
     assert [pool.pick() for _ in range(4)] == [a, b, a, b]
 
 
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
+    """Poll ``condition`` on the running loop (the feeds run on it) until true, or fail."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
 def test_placement_sends_a_prompt_decode_mostly_holds_to_decode_alone() -> None:
     """Two decode instances publishing over real sockets; one holds 24 of a prompt's 30 tokens.
     With ``min_disagg_tokens`` 8, the prompt goes to it alone; one it holds less of goes
@@ -284,9 +293,10 @@ def test_placement_sends_a_prompt_decode_mostly_holds_to_decode_alone() -> None:
     async def run() -> list[Plan]:
         index = KVIndex(lambda: members, keys, 1000)
         await index.sync()
-        await asyncio.sleep(0.5)  # the subscriptions connect
+        # Each subscription's first connection asks a replay: both connected, then indexed.
+        await until(lambda: index.counts.get("resyncs", 0) >= 2, "both subscriptions connected")
         pubs[1].publish(batch(stored(list(range(1, 7)), None, held)))
-        await asyncio.sleep(0.5)
+        await until(lambda: not index.empty, "the holder's blocks indexed")
         placer_tokens = PromptTokens(None, lambda: members, {}, 1.0)  # token ids: no call
         placer = Placer(Pool(Role.DECODE, members), PromptSizer(8, None), index, placer_tokens)
         by_load = Placer(Pool(Role.DECODE, members), PromptSizer(8, None))

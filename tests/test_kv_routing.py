@@ -151,8 +151,13 @@ def test_a_hot_prefix_spreads_once_its_instance_is_loaded(pools: tuple) -> None:
         )
 
     with proxy_thread(routed(config, "kv")) as kv:
+        indexed = sum(index_blocks(kv.url, u) for u in decode_urls(launcher))
         asyncio.run(burst(kv.url, 1))  # the prefix lands on one decode instance
-        time.sleep(1.0)  # its events reach the proxy
+        wait_for(
+            lambda: sum(index_blocks(kv.url, u) for u in decode_urls(launcher)) > indexed + 5,
+            10,
+            "the prefix's blocks indexed",
+        )
         before = {u: _finished(u) for u in decode_urls(launcher)}
         asyncio.run(burst(kv.url, 6))
         served = [_finished(u) - before[u] for u in decode_urls(launcher)]
