@@ -3,10 +3,11 @@ least-outstanding routing, in front of the same running pools.
 
 What: ``--conversations`` chats share one system prompt (``--system-tokens``, 600 by default);
 each of their ``--turns`` turns (4) resends the conversation so far, the previous answer
-(``--answer-tokens``, 48, forced) and a new user message (``--user-tokens``, 150; the first
+(``--answer-tokens``, 48, forced, made of single-token words so that, sent back as text, it
+tokenizes as generated, as a real model's prose does; see ``multi_turn_load.drive``) and a new
+user message (``--user-tokens``, 150; the first
 turn's carries a document, ``--document-tokens``, 1500: a chat about a file, whose turn 4 prompt
-is ~2.9k tokens, within the tiny model's 4096 with room for answers that tokenize longer when
-sent back, so that prefill compute dominates TTFT). They
+is ~2.9k tokens, within the tiny model's 4096, so that prefill compute dominates TTFT). They
 arrive ``--concurrency`` chats at a time (each chat's turns in sequence) or at ``--rate`` chats
 per second (Poisson). Every turn is a streamed ``/v1/chat/completions`` at temperature 0 through
 the official ``openai`` client.
@@ -103,6 +104,7 @@ from lmcache_pd.metrics_scrape import (
     SCRAPE_TIMEOUT_S,
     parse_pd_samples,
     parse_prompt_tokens_by_source,
+    scrape,
 )
 from lmcache_pd.proxy.config import ProxyConfig
 
@@ -131,6 +133,14 @@ RATIO_METRICS = {
     "kv_bytes_pushed_turns_2plus": "KV bytes pushed, turns >= 2",
     "computed_over_new": "prompt tokens computed / new tokens",
 }
+# Medians over runs reported beside RATIO_METRICS.
+SUMMARY_METRICS = (
+    "ttft_ms_p50",
+    "followups_served_alone",
+    "ttft_ms_p50_turns_2plus_alone",
+    "ttft_ms_p50_turns_2plus_through_prefill",
+    "placement_ms_mean",
+)
 SETTLE_S = 2.0  # after a run, for the last pushes and loads to end before the flush
 # The request that makes every instance take a step, so that its counters reach /metrics.
 FLUSH_PROMPT = [11, 12, 13]  # shorter than a block: never a prefix-cache hit, always computed
@@ -248,6 +258,27 @@ def snapshot(launcher: PoolLauncher, model: str) -> dict[str, dict[str, float] |
     return found
 
 
+def placement_totals(proxy: ProxyConfig) -> tuple[float, float] | None:
+    """The proxy's placement histogram as (seconds, requests) so far; None if unreadable."""
+    try:
+        samples = scrape(proxy_url(proxy))
+    except httpx.HTTPError as exc:
+        logger.warning("proxy %s: no /metrics: %r", proxy_url(proxy), exc)
+        return None
+    return samples.get("proxy_placement_seconds_sum", 0.0), samples.get(
+        "proxy_placement_seconds_count", 0.0
+    )
+
+
+def mean_placement_ms(
+    before: tuple[float, float] | None, after: tuple[float, float] | None
+) -> float | None:
+    """Mean milliseconds the proxy took to place a request between two ``placement_totals``."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1]) * 1e3
+
+
 def counter_deltas(
     before: dict[str, dict[str, float] | None], after: dict[str, dict[str, float] | None]
 ) -> dict[str, dict[str, float]]:
@@ -278,11 +309,16 @@ def run_record(
     results: Sequence[TurnResult],
     deltas: dict[str, dict[str, float]],
     wall_s: float,
+    placement_ms: float | None = None,
 ) -> dict[str, Any]:
     """One run of one policy: the client's figures per turn and overall, and what the
-    instances counted (sums over all instances, and each instance's own)."""
+    instances counted (sums over all instances, and each instance's own). Follow-ups whose
+    prefill pushed nothing were served by decode alone; their TTFT is reported apart from those
+    that went through prefill. ``placement_ms``: the proxy's mean time to place a request."""
     done = [r for r in results if r.error is None and r.ttft_s is not None]
     later = [r.ttft_s for r in done if r.turn >= 2 and r.ttft_s is not None]
+    alone = [r.ttft_s for r in done if r.turn >= 2 and r.ttft_s and not r.pushed_bytes]
+    through_prefill = [r.ttft_s for r in done if r.turn >= 2 and r.ttft_s and r.pushed_bytes]
     new_tokens = sum(r.new_tokens for r in done if r.new_tokens is not None)
     totals = {
         key: sum(d.get(key, 0.0) for d in deltas.values()) for key in (*SOURCES, *PD_COUNTERS)
@@ -296,6 +332,10 @@ def run_record(
         "failures": len(results) - len(done),
         "errors": [r.error for r in results if r.error is not None][:3],
         "ttft_ms_p50_turns_2plus": percentile_ms(later, 50),
+        "followups_served_alone": len(alone),
+        "ttft_ms_p50_turns_2plus_alone": percentile_ms(alone, 50),
+        "ttft_ms_p50_turns_2plus_through_prefill": percentile_ms(through_prefill, 50),
+        "placement_ms_mean": placement_ms,
         "ttft_ms_p50": percentile_ms([r.ttft_s for r in done if r.ttft_s is not None], 50),
         "itl_ms_p50": percentile_ms([g for r in done for g in r.gaps_s], 50),
         "per_turn": turn_statistics(results),
@@ -320,7 +360,7 @@ def policy_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
         "runs": len(records),
         "failures": sum(r["failures"] for r in records),
-        **{m: _median([r[m] for r in records]) for m in (*RATIO_METRICS, "ttft_ms_p50")},
+        **{m: _median([r[m] for r in records]) for m in (*RATIO_METRICS, *SUMMARY_METRICS)},
         "prompt_tokens_by_source": {
             s: _median([r["prompt_tokens_by_source"][s] for r in records]) for s in SOURCES
         },
@@ -459,6 +499,7 @@ def one_run(
     model: str,
     conversations: Sequence[Any],
     shape: Shape,
+    answer_token_ids: Sequence[int],
     concurrency: int | None,
     rate: float | None,
     arrivals_seed: int,
@@ -471,6 +512,7 @@ def one_run(
             model,
             conversations,
             shape.answer_tokens,
+            answer_token_ids=answer_token_ids,
             concurrency=concurrency,
             rate=rate,
             arrivals_seed=arrivals_seed,
@@ -531,7 +573,8 @@ def main(
     workdir = workdir or Path(tempfile.mkdtemp(prefix="lmcache-pd-multi-turn-"))
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_model(Path(config.model))
-    words = vocabulary_words(model_dir / "tokenizer.json")
+    vocabulary = vocabulary_words(model_dir / "tokenizer.json")
+    words, word_ids = list(vocabulary), list(vocabulary.values())
     records: list[dict[str, Any]] = []
     groups: list[int] = []
     proxies: dict[str, ProxyConfig] = {}
@@ -549,18 +592,22 @@ def main(
                     stack.enter_context(proxy_thread(proxy))
                     wait_until_proxy_sees_all(proxy)
                     warm = make_conversations(words, WARM_UP, seed, f"warm-{policy}")
-                    results, _ = one_run(proxy_url(proxy), base.model, warm, WARM_UP, 2, None, 0)
+                    results, _ = one_run(
+                        proxy_url(proxy), base.model, warm, WARM_UP, word_ids, 2, None, 0
+                    )
                     if failed := [r.error for r in results if r.error is not None]:
                         logger.warning("%s: warm-up failed: %s", policy, failed[0])
                 before = snapshot(launcher, base.model)
                 for run in range(runs):
                     for policy in order:
                         chats = make_conversations(words, shape, seed, f"run{run}-{policy}")
+                        placed = placement_totals(proxies[policy])
                         results, wall_s = one_run(
                             proxy_url(proxies[policy]),
                             base.model,
                             chats,
                             shape,
+                            word_ids,
                             None if rate is not None else concurrency,
                             rate,
                             seed * 1000 + run,
@@ -569,19 +616,29 @@ def main(
                         traces = (workdir / "pools").glob("prefill-*.trace.jsonl")
                         attribute_pushed_bytes(results, pushed_bytes_by_request(traces))
                         record = run_record(
-                            policy, run, results, counter_deltas(before, after), wall_s
+                            policy,
+                            run,
+                            results,
+                            counter_deltas(before, after),
+                            wall_s,
+                            mean_placement_ms(placed, placement_totals(proxies[policy])),
                         )
                         before = after
                         records.append(record)
                         logger.info(
-                            "run %d %s: %.1f s, %d/%d failed, TTFT p50 turns>=2 %s ms, "
-                            "computed/new %s, KV pushed %.1f MiB",
+                            "run %d %s: %.1f s, %d/%d failed, TTFT p50 turns>=2 %s ms (alone "
+                            "%d: %s, through prefill: %s; placing %s ms), computed/new %s, KV "
+                            "pushed %.1f MiB",
                             run,
                             policy,
                             wall_s,
                             record["failures"],
                             record["requests"],
                             _number(record["ttft_ms_p50_turns_2plus"]),
+                            record["followups_served_alone"],
+                            _number(record["ttft_ms_p50_turns_2plus_alone"]),
+                            _number(record["ttft_ms_p50_turns_2plus_through_prefill"]),
+                            _number(record["placement_ms_mean"], 2),
                             _number(record["computed_over_new"], 2),
                             record["kv_bytes_pushed"] / 2**20,
                         )

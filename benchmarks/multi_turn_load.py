@@ -31,10 +31,6 @@ REQUEST_TIMEOUT_S = 180.0
 WORD_TOKEN = re.compile(r"\u0120([a-z]{3,})")
 
 
-# Characters a token an answer sent back keeps at most: twice what English text takes.
-ANSWER_CHARS_PER_TOKEN = 8
-
-
 @dataclass(frozen=True, slots=True)
 class Shape:
     """What one run sends: ``conversations`` chats of ``turns`` turns each, all opening with the
@@ -106,13 +102,14 @@ class TurnResult:
         }
 
 
-def vocabulary_words(tokenizer_json: Path) -> list[str]:
-    """The words a tokenizer holds as single tokens after a space, in a fixed order."""
+def vocabulary_words(tokenizer_json: Path) -> dict[str, int]:
+    """The words a tokenizer holds as single tokens after a space, each with its token id, in a
+    fixed order."""
     vocab = json.loads(tokenizer_json.read_text())["model"]["vocab"]
-    words = sorted({m[1] for token in vocab if (m := WORD_TOKEN.fullmatch(token))})
+    words = {m[1]: vocab[token] for token in vocab if (m := WORD_TOKEN.fullmatch(token))}
     if len(words) < 100:
         raise ValueError(f"{tokenizer_json}: only {len(words)} single-token words")
-    return words
+    return dict(sorted(words.items()))
 
 
 def make_conversations(
@@ -215,8 +212,10 @@ async def ask(
     messages: list[dict[str, str]],
     result: TurnResult,
     answer_tokens: int,
+    answer_token_ids: Sequence[int] | None = None,
 ) -> None:
-    """One streamed chat turn at temperature 0, its answer forced to ``answer_tokens``: fills
+    """One streamed chat turn at temperature 0, its answer forced to ``answer_tokens`` (of
+    ``answer_token_ids`` only, where given: vLLM's ``allowed_token_ids``): fills
     ``result`` with the time to the first chunk, the gaps between chunks, the answer and the
     usage, or the error. Bounded by ``REQUEST_TIMEOUT_S`` as a whole."""
     started = last = time.perf_counter()
@@ -229,7 +228,8 @@ async def ask(
                 temperature=0,
                 stream=True,
                 stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
+                extra_body={"ignore_eos": True}
+                | ({} if answer_token_ids is None else {"allowed_token_ids": answer_token_ids}),
             )
             async with stream:
                 async for chunk in stream:
@@ -263,9 +263,11 @@ async def converse(
     conversation: Conversation,
     answer_tokens: int,
     run_started: float,
+    answer_token_ids: Sequence[int] | None = None,
 ) -> list[TurnResult]:
     """A conversation's turns one after the other, each resending the whole conversation with
-    the previous answer; a failed turn ends it (its later turns are counted as failed)."""
+    the previous answer as its text; a failed turn ends it (its later turns are counted as
+    failed)."""
     results: list[TurnResult] = []
     answers: list[str] = []
     for turn in range(1, len(conversation.users) + 1):
@@ -274,12 +276,10 @@ async def converse(
         if len(answers) < turn - 1:
             result.error = "not sent: an earlier turn failed"
             continue
-        await ask(client, model, turn_messages(conversation, answers), result, answer_tokens)
+        messages = turn_messages(conversation, answers)
+        await ask(client, model, messages, result, answer_tokens, answer_token_ids)
         if result.error is None:
-            # The tiny model's answers are arbitrary tokens; sent back as text, some tokenize
-            # many times longer (replacement characters) and overflow the context. Kept to
-            # ANSWER_CHARS_PER_TOKEN characters a token, as a real model's answer is.
-            answers.append(result.answer[: ANSWER_CHARS_PER_TOKEN * answer_tokens])
+            answers.append(result.answer)
     account_new_tokens(results)
     return results
 
@@ -290,13 +290,18 @@ async def drive(
     conversations: Sequence[Conversation],
     answer_tokens: int,
     *,
+    answer_token_ids: Sequence[int],
     concurrency: int | None,
     rate: float | None,
     arrivals_seed: int,
 ) -> list[TurnResult]:
     """Every conversation, ``concurrency`` at a time (each one's turns in sequence) or started
     at Poisson arrivals of ``rate`` per second (exactly one of the two; the arrival times come
-    from ``arrivals_seed``, so that two policies' runs of one index see the same ones)."""
+    from ``arrivals_seed``, so that two policies' runs of one index see the same ones). Answers
+    are made of ``answer_token_ids`` only: the tiny model's free answers are arbitrary tokens
+    whose text tokenizes otherwise (often many times longer) when sent back, which a real
+    model's prose does not; single-token words sent back tokenize exactly as generated, so the
+    next turn's prompt extends the tokens the instance that answered holds, as it would."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give either a concurrency or a rate")
     run_started = time.perf_counter()
@@ -305,7 +310,9 @@ async def drive(
     ) as client:
 
         async def one(conversation: Conversation) -> list[TurnResult]:
-            return await converse(client, model, conversation, answer_tokens, run_started)
+            return await converse(
+                client, model, conversation, answer_tokens, run_started, answer_token_ids
+            )
 
         if concurrency is not None:
             slots = asyncio.Semaphore(concurrency)

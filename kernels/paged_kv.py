@@ -7,12 +7,17 @@ the chunk format, compared with the peer's at handshake (``compat.py``):
 - ``blocks``: vLLM's CPU engine. Its attention backend packs K inside each block in an order of
   the CPU's ISA, so whole blocks move as opaque bytes (``kernels/cpu_blocks.py``), and a chunk is
   a whole number of blocks: ``blocks:<layers>x<heads>x<block size>x<2*head size>:<dtype>``.
+- ``latent``: an MLA model's cache (DeepSeek-V2/V3 style: vLLM's MLA backends,
+  ``(blocks, block size, latent + rope width)`` a layer, no heads and no V). A block is a
+  contiguous run of its tokens' latents, the same on every tensor-parallel rank; chunks are
+  whole blocks, as CPU blocks are: ``latent:<layers>x<block size>x<width>:<dtype>``. Moved from
+  CPU memory only (vLLM's CPU MLA backend); refused at start-up on a GPU.
 - ``tokens``: GPU attention backends store K and V per token, NHD or HND. A chunk is tokens-major
   (``kernels/token_layout.py``), the same whatever the layout, so an NHD producer feeds an HND
   consumer: ``tokens:KV_2LTD:<layers>x<heads*head size>:<dtype>``. CPU tensors take the torch
   path; CUDA tensors the Triton path on a stream of the connector's own (``cuda_kv.py``).
 
-The two never meet: the handshake refuses a block-format peer for a token-format one.
+No two of them meet: the handshake refuses a peer whose chunk format differs (``compat.py``).
 """
 
 from __future__ import annotations
@@ -112,18 +117,23 @@ class PagedKV(Protocol):
 
 
 class BlockKV:
-    """vLLM's CPU cache: chunks of whole blocks, as opaque bytes."""
+    """vLLM's CPU cache (``blocks``, 4-D layers) or an MLA latent cache in CPU memory
+    (``latent``, 3-D layers, seen as blocks of one head): chunks of whole blocks, as opaque
+    bytes."""
 
     whole_blocks = True
 
     def __init__(self, layers: Sequence[torch.Tensor], chunk_size: int) -> None:
         """Refuses a ``chunk_size`` that is not a whole number of blocks, at start-up."""
-        self._cache = CpuKVCache(layers)
+        sample = layers[0]
+        kind = "latent" if sample.dim() == 3 else "blocks"
+        self._layers = [layer.unsqueeze(1) if layer.dim() == 3 else layer for layer in layers]
+        self._chunk_size = chunk_size
+        self._cache = CpuKVCache(self._layers)
         self.block_size = self._cache.block_size
         validate_chunk_size(chunk_size, self.block_size)
-        sample = layers[0]
         shape = "x".join(str(n) for n in (len(layers), *sample.shape[1:]))
-        self.chunk_format = f"blocks:{shape}:{dtype_name(sample.dtype)}"
+        self.chunk_format = f"{kind}:{shape}:{dtype_name(sample.dtype)}"
         self.device = sample.device
 
     def chunk_nbytes(self, num_tokens: int) -> int:
@@ -156,6 +166,17 @@ class BlockKV:
 
     def close(self) -> None:
         return None
+
+    def heads(self, lo: int, hi: int) -> BlockKV:
+        """The same cache, KV heads ``lo .. hi`` of each block only (each head's packed K and V
+        lie together inside a block, so a head range is one run of bytes a block): what one
+        rank sends another at a different tensor-parallel size (``tp_parts.py``)."""
+        count = self._layers[0].shape[1]
+        if not 0 <= lo < hi <= count:
+            raise ValueError(f"heads {lo}..{hi} of a cache of {count}")
+        if (lo, hi) == (0, count):  # all of them (an MLA latent is one)
+            return self
+        return BlockKV([layer[:, lo:hi] for layer in self._layers], self._chunk_size)
 
     def _blocks(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         """The blocks holding tokens ``start .. end`` (``start`` on a block boundary)."""
@@ -215,6 +236,18 @@ class TokenKV:
         return None
 
 
+def head_slice(cache: PagedKV, lo: int, hi: int) -> PagedKV:
+    """``cache``'s KV heads ``lo .. hi`` (``BlockKV.heads``); ``ValueError`` for a format that
+    cannot be cut by heads (token chunks are not yet)."""
+    if not isinstance(cache, BlockKV):
+        raise ValueError(
+            f"a {cache.chunk_format.split(':', 1)[0]} cache is not cut by heads: prefill and "
+            "decode at different tensor-parallel sizes need whole-block (vLLM's CPU engine) or "
+            "MLA latent caches"
+        )
+    return cache.heads(lo, hi)
+
+
 def recognise(
     kv_caches: dict[str, torch.Tensor],
     chunk_size: int,
@@ -234,6 +267,15 @@ def recognise(
     if not layers:
         raise ValueError("vLLM registered no KV cache layers")
     sample = layers[0]
+    if sample.dim() == 3:
+        # vLLM's MLA layers: (blocks, block size, kv_lora_rank + qk_rope_head_dim).
+        if sample.device.type != "cpu":
+            raise ValueError(
+                f"an MLA latent cache {tuple(sample.shape)} on {sample.device}: moving MLA "
+                "caches is supported from CPU memory only (vLLM's CPU MLA backend), not yet "
+                "from a GPU"
+            )
+        return BlockKV(layers, chunk_size)
     if packed_blocks is None:
         packed_blocks = sample.dim() == 4 and sample.device.type == "cpu"
     if packed_blocks:
@@ -252,8 +294,9 @@ def recognise(
         return _token_kv(views, views[0].shape[2])
     raise ValueError(
         f"unrecognised KV cache layer {tuple(sample.shape)} {sample.dtype} on {sample.device}: "
-        "expected vLLM's CPU blocks (4-D), its per-layer (blocks, heads, block size, "
-        "2 * head size) view, or a (2, blocks, ...) NHD or HND layer"
+        "expected vLLM's CPU blocks (4-D), an MLA latent cache (blocks, block size, width), "
+        "its per-layer (blocks, heads, block size, 2 * head size) view, or a (2, blocks, ...) "
+        "NHD or HND layer"
     )
 
 

@@ -40,7 +40,19 @@ class KVProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: Positive | None = None
     tp_size: Positive | None = None
     tp_rank: Rank | None = None
+    # The model's KV heads, all ranks together (an MLA latent counts as one): with it on both
+    # sides, prefill and decode may differ in TP size (``tp_parts.py``).
+    kv_heads: Positive | None = None
+    # Consumer: the TP size of the prefill it takes KV from (None: its own).
+    prefill_tp_size: Positive | None = None
 
+
+# What each chunk format's kind holds, as a refusal names it.
+CHUNK_KINDS = {
+    "blocks": "whole blocks of vLLM's CPU engine",
+    "tokens": "per-token K and V of a GPU attention backend",
+    "latent": "an MLA model's latent cache",
+}
 
 # In the order a refusal names them.
 FIELDS = KVProfile.__struct_fields__
@@ -48,27 +60,111 @@ FIELDS = KVProfile.__struct_fields__
 
 def incompatibilities(producer: KVProfile, consumer: KVProfile) -> list[str]:
     """Every field both sides know and disagree on, as ``"field: producer X, consumer Y"``;
-    empty when the consumer can load what the producer sends."""
+    empty when the consumer can load what the producer sends. Prefill and decode at different
+    TP sizes are compared by what a part of the KV is (``tp_parts.py``), not field by field."""
+    if _resharded(producer, consumer):
+        return _part_incompatibilities(producer, consumer)
     problems = []
     for name in FIELDS:
         ours, theirs = getattr(producer, name), getattr(consumer, name)
+        if name == "prefill_tp_size":
+            ours = producer.tp_size  # what the producer is, against what decode expects
         if ours is not None and theirs is not None and ours != theirs:
             problems.append(f"{name}: producer {ours!r}, consumer {theirs!r}")
-    kinds = {_kind(producer.chunk_format), _kind(consumer.chunk_format)}
-    if kinds == {"blocks", "tokens"}:
-        # Not a setting to align: one engine's cache is opaque blocks, the other's tokens.
-        problems.append(
-            "a whole-block chunk (vLLM's CPU engine) and a token chunk (a GPU attention "
-            "backend) cannot be converted into each other"
-        )
+    kinds = _kind(producer.chunk_format), _kind(consumer.chunk_format)
+    if None not in kinds and kinds[0] != kinds[1]:
+        # Not a setting to align: the two caches hold different things.
+        ours, theirs = (CHUNK_KINDS.get(kind or "", repr(kind)) for kind in kinds)
+        problems.append(f"{ours} (producer) and {theirs} (consumer) cannot be converted")
     if (
         producer.tp_size is not None
         and consumer.tp_size is not None
         and producer.tp_size != consumer.tp_size
     ):
-        # Rank i pushes its shard to rank i: resharding between sizes is not done.
-        problems.append("prefill and decode need the same tensor-parallel size")
+        # Without the heads on both sides the parts cannot be worked out (a standalone peer).
+        problems.append(
+            "prefill and decode at different tensor-parallel sizes need both to name the "
+            "model's KV heads (the vLLM connector does)"
+        )
     return problems
+
+
+def _resharded(producer: KVProfile, consumer: KVProfile) -> bool:
+    """Whether both sides know enough, and differ in TP size, for parts to be compared."""
+    known = (
+        producer.kv_heads,
+        consumer.kv_heads,
+        producer.tp_size,
+        consumer.tp_size,
+        producer.tp_rank,
+        consumer.tp_rank,
+    )
+    return None not in known and producer.tp_size != consumer.tp_size
+
+
+# Fields of a part that differ by design between TP sizes; the rest must still agree.
+RESHARDED = frozenset({"page_bytes", "chunk_format", "tp_size", "tp_rank", "prefill_tp_size"})
+
+
+def _part_incompatibilities(producer: KVProfile, consumer: KVProfile) -> list[str]:
+    """Prefill and decode at different TP sizes: what must agree still does, the chunk formats
+    differ only in their heads, both shard the model's heads evenly, decode expects this
+    prefill's TP size, and the producer rank holds some of the consumer rank's heads."""
+    from lmcache_pd.tp_parts import route  # keys.py imports numpy; not every caller needs it
+
+    problems = [
+        f"{name}: producer {ours!r}, consumer {theirs!r}"
+        for name in FIELDS
+        if name not in RESHARDED
+        and (ours := getattr(producer, name)) is not None
+        and (theirs := getattr(consumer, name)) is not None
+        and ours != theirs
+    ]
+    assert producer.tp_size and consumer.tp_size and producer.kv_heads  # _resharded said so
+    if consumer.prefill_tp_size is None:
+        problems.append(
+            f"tp_size: producer {producer.tp_size!r}, consumer {consumer.tp_size!r} (decode "
+            "takes KV from prefill at its own TP size unless its prefill_tp_size says another)"
+        )
+    elif consumer.prefill_tp_size != producer.tp_size:
+        problems.append(
+            f"prefill_tp_size: producer {producer.tp_size!r}, consumer "
+            f"{consumer.prefill_tp_size!r} (the TP size of the prefill decode takes KV from)"
+        )
+    kinds = _kind(producer.chunk_format), _kind(consumer.chunk_format)
+    if "tokens" in kinds:
+        problems.append(
+            "different tensor-parallel sizes need whole-block (vLLM's CPU engine) or MLA "
+            "latent chunks, not token chunks"
+        )
+    elif _headless(producer.chunk_format) != _headless(consumer.chunk_format):
+        problems.append(
+            f"chunk_format: producer {producer.chunk_format!r}, consumer "
+            f"{consumer.chunk_format!r} (beyond their heads)"
+        )
+    try:
+        parts = route(producer.kv_heads, producer.tp_size, consumer.tp_size)
+    except ValueError as exc:
+        return [*problems, str(exc)]
+    if not any(p.source == producer.tp_rank and p.dest == consumer.tp_rank for p in parts):
+        problems.append(
+            f"tp_rank: producer rank {producer.tp_rank} of {producer.tp_size} sends none of "
+            f"consumer rank {consumer.tp_rank} of {consumer.tp_size}'s KV heads"
+        )
+    return problems
+
+
+def _headless(chunk_format: str | None) -> str | None:
+    """A whole-block chunk format without its heads ("blocks:4x*x128x128:float32"); others
+    as they are."""
+    if chunk_format is None or _kind(chunk_format) != "blocks":
+        return chunk_format
+    fields = chunk_format.split(":")  # a peer's: any string at all
+    dims = fields[1].split("x") if len(fields) > 1 else []
+    if len(dims) < 2:
+        return chunk_format
+    fields[1] = "x".join([dims[0], "*", *dims[2:]])
+    return ":".join(fields)
 
 
 def _kind(chunk_format: str | None) -> str | None:

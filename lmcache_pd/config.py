@@ -80,6 +80,11 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     # already (larger pushes ask first and skip those). 0: every push asks first.
     reserved_pages: Annotated[int, msgspec.Meta(ge=0, le=protocol.MAX_RESERVED_PAGES)] = 1
     load_timeout_s: Seconds = protocol.LOAD_TIMEOUT_S
+    # Consumer: the tensor-parallel size of the prefill instances it takes KV from, where it
+    # differs from decode's own (None: the same). Each decode rank then receives its KV heads
+    # from the prefill ranks that hold them (``tp_parts.py``); the launcher sets it from the
+    # pools file. A prefill of another size is refused at handshake, naming both.
+    prefill_tp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] | None = None
     # Consumer: load a request whose KV has landed on every rank before the step that computes
     # its last token (vLLM's synchronous load), not in a step of its own first: its second token
     # comes a step sooner. False: every load asynchronous.

@@ -42,12 +42,24 @@ class ChunkKeyer:
     """Computes chunk keys for one (model, world size, worker, dtype, chunk size)."""
 
     def __init__(
-        self, *, model_name: str, world_size: int, worker_id: int, kv_dtype: str, chunk_size: int
+        self,
+        *,
+        model_name: str,
+        world_size: int,
+        worker_id: int,
+        kv_dtype: str,
+        chunk_size: int,
+        heads: int | None = None,
     ) -> None:
+        """``heads``: keys of a part of the KV (prefill and decode at different tensor-parallel
+        sizes, ``tp_parts.py``): KV heads ``worker_id .. worker_id + heads`` of ``world_size``
+        heads, in place of a rank of ``world_size`` ranks."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         if not 0 <= worker_id < world_size:
             raise ValueError(f"worker_id {worker_id} outside world_size {world_size}")
+        if heads is not None and not 0 < heads <= world_size - worker_id:
+            raise ValueError(f"heads {heads} from {worker_id} outside {world_size} heads")
         self.chunk_size = chunk_size
         # What makes this keyer: another process builds the same one with ChunkKeyer(**params).
         self.params = {
@@ -56,8 +68,13 @@ class ChunkKeyer:
             "worker_id": worker_id,
             "kv_dtype": kv_dtype,
             "chunk_size": chunk_size,
-        }
-        identity = f"lmcache-pd/v1|{model_name}|{world_size}|{worker_id}|{kv_dtype}|{chunk_size}"
+        } | ({} if heads is None else {"heads": heads})
+        shard = (
+            f"{world_size}|{worker_id}"
+            if heads is None
+            else f"heads {worker_id}-{worker_id + heads} of {world_size}"
+        )
+        identity = f"lmcache-pd/v1|{model_name}|{shard}|{kv_dtype}|{chunk_size}"
         self._seed = hashlib.blake2b(identity.encode(), digest_size=KEY_BYTES).digest()
 
     def chunk_keys(

@@ -58,6 +58,13 @@ class ProxyMetrics:
             buckets=LATENCY_BUCKETS_S,
             registry=self.registry,
         )
+        self.placement = Histogram(
+            f"{prefix}_placement_seconds",
+            "Choosing a request's instances: with routing kv, finding its prompt's token ids "
+            "(a text or chat prompt asks an instance's /tokenize) and scoring the instances",
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
         self.upstream_errors = Counter(
             f"{prefix}_upstream_errors",
             "Failed upstream calls by instance and kind",

@@ -108,7 +108,8 @@ class Orchestrator:
         """Pick decode (none if prefill's one token is the whole answer), serve a short prompt
         there alone, and drop the pushed KV of a request that ends before decode loads it."""
         try:
-            plan = await self._placer.plan(client)
+            with self._metrics.placement.time():
+                plan = await self._placer.plan(client)
         except NoHealthyInstance as exc:
             return error_response(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE
         decoder = plan.decoder

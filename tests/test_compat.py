@@ -39,6 +39,7 @@ FULL = KVProfile(
     block_size=128,
     tp_size=1,
     tp_rank=0,
+    kv_heads=2,
 )
 DIFFERENT = {
     "chunk_size": 512,
@@ -49,6 +50,8 @@ DIFFERENT = {
     "block_size": 256,
     "tp_size": 2,
     "tp_rank": 1,
+    "kv_heads": 4,
+    "prefill_tp_size": 2,
 }
 
 
@@ -56,14 +59,69 @@ DIFFERENT = {
 def test_each_field_that_differs_is_named_with_both_values(field: str) -> None:
     consumer = msgspec.structs.replace(FULL, **{field: DIFFERENT[field]})
     problems = incompatibilities(FULL, consumer)
-    assert (
-        problems[0] == f"{field}: producer {getattr(FULL, field)!r}, consumer {DIFFERENT[field]!r}"
+    # A producer's prefill TP size is its own TP size.
+    ours = FULL.tp_size if field == "prefill_tp_size" else getattr(FULL, field)
+    assert problems[0].startswith(f"{field}: producer {ours!r}, consumer {DIFFERENT[field]!r}")
+
+
+def rank(profile: KVProfile, tp_size: int, tp_rank: int, **fields: object) -> KVProfile:
+    """``profile`` as rank ``tp_rank`` of ``tp_size``: its chunks hold its share of 2 heads."""
+    fields.setdefault("chunk_format", f"blocks:4x{2 // min(tp_size, 2)}x128x128")
+    return msgspec.structs.replace(profile, tp_size=tp_size, tp_rank=tp_rank, **fields)
+
+
+def test_prefill_and_decode_at_different_tp_sizes_pair_the_ranks_that_share_heads() -> None:
+    """2 KV heads: a TP-1 prefill feeds both ranks of a TP-2 decode (fan-out), both ranks of a
+    TP-2 prefill feed a TP-1 decode (fan-in); page sizes differ by design."""
+    for decode_rank in (0, 1):
+        consumer = rank(FULL, 2, decode_rank, prefill_tp_size=1, page_bytes=PAGE_BYTES // 2)
+        assert incompatibilities(FULL, consumer) == []
+    for prefill_rank in (0, 1):
+        producer = rank(FULL, 2, prefill_rank, page_bytes=PAGE_BYTES // 2)
+        assert incompatibilities(producer, rank(FULL, 1, 0, prefill_tp_size=2)) == []
+    # The rest must still agree.
+    other_dtype = rank(FULL, 2, 0, prefill_tp_size=1, kv_dtype="bfloat16")
+    assert incompatibilities(FULL, other_dtype) == [
+        "kv_dtype: producer 'float32', consumer 'bfloat16'"
+    ]
+
+
+def test_different_tp_sizes_are_refused_where_parts_cannot_be_made() -> None:
+    # Decode not told of prefill's size: it expects its own.
+    (problem,) = incompatibilities(FULL, rank(FULL, 2, 0))
+    assert problem.startswith("tp_size: producer 1, consumer 2 (decode takes KV")
+    (problem,) = incompatibilities(FULL, rank(FULL, 2, 0, prefill_tp_size=4))
+    assert problem.startswith("prefill_tp_size: producer 1, consumer 4")
+    # Another head size is not a question of heads.
+    wider = msgspec.structs.replace(
+        rank(FULL, 2, 0, prefill_tp_size=1), chunk_format="blocks:4x1x128x64"
     )
-
-
-def test_different_tensor_parallel_sizes_are_refused_as_such() -> None:
-    problems = incompatibilities(FULL, msgspec.structs.replace(FULL, tp_size=2))
-    assert "prefill and decode need the same tensor-parallel size" in problems
+    assert "beyond their heads" in incompatibilities(FULL, wider)[0]
+    # Token chunks are not cut by heads yet.
+    tokens = msgspec.structs.replace(FULL, chunk_format="tokens:KV_2LTD:4x256", block_size=None)
+    decode_tokens = rank(tokens, 2, 0, prefill_tp_size=1, chunk_format="tokens:KV_2LTD:4x128")
+    assert "not token chunks" in incompatibilities(tokens, decode_tokens)[0]
+    # Heads a size cannot shard evenly, and a pair that shares no head.
+    (problem,) = incompatibilities(
+        msgspec.structs.replace(FULL, kv_heads=3), rank(FULL, 2, 0, prefill_tp_size=1, kv_heads=3)
+    )
+    assert problem == "3 KV heads cannot be sharded evenly over 2 tensor-parallel ranks"
+    four = msgspec.structs.replace(FULL, kv_heads=4)
+    producer = msgspec.structs.replace(
+        four, tp_size=2, tp_rank=0, chunk_format="blocks:4x2x128x128"
+    )
+    consumer = msgspec.structs.replace(
+        four, tp_size=4, tp_rank=3, prefill_tp_size=2, chunk_format="blocks:4x1x128x128"
+    )
+    (problem,) = incompatibilities(producer, consumer)
+    assert problem == (
+        "tp_rank: producer rank 0 of 2 sends none of consumer rank 3 of 4's KV heads"
+    )
+    # A side that does not name the model's heads (a standalone peer) cannot be resharded to.
+    unknown = msgspec.structs.replace(rank(FULL, 2, 0, prefill_tp_size=1), kv_heads=None)
+    assert any(
+        "need both to name the model's KV heads" in p for p in incompatibilities(FULL, unknown)
+    )
 
 
 def test_fields_one_side_does_not_know_are_not_compared() -> None:
@@ -154,3 +212,13 @@ def test_push_to_an_incompatible_consumer_is_abandoned_so_decode_recomputes_at_o
         assert consumer.stats_snapshot()["handshakes_refused"] == 1
         assert totals["push_failures"] == totals["pushes_abandoned"] == 2
         assert totals["pushes"] == 0
+
+
+def test_an_mla_latent_peer_and_a_per_head_peer_are_refused_naming_both() -> None:
+    latent = msgspec.structs.replace(FULL, chunk_format="latent:2x16x576:float32")
+    problems = incompatibilities(latent, FULL)
+    assert (
+        "an MLA model's latent cache (producer) and whole blocks of vLLM's CPU engine "
+        in (problems[-1])
+    )
+    assert incompatibilities(latent, latent) == []

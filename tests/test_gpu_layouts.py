@@ -427,3 +427,31 @@ def test_on_a_gpu_chunks_move_by_triton_on_the_copy_stream(
     on_host = [{k: v.cpu() for k, v in cache.items()} for cache in (source, target)]
     tokens = range(len(prompt))
     assert tokens_match(on_host[0], KVLayout.NHD, src, on_host[1], KVLayout.HND, dst, tokens)
+
+
+def test_an_mla_latent_cache_moves_as_whole_blocks_of_its_own_format() -> None:
+    """vLLM's MLA layers, (blocks, block size, 576): chunks of whole blocks, named ``latent``
+    (so that a per-head peer is refused at handshake), gathered and scattered bit-exact; on a
+    GPU it is refused at start-up, naming what is supported."""
+    generator = torch.Generator().manual_seed(5)
+    layers = {f"l{i}": torch.randn(NUM_BLOCKS, 16, 576, generator=generator) for i in range(2)}
+    cache = recognise(layers, 256, block_size=16, packed_blocks=True)
+    assert isinstance(cache, BlockKV) and cache.whole_blocks
+    assert cache.chunk_format == "latent:2x16x576:float32"
+    assert cache.chunk_nbytes(256) == 2 * 256 * 576 * 4
+    assert cache.chunk_nbytes(17) == 2 * 32 * 576 * 4  # a partial last block moves whole
+    source = [3, 7, 1, 9, 30, 2, 11, 4, 5, 6, 8, 10, 12, 13, 14, 15, 16]
+    out = torch.empty(cache.chunk_nbytes(256), dtype=torch.uint8)
+    cache.gather(source, 0, 256, out)
+    targets = {name: torch.zeros_like(layer) for name, layer in layers.items()}
+    copy = recognise(targets, 256, block_size=16, packed_blocks=True)
+    dest = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 31, 32, 33, 34, 35, 36, 37]
+    copy.scatter(out, dest, 0, 256, 0)
+    for name, layer in layers.items():
+        assert torch.equal(targets[name][dest[:16]], layer[source[:16]])
+        assert not targets[name][source[:16]].any()  # nothing else written
+    with pytest.raises(ValueError, match=r"200\) is not a multiple"):
+        recognise(layers, 200, packed_blocks=True)
+    meta = {"l": torch.empty(NUM_BLOCKS, 16, 576, device="meta")}
+    with pytest.raises(ValueError, match=r"MLA .* CPU memory only"):
+        recognise(meta, 256, packed_blocks=False)

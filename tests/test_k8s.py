@@ -32,7 +32,7 @@ from lmcache_pd.errors import ConfigError
 from lmcache_pd.proxy.config import ProxyConfig, proxy_config
 
 CONFIGS = Path(__file__).parent.parent / "configs"
-SHIPPED = ["pools.yaml", "pools-2p1d.yaml", "pools-tp2.yaml"]
+SHIPPED = ["pools.yaml", "pools-2p1d.yaml", "pools-tp2.yaml", "pools-tp2p-tp1d.yaml"]
 # The schemas checked against (kubernetes-validate ships them; strict: unknown fields refused).
 KUBERNETES_VERSION = "1.35"
 Manifest = dict[str, Any]
@@ -300,6 +300,17 @@ def test_the_validator_refuses_a_broken_object() -> None:
 @pytest.mark.parametrize("name", SHIPPED)
 def test_the_shipped_pools_are_wired_together(name: str, tmp_path: Path) -> None:
     assert wiring_faults(manifests(shipped(name)), tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"), [("pools-tp2p-tp1d.yaml", {"prefill_tp_size": 2}), ("pools-tp2.yaml", {})]
+)
+def test_a_decode_pod_knows_the_prefills_tp_size_where_it_differs(
+    name: str, expected: dict[str, int]
+) -> None:
+    data = one(manifests(shipped(name)), "ConfigMap", "decode")["data"]
+    settings = yaml.safe_load(data["decode.yaml"])
+    assert {k: v for k, v in settings.items() if k == "prefill_tp_size"} == expected
 
 
 def _decode(objects: list[Manifest]) -> Manifest:

@@ -97,7 +97,7 @@ def test_two_builds_are_byte_identical(built: Path, tmp_path: Path) -> None:
 def test_ensure_model_keeps_a_matching_build(built: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     before = digests(built)
     calls: list[int] = []
-    monkeypatch.setattr(model_maker, "make_model", lambda d, *, seed: calls.append(seed) or d)
+    monkeypatch.setattr(model_maker, "make_model", lambda d, *, seed, **_: calls.append(seed) or d)
     assert ensure_model(built) == built
     assert calls == []
     assert ensure_model(built, seed=7) == built  # another seed is another model: rebuilt
@@ -111,7 +111,7 @@ def test_ensure_model_rebuilds_a_half_written_folder(
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / MARKER).write_text("not json")
     calls: list[int] = []
-    monkeypatch.setattr(model_maker, "make_model", lambda d, *, seed: calls.append(seed) or d)
+    monkeypatch.setattr(model_maker, "make_model", lambda d, *, seed, **_: calls.append(seed) or d)
     ensure_model(tmp_path)
     assert calls == [0]
 
@@ -141,3 +141,24 @@ def test_importing_the_cli_and_maker_loads_no_model_libraries() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     assert loaded.strip() == "[]"
+
+
+def test_the_mla_model_is_a_deepseek_v2_with_the_latent_vllms_cpu_kernel_takes(
+    tmp_path: Path,
+) -> None:
+    """The MLA test model: transformers loads every tensor it writes, each where it belongs,
+    and its latent is 512 + 64 wide (the only width vLLM's CPU MLA decode kernel takes)."""
+    from transformers import DeepseekV2ForCausalLM
+
+    built = make_model(tmp_path / "tiny-mla", architecture="mla")
+    config = json.loads((built / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v2"
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576
+    assert config["first_k_dense_replace"] == config["num_hidden_layers"]
+    model, info = DeepseekV2ForCausalLM.from_pretrained(built, output_loading_info=True)
+    assert info["missing_keys"] == info["unexpected_keys"] == info["mismatched_keys"] == set()
+    assert str(model.dtype) == "torch.float32"
+    # The Llama and the MLA model are different builds: one does not pass for the other.
+    assert ensure_model(built, architecture="mla") == built
+    with pytest.raises(ValueError, match="architecture"):
+        make_model(tmp_path / "other", architecture="mamba")

@@ -81,11 +81,13 @@ class FakeChat:
 
     def __init__(self, fail_turn: int | None = None) -> None:
         self.sent: list[list[dict[str, str]]] = []
+        self.extra: list[dict[str, Any]] = []
         self.fail_turn = fail_turn
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
 
     async def create(self, **body: Any) -> FakeStream:
         self.sent.append(body["messages"])
+        self.extra.append(body["extra_body"])
         turn = len(self.sent)
         if turn == self.fail_turn:
             raise TimeoutError("upstream gone")
@@ -123,8 +125,10 @@ class FakeStream:
 def test_a_conversation_sends_each_answer_back_in_the_next_turn() -> None:
     chat = Conversation("c", "s s s", ("u1 u1", "u2 u2", "u3 u3"))
     fake = FakeChat()
-    results = asyncio.run(converse(fake, "m", chat, 2, 0.0))  # type: ignore[arg-type]
+    results = asyncio.run(converse(fake, "m", chat, 2, 0.0, [7, 9]))  # type: ignore[arg-type]
     assert [r.error for r in results] == [None, None, None]
+    # Answers are made of the given tokens only, and sent back whole.
+    assert fake.extra == [{"ignore_eos": True, "allowed_token_ids": [7, 9]}] * 3
     assert [r.answer for r in results] == ["a1-x a1-y", "a2-x a2-y", "a3-x a3-y"]
     for turn in (2, 3):
         assert fake.sent[turn - 1][-2] == {
@@ -255,7 +259,8 @@ def test_vocabulary_words_are_the_single_token_words(tmp_path: Path) -> None:
     path = tmp_path / "tokenizer.json"
     path.write_text(json.dumps({"model": {"vocab": vocab}}))
     words = vocabulary_words(path)
-    assert "word" in words and len(words) == 121
+    assert words["word"] == 1 and len(words) == 121
+    assert list(words) == sorted(words)
     assert not {"ab", "plain", "Caps", "x1y"} & set(words)
     path.write_text(json.dumps({"model": {"vocab": {"\u0120word": 1}}}))
     with pytest.raises(ValueError, match="single-token words"):

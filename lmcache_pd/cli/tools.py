@@ -18,14 +18,21 @@ def make_model_command(
     directory: Annotated[Path, typer.Argument(help="the Hugging Face folder to write")],
     seed: Annotated[int, typer.Option(help="seeds the random weights")] = 0,
     force: Annotated[bool, typer.Option(help="rebuild even if this build is there")] = False,
+    architecture: Annotated[
+        str, typer.Option(help="llama (grouped-query attention) or mla (a DeepSeek-V2)")
+    ] = "llama",
 ) -> None:
-    """Write the tiny random Llama that vLLM serves offline here, and print its folder.
+    """Write a tiny random model that vLLM serves offline here, and print its folder.
 
-    A folder already holding this seed's build is kept unless --force."""
-    from lmcache_pd.harness.model_maker import ensure_model, make_model
+    A folder already holding this seed's build is kept unless --force. The mla model is served
+    on CPU with --attention-backend CPU_MLA."""
+    from lmcache_pd.harness.model_maker import ARCHITECTURES, ensure_model, make_model
 
+    if architecture not in ARCHITECTURES:
+        raise typer.BadParameter(f"one of {', '.join(ARCHITECTURES)}", param_hint="--architecture")
     setup_logging("info")
-    built = make_model(directory, seed=seed) if force else ensure_model(directory, seed=seed)
+    build = make_model if force else ensure_model
+    built = build(directory, seed=seed, architecture=architecture)
     typer.echo(built)
 
 

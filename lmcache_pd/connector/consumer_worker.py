@@ -46,9 +46,10 @@ from lmcache_pd.connector.worker import (
 )
 from lmcache_pd.errors import IntegrityError, PeerTimeout, TransferError
 from lmcache_pd.kernels.integrity import checksum
-from lmcache_pd.kernels.paged_kv import COPIED, Copy
+from lmcache_pd.kernels.paged_kv import COPIED, Copy, PagedKV, head_slice
 from lmcache_pd.keys import ChunkKey, ChunkKeyer
 from lmcache_pd.protocol import DEVICE_COPY_TIMEOUT_S
+from lmcache_pd.tp_parts import TPLayout, part_keyer, rank_heads, route
 from lmcache_pd.trace import TraceFile
 from lmcache_pd.transfer.consumer_service import (
     ConsumerService,
@@ -70,6 +71,7 @@ SYNC_LOAD_WAIT_S = 0.05
 class _PendingLoad:
     load: LoadRequest
     keys: list[ChunkKey]  # the prompt's, hashed once
+    caches: list[PagedKV]  # where each key's chunk goes: the cache, or the heads it holds
     deadline: float
     queued_at: float  # wall clock, for the trace
     landed: list[LandedChunk] = field(default_factory=list)  # where its first keys landed
@@ -78,6 +80,30 @@ class _PendingLoad:
         """The progress question for the keys not yet seen landed."""
         located = len(self.landed)
         return LoadQuery(self.load.disagg_req_id, located, [k.key for k in self.keys[located:]])
+
+
+def chunk_sources(
+    keyer: ChunkKeyer,
+    cache: PagedKV,
+    rank: int,
+    layout: TPLayout | None,
+    prefill_tp_size: int | None,
+) -> list[tuple[ChunkKeyer, PagedKV]]:
+    """What each chunk of a prompt arrives as, in order: the whole chunk under this rank's own
+    keys (prefill at decode's TP size), or one part from each prefill rank holding some of this
+    rank's heads, under that part's keys, scattered into those heads (``tp_parts.py``)."""
+    if layout is None or prefill_tp_size in (None, layout.tp_size):
+        return [(keyer, cache)]
+    assert prefill_tp_size is not None
+    own = rank_heads(layout.kv_heads, layout.tp_size, rank)[0]
+    return [
+        (
+            part_keyer(keyer, layout.kv_heads, part),
+            head_slice(cache, part.lo - own, part.hi - own),
+        )
+        for part in route(layout.kv_heads, prefill_tp_size, layout.tp_size)
+        if part.dest == rank
+    ]
 
 
 class ConsumerWorker(WorkerHalf):
@@ -93,15 +119,18 @@ class ConsumerWorker(WorkerHalf):
         rank: int = 0,
         facts: CacheFacts = UNKNOWN,
         board: Path | None = None,
+        layout: TPLayout | None = None,
     ) -> None:
         """``profile``: this rank's KV format, checked against each producer's at handshake.
         ``config``: this rank's own (``PDConfig.for_rank``), whose ports it binds.
         ``facts``: what vLLM says of its cache. ``board``: where this rank's consumer process
-        posts landed chunks for the scheduler (None: nowhere, every load asynchronous)."""
+        posts landed chunks for the scheduler (None: nowhere, every load asynchronous).
+        ``layout``: with ``config.prefill_tp_size`` another size, each chunk comes in parts,
+        one from each prefill rank holding some of this rank's heads (``tp_parts.py``)."""
         self._config = config
         self._rank = rank
-        self._keyer = keyer
         self._cache = paged_kv(kv_caches, config, facts)
+        self._sources = chunk_sources(keyer, self._cache, rank, layout, config.prefill_tp_size)
         rank_config = replace(config, page_bytes=self._cache.chunk_nbytes(config.chunk_size))
         profile = rank_profile(profile, self._cache, rank_config)
         # With buffer_device cuda the receive buffer is in the cache's GPU memory.
@@ -126,10 +155,22 @@ class ConsumerWorker(WorkerHalf):
         for load in meta.loads:
             # Chunks wholly inside decode's own prefix-cache hit are neither awaited, read, nor
             # (if still to come) written. The salt keeps another tenant's chunks out of reach.
-            every = self._keyer.chunk_keys(load.prompt, salt=load.cache_salt)
-            keys = [k for k in every if k.end > load.start]
-            not_needed = frozenset(k.key for k in every if k.end <= load.start)
-            pending = _PendingLoad(load, keys, deadline, now)
+            every = [
+                (key, cache)
+                for chunk in zip(
+                    *(
+                        keyer.chunk_keys(load.prompt, salt=load.cache_salt)
+                        for keyer, _ in self._sources
+                    ),
+                    strict=True,
+                )
+                for key, (_, cache) in zip(chunk, self._sources, strict=True)
+            ]
+            wanted = [(k, cache) for k, cache in every if k.end > load.start]
+            not_needed = frozenset(k.key for k, _ in every if k.end <= load.start)
+            pending = _PendingLoad(
+                load, [k for k, _ in wanted], [cache for _, cache in wanted], deadline, now
+            )
             if load.sync:
                 self._load_now(pending, not_needed)
                 continue
@@ -315,10 +356,12 @@ class ConsumerWorker(WorkerHalf):
         # Only pages this request holds: they keep their bytes until it is released.
         copy: Copy = COPIED
         try:
-            for chunk, landed in zip(pending.keys, pending.landed, strict=True):
+            for chunk, cache, landed in zip(
+                pending.keys, pending.caches, pending.landed, strict=True
+            ):
                 data = self._service.chunk(landed)
                 hashed = landed.checksum is not None
-                copy = self._cache.scatter(
+                copy = cache.scatter(
                     data, load.block_ids, chunk.start, chunk.end, load.start, hashed=hashed
                 )
                 # A cache that cannot hash while it copies: a pass of its own (the bytes were

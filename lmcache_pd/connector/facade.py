@@ -40,6 +40,7 @@ from lmcache_pd.connector.stats import PDConnectorStats, PDPromMetrics, StatsRec
 from lmcache_pd.connector.worker import CacheFacts, ProducerWorker, WorkerHalf
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.tp_parts import TPLayout, route
 from lmcache_pd.transfer import landed_board
 
 if TYPE_CHECKING:
@@ -119,7 +120,36 @@ def kv_profile(vllm_config: VllmConfig, config: PDConfig, rank: int) -> KVProfil
         block_size=vllm_config.cache_config.block_size,
         tp_size=parallel.tensor_parallel_size,
         tp_rank=rank,
+        kv_heads=kv_heads(vllm_config),
+        prefill_tp_size=config.prefill_tp_size if config.kv_role == "kv_consumer" else None,
     )
+
+
+def tp_layout(vllm_config: VllmConfig) -> TPLayout:
+    """The model's KV heads and this instance's TP size: what the parts of a request's KV
+    between prefill and decode at different TP sizes are worked out from."""
+    return TPLayout(kv_heads(vllm_config), vllm_config.parallel_config.tensor_parallel_size)
+
+
+def parts_per_chunk(layout: TPLayout, config: PDConfig) -> int:
+    """How many parts each chunk arrives as on a decode rank (1 from a prefill at decode's TP
+    size). ``ConfigError`` at start-up for a ``prefill_tp_size`` that cannot shard the model's
+    heads evenly."""
+    prefill_tp = config.prefill_tp_size
+    if prefill_tp is None or prefill_tp == layout.tp_size:
+        return 1
+    try:
+        parts = route(layout.kv_heads, prefill_tp, layout.tp_size)
+    except ValueError as exc:
+        raise ConfigError(f"prefill_tp_size {prefill_tp}: {exc}") from exc
+    return sum(part.dest == 0 for part in parts)
+
+
+def kv_heads(vllm_config: VllmConfig) -> int:
+    """The model's KV heads over all ranks, as its cache shards them; an MLA latent is one
+    head that every rank holds alike."""
+    model = vllm_config.model_config
+    return 1 if model.use_mla else model.get_total_num_kv_heads()
 
 
 def cache_facts(vllm_config: VllmConfig) -> CacheFacts:
@@ -184,6 +214,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
                     ]
                     if self._config.sync_loads
                     else [],
+                    parts_per_chunk=parts_per_chunk(tp_layout(vllm_config), self._config),
                 )
             )
         else:
@@ -204,14 +235,15 @@ class LMCachePDConnector(KVConnectorBase_V1):
         keyer = chunk_keyer(self._vllm_config, self._config, self._rank)
         profile = kv_profile(self._vllm_config, self._config, self._rank)
         facts = cache_facts(self._vllm_config)
+        layout = tp_layout(self._vllm_config)
         if self._config.kv_role == "kv_producer":
             self._worker = ProducerWorker(
-                self._config, keyer, kv_caches, self._stats, profile, self._rank, facts
+                self._config, keyer, kv_caches, self._stats, profile, self._rank, facts, layout
             )
             return
         board = self._board(self._rank) if self._config.sync_loads else None
         self._worker = ConsumerWorker(
-            self._config, keyer, kv_caches, self._stats, profile, self._rank, facts, board
+            self._config, keyer, kv_caches, self._stats, profile, self._rank, facts, board, layout
         )
 
     def _board(self, rank: int) -> Path:

@@ -249,14 +249,17 @@ class ConsumerScheduler(SchedulerHalf):
         *,
         chunk_size: int = 256,
         boards: Sequence[Path] = (),
+        parts_per_chunk: int = 1,
     ) -> None:
         """``count`` takes the name of a counter to bump (``StatsRecorder.add``); ``boards``:
         each consumer rank's ``landed_board``, on every one of which a request's chunks must
         all be posted landed for it to be loaded synchronously (none: every load
-        asynchronous)."""
+        asynchronous); ``parts_per_chunk``: what each chunk arrives as on each rank (several
+        parts from a prefill at a larger TP size, ``tp_parts.py``)."""
         self._count = count
         self._door = ParamsDoor(count)
         self._chunk_size = chunk_size
+        self._parts = parts_per_chunk
         # Each maps its board once the consumer process made it; a read is memory reads only.
         self._boards = [landed_board.BoardReader(board) for board in boards]
         # Whether each request's load is synchronous, as answered in get_num_new_matched_tokens
@@ -296,7 +299,7 @@ class ConsumerScheduler(SchedulerHalf):
     def _all_landed(self, disagg_req_id: str, kv_tokens: int) -> bool:
         """Whether every rank posted every chunk of the producer's prompt (``kv_tokens``: all of
         decode's prompt but its last token, the producer's first output) landed."""
-        chunks = -(-kv_tokens // self._chunk_size)
+        chunks = -(-kv_tokens // self._chunk_size) * self._parts
         return bool(self._boards) and all(
             board.read().get(disagg_req_id, 0) >= chunks for board in self._boards
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -31,10 +32,11 @@ from lmcache_pd.connector.metadata import (
 )
 from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.errors import AllocationError, ProtocolError
-from lmcache_pd.kernels.paged_kv import COPIED, Copy, PagedKV, recognise
+from lmcache_pd.kernels.paged_kv import COPIED, Copy, PagedKV, head_slice, recognise
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.peers import parse_peer
 from lmcache_pd.protocol import AbandonReason
+from lmcache_pd.tp_parts import TPLayout, part_keyer, rank_heads, route
 from lmcache_pd.trace import TraceFile
 from lmcache_pd.transfer.producer import Producer
 from lmcache_pd.transfer.sender import SenderPool
@@ -133,12 +135,16 @@ class ProducerWorker(WorkerHalf):
         profile: KVProfile | None = None,
         rank: int = 0,
         facts: CacheFacts = UNKNOWN,
+        layout: TPLayout | None = None,
     ) -> None:
         """``profile``: this rank's KV format, checked against each consumer's at handshake.
         ``rank``: this worker's tensor-parallel rank; it pushes to the consumer rank of the
-        same index in each request's DisaggSpec. ``facts``: what vLLM says of its cache."""
+        same index in each request's DisaggSpec, or, where the spec lists another number of
+        decode ranks and ``layout`` is known, to each decode rank the heads it needs
+        (``tp_parts.py``). ``facts``: what vLLM says of its cache."""
         self._keyer = keyer
         self._rank = rank
+        self._layout = layout
         # Requests whose spec names no consumer rank for this one: never pushed by this rank.
         self._unserved: set[str] = set()
         self._cache = paged_kv(kv_caches, config, facts)
@@ -147,7 +153,8 @@ class ProducerWorker(WorkerHalf):
         self._stats = stats
         self._hashed = config.integrity_checksums
         self._staging = staging_for(config, self._cache)
-        self._saving: dict[str, Saving] = {}
+        # Each request's pushes: one per consumer rank it sends to, with the heads it sends.
+        self._saving: dict[str, list[tuple[Saving, PagedKV]]] = {}
         self._senders = SenderPool(
             lambda: Producer(config, staging=self._staging, profile=profile, count=stats.add),
             stats.add,
@@ -165,12 +172,10 @@ class ProducerWorker(WorkerHalf):
             except Exception:
                 self._stats.add("thread_errors")
                 logger.exception("req %s: copying its KV out failed", save.spec.req_id)
-                request = self._saving.get(save.req_id)
-                if request is not None:
+                for request, _ in self._saving.get(save.req_id, ()):
                     self._abandon(request, AbandonReason.PRODUCER_ERROR, "copy-out failed")
         for req_id in meta.aborted:
-            request = self._saving.get(req_id)
-            if request is not None:
+            for request, _ in self._saving.get(req_id, ()):
                 self._abandon(request, AbandonReason.REQUEST_ABORTED, "prefill ended early")
         for req_id in meta.finished:
             self._saving.pop(req_id, None)
@@ -185,33 +190,69 @@ class ProducerWorker(WorkerHalf):
         self._cache.close()
 
     def _save(self, save: SaveRequest) -> None:
-        request = self._saving.get(save.req_id)
-        if request is None:
+        targets = self._saving.get(save.req_id)
+        if targets is None:
             if save.req_id in self._unserved:
                 return
             if save.prompt is None:  # its first save was never seen: nothing to go on
                 logger.error("req %s: a save without its prompt; not pushed", save.spec.req_id)
                 return
+            targets = self._targets(save, save.prompt)
+            if not targets:
+                self._unserved.add(save.req_id)
+                return
+            self._saving[save.req_id] = targets
+        for request, cache in targets:
+            if save.replace_blocks:
+                request.block_ids = list(save.block_ids)
+            else:
+                request.block_ids.extend(save.block_ids)
+            if not request.abandoned.is_set():
+                self._push_ready(request, cache, save.computed_end)
+
+    def _targets(self, save: SaveRequest, prompt: Sequence[int]) -> list[tuple[Saving, PagedKV]]:
+        """Where this rank pushes the request's KV, and which of its heads: to the consumer
+        rank of its own index with its keys (decode at this TP size), or a part to each decode
+        rank whose heads it holds (``tp_parts.py``); none if it sends nothing."""
+        spec, layout = save.spec, self._layout
+        if layout is None or spec.ranks == layout.tp_size:
             try:
-                spec = save.spec.for_rank(self._rank)
+                rank_spec = spec.for_rank(self._rank)
             except ProtocolError as exc:
                 # No address to tell either: the consumer ranks that exist are refused by
                 # their own producer rank's handshake (TP sizes differ) and recompute.
-                self._unserved.add(save.req_id)
                 self._stats.add("pushes_without_rank")
-                logger.error("req %s: not pushed by rank %d: %s", save.spec.req_id, self._rank, exc)
-                return
-            keys = self._keyer.chunk_keys(save.prompt, salt=save.cache_salt)
-            request = Saving(spec, keys, len(save.prompt))
-            self._saving[save.req_id] = request
-        if save.replace_blocks:
-            request.block_ids = list(save.block_ids)
-        else:
-            request.block_ids.extend(save.block_ids)
-        if request.abandoned.is_set():
-            return
-        final = save.computed_end >= request.prompt_tokens
-        ready = save.computed_end - (0 if final else save.computed_end % self._keyer.chunk_size)
+                logger.error("req %s: not pushed by rank %d: %s", spec.req_id, self._rank, exc)
+                return []
+            keys = self._keyer.chunk_keys(prompt, salt=save.cache_salt)
+            return [(Saving(rank_spec, keys, len(prompt)), self._cache)]
+        try:
+            parts = route(layout.kv_heads, layout.tp_size, spec.ranks)
+        except ValueError as exc:
+            self._stats.add("pushes_without_rank")
+            logger.error("req %s: not pushed by rank %d: %s", spec.req_id, self._rank, exc)
+            return []
+        own = rank_heads(layout.kv_heads, layout.tp_size, self._rank)[0]
+        return [
+            (
+                Saving(
+                    spec.for_rank(part.dest),
+                    part_keyer(self._keyer, layout.kv_heads, part).chunk_keys(
+                        prompt, salt=save.cache_salt
+                    ),
+                    len(prompt),
+                ),
+                head_slice(self._cache, part.lo - own, part.hi - own),
+            )
+            for part in parts
+            if part.source == self._rank
+        ]
+
+    def _push_ready(self, request: Saving, cache: PagedKV, computed_end: int) -> None:
+        """Gather the chunks of ``request`` computed by ``computed_end`` and not pushed yet
+        into staging pages, and hand them to the consumer rank's sender."""
+        final = computed_end >= request.prompt_tokens
+        ready = computed_end - (0 if final else computed_end % self._keyer.chunk_size)
         chunks = [c for c in request.keys if request.pushed_upto <= c.start and c.end <= ready]
         if not chunks:
             return
@@ -227,8 +268,8 @@ class ProducerWorker(WorkerHalf):
         copy: Copy = COPIED
         try:
             for chunk, page in zip(chunks, pages, strict=True):
-                data = page[: self._cache.chunk_nbytes(chunk.end - chunk.start)]
-                copy = self._cache.gather(
+                data = page[: cache.chunk_nbytes(chunk.end - chunk.start)]
+                copy = cache.gather(
                     request.block_ids, chunk.start, chunk.end, data, hashed=self._hashed
                 )
                 digests.append(copy.digest)

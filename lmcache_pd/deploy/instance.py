@@ -24,11 +24,12 @@ Role = Literal["kv_producer", "kv_consumer"]
 
 
 def transfer_settings(
-    name: str, spec: InstanceSpec, role: Role, of_role: dict[str, Any]
+    pools: PoolsConfig, name: str, spec: InstanceSpec, role: Role, of_role: dict[str, Any]
 ) -> dict[str, Any]:
     """``spec.config`` with ``kv_role`` and ``of_role`` (a decode's receive ports, a prefill's
-    warm peers) on top, checked as the connector will check it, so that a bad file fails here,
-    naming instance ``name``, rather than minutes later inside vLLM."""
+    warm peers) on top, and a decode's ``prefill_tp_size`` where the prefill pool's TP size
+    differs from its own, checked as the connector will check it, so that a bad file fails
+    here, naming instance ``name``, rather than minutes later inside vLLM."""
     try:
         settings = yaml.safe_load(Path(spec.config).read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
@@ -36,11 +37,22 @@ def transfer_settings(
     if not isinstance(settings, dict):
         raise ConfigError(f"{name}: its config {spec.config} is not a mapping")
     settings |= {"kv_role": role, **of_role}
+    prefill_tp = prefill_tp_size(pools)
+    if role == "kv_consumer" and prefill_tp not in (None, spec.tensor_parallel_size):
+        settings["prefill_tp_size"] = prefill_tp
     try:
         msgspec.convert(settings, PDConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{name}: invalid config {spec.config}: {exc}") from exc
     return settings
+
+
+def prefill_tp_size(pools: PoolsConfig) -> int | None:
+    """The prefill pool's TP size, which decode instances of another size take KV from in
+    parts (``tp_parts.py``); None for a pool of mixed sizes (a decode then takes KV only from
+    prefill instances of its own size: the others' are refused at handshake and recomputed)."""
+    sizes = {spec.tensor_parallel_size for spec in pools.prefill}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def connector_config(role: Role, config_path: str) -> dict[str, Any]:

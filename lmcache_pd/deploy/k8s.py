@@ -95,10 +95,14 @@ def manifests(
         for index in range(len(pools.prefill))
     ]
     trace = pools.trace
-    decode_settings = transfer_settings("decode", decode_spec, "kv_consumer", dict(receive))
+    decode_settings = transfer_settings(pools, "decode", decode_spec, "kv_consumer", dict(receive))
     decode_settings.pop("receiver_host", None)  # each pod's own IP: RECEIVER_HOST_ENV
     prefill_settings = transfer_settings(
-        "prefill", prefill_spec, "kv_producer", {"warm_peers": [peer_text(d) for d in decode]}
+        pools,
+        "prefill",
+        prefill_spec,
+        "kv_producer",
+        {"warm_peers": [peer_text(d) for d in decode]},
     )
     proxy = ProxyConfig(
         model=model,

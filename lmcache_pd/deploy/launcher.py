@@ -165,7 +165,7 @@ def start_instance(
     its command line) where no file on its host holds it, over any file its config names;
     ``kv_events``: where it publishes its prefix cache's KV events (None: nowhere). Every engine
     starts its instances with this."""
-    settings = transfer_settings(name, spec, role, settings_of_role)
+    settings = transfer_settings(pools, name, spec, role, settings_of_role)
     if secret_file is not None:
         settings["secret_file"] = str(secret_file.resolve())
     elif secret is not None:

@@ -1,10 +1,12 @@
-"""A tiny seeded random Llama, written as a Hugging Face folder that vLLM serves offline.
+"""A tiny seeded random model, written as a Hugging Face folder that vLLM serves offline.
 
 No model can be downloaded on these machines, yet the connector needs a real vLLM with a real
 paged KV cache. This module makes one from nothing: a byte-level BPE tokenizer trained on the
-Python standard library's own source (text every machine here has), and a Llama with random
-weights. Same Python build and package versions, same seed: byte-identical files, so chunk keys,
-token ids and logprobs can be compared across runs and machines.
+Python standard library's own source (text every machine here has), and a model with random
+weights: a Llama (grouped-query attention: K and V per KV head), or a DeepSeek-V2 (``mla``:
+multi-head latent attention, whose cache is one 576-wide latent per token and layer, the same on
+every tensor-parallel rank). Same Python build and package versions, same seed: byte-identical
+files, so chunk keys, token ids and logprobs can be compared across runs and machines.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 # Bump when anything below changes what gets written: ensure_model then rebuilds stale folders.
 MAKER_VERSION = 1
+ARCHITECTURES = ("llama", "mla")
 MARKER = "lmcache_pd_model.json"
 
 BOS, EOS, UNK, PAD = "<s>", "</s>", "<unk>", "<pad>"
@@ -42,6 +45,26 @@ ARCHITECTURE = {
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,  # grouped-query attention, as in the models the connector serves
+}
+# DeepSeek-V2's attention (``mla``), as small as vLLM's CPU MLA backend takes: its decode kernel
+# needs the 576-wide latent (kv_lora_rank 512 + qk_rope_head_dim 64). No query LoRA; every layer
+# dense (first_k_dense_replace = layers), with the few routed experts the config must name.
+MLA_ARCHITECTURE = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "first_k_dense_replace": 2,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
 }
 # Llama-style: BOS, then each turn closed by EOS; the generation prompt opens the reply.
 CHAT_TEMPLATE = (
@@ -117,15 +140,25 @@ def _write_tokenizer(directory: Path) -> dict[str, int]:
     }
 
 
-def _config(ids: dict[str, int]) -> dict[str, Any]:
-    """The Llama config.json. Spelled the way transformers 4 wrote it (torch_dtype, rope_theta),
-    which transformers 5 still reads, so that GPU machines with either can serve the same files;
-    fields left out take transformers' Llama defaults."""
+def _config(ids: dict[str, int], architecture: str) -> dict[str, Any]:
+    """The model's config.json. Spelled the way transformers 4 wrote it (torch_dtype,
+    rope_theta), which transformers 5 still reads, so that GPU machines with either can serve
+    the same files; fields left out take transformers' defaults for the model type."""
+    if architecture == "mla":
+        shape = {
+            "architectures": ["DeepseekV2ForCausalLM"],
+            "model_type": "deepseek_v2",
+            **MLA_ARCHITECTURE,
+        }
+    else:
+        shape = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            **ARCHITECTURE,
+            "head_dim": ARCHITECTURE["hidden_size"] // ARCHITECTURE["num_attention_heads"],
+        }
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        **ARCHITECTURE,
-        "head_dim": ARCHITECTURE["hidden_size"] // ARCHITECTURE["num_attention_heads"],
+        **shape,
         "vocab_size": ids["vocab"],
         "max_position_embeddings": MAX_POSITIONS,
         "hidden_act": "silu",
@@ -142,23 +175,45 @@ def _config(ids: dict[str, int]) -> dict[str, Any]:
     }
 
 
+def _attention_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """One layer's attention weights, by name under ``self_attn.``: Llama's Q, K, V and O, or
+    DeepSeek-V2's query, latent down-projection (with the shared rope key), latent norm, latent
+    up-projection to every head's key and value, and O."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    if config["model_type"] != "deepseek_v2":
+        kv = config["num_key_value_heads"] * config["head_dim"]
+        return {
+            "q_proj": (hidden, hidden),
+            "k_proj": (kv, hidden),
+            "v_proj": (kv, hidden),
+            "o_proj": (hidden, hidden),
+        }
+    nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    latent = config["kv_lora_rank"]
+    return {
+        "q_proj": (heads * (nope + rope), hidden),
+        "kv_a_proj_with_mqa": (latent + rope, hidden),
+        "kv_b_proj": (heads * (nope + v), latent),
+        "o_proj": (hidden, heads * v),
+    }
+
+
 def _weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """Llama's tensors under the names transformers and vLLM load, drawn from one seeded
-    generator in a fixed order. Made here rather than by instantiating LlamaForCausalLM: importing
+    """The model's tensors under the names transformers and vLLM load, drawn from one seeded
+    generator in a fixed order. Made here rather than by instantiating the model: importing
     transformers' modelling code alone takes longer than the rest of the build."""
     import torch
 
     hidden, inner = config["hidden_size"], config["intermediate_size"]
-    kv = config["num_key_value_heads"] * config["head_dim"]
     vocab = config["vocab_size"]
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}."
         shapes |= {
-            prefix + "self_attn.q_proj.weight": (hidden, hidden),
-            prefix + "self_attn.k_proj.weight": (kv, hidden),
-            prefix + "self_attn.v_proj.weight": (kv, hidden),
-            prefix + "self_attn.o_proj.weight": (hidden, hidden),
+            f"{prefix}self_attn.{name}.weight": shape
+            for name, shape in _attention_shapes(config).items()
+        }
+        shapes |= {
             prefix + "mlp.gate_proj.weight": (inner, hidden),
             prefix + "mlp.up_proj.weight": (inner, hidden),
             prefix + "mlp.down_proj.weight": (hidden, inner),
@@ -175,14 +230,21 @@ def _weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         for norm in ("input_layernorm", "post_attention_layernorm")
     ]
     tensors |= {name: torch.ones(hidden) for name in [*norms, "model.norm.weight"]}
+    if "kv_lora_rank" in config:
+        tensors |= {
+            f"model.layers.{layer}.self_attn.kv_a_layernorm.weight": torch.ones(
+                config["kv_lora_rank"]
+            )
+            for layer in range(config["num_hidden_layers"])
+        }
     return tensors
 
 
-def _write_model(directory: Path, ids: dict[str, int], seed: int) -> None:
+def _write_model(directory: Path, ids: dict[str, int], seed: int, architecture: str) -> None:
     """config.json, generation_config.json and model.safetensors with seeded random weights."""
     from safetensors.torch import save_file
 
-    config = _config(ids)
+    config = _config(ids, architecture)
     _write_json(directory / "config.json", config)
     save_file(
         _weights(config, seed), str(directory / "model.safetensors"), metadata={"format": "pt"}
@@ -193,8 +255,10 @@ def _write_model(directory: Path, ids: dict[str, int], seed: int) -> None:
     )
 
 
-def _marker(seed: int) -> dict[str, int]:
-    return {"maker_version": MAKER_VERSION, "seed": seed}
+def _marker(seed: int, architecture: str) -> dict[str, Any]:
+    # The Llama's marker is what it always was, so that folders made before still count.
+    marker: dict[str, Any] = {"maker_version": MAKER_VERSION, "seed": seed}
+    return marker if architecture == "llama" else marker | {"architecture": architecture}
 
 
 def _is_ours(directory: Path) -> bool:
@@ -202,13 +266,16 @@ def _is_ours(directory: Path) -> bool:
     return not directory.exists() or not any(directory.iterdir()) or (directory / MARKER).exists()
 
 
-def make_model(directory: Path, *, seed: int = 0) -> Path:
-    """Build the model into ``directory`` (replacing a previous build) and return it.
+def make_model(directory: Path, *, seed: int = 0, architecture: str = "llama") -> Path:
+    """Build the model (``architecture``: one of ``ARCHITECTURES``) into ``directory``
+    (replacing a previous build) and return it.
 
     It is built in a sibling temporary folder and renamed into place, marker last, so that an
     interrupted build never leaves a folder that ensure_model would take as complete. A non-empty
     folder that this maker did not write is refused rather than deleted.
     """
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture {architecture!r}: one of {', '.join(ARCHITECTURES)}")
     directory = Path(directory)
     if not _is_ours(directory):
         raise FileExistsError(f"{directory} holds files make_model did not write; not replacing")
@@ -218,8 +285,8 @@ def make_model(directory: Path, *, seed: int = 0) -> Path:
     try:
         staging.chmod(0o755)
         ids = _write_tokenizer(staging)
-        _write_model(staging, ids, seed)
-        _write_json(staging / MARKER, _marker(seed))
+        _write_model(staging, ids, seed, architecture)
+        _write_json(staging / MARKER, _marker(seed, architecture))
         if directory.exists():
             shutil.rmtree(directory)
         staging.rename(directory)
@@ -227,7 +294,8 @@ def make_model(directory: Path, *, seed: int = 0) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     logger.info(
-        "made a tiny Llama (vocab %d, seed %d) in %s in %.1f s",
+        "made a tiny %s (vocab %d, seed %d) in %s in %.1f s",
+        architecture,
         ids["vocab"],
         seed,
         directory,
@@ -236,13 +304,14 @@ def make_model(directory: Path, *, seed: int = 0) -> Path:
     return directory
 
 
-def ensure_model(directory: Path, *, seed: int = 0) -> Path:
+def ensure_model(directory: Path, *, seed: int = 0, architecture: str = "llama") -> Path:
     """Return ``directory``, building the model there only if no build by this maker version
-    with this seed is already there (the tests and the demo call it every run)."""
+    with this seed and architecture is already there (the tests and the demo call it every
+    run)."""
     directory = Path(directory)
     try:
-        if json.loads((directory / MARKER).read_text()) == _marker(seed):
+        if json.loads((directory / MARKER).read_text()) == _marker(seed, architecture):
             return directory
     except (OSError, ValueError):
         pass
-    return make_model(directory, seed=seed)
+    return make_model(directory, seed=seed, architecture=architecture)
