@@ -178,7 +178,7 @@ class AbandonReason(enum.Enum):
     INCOMPATIBLE = "incompatible"  # the handshake found the two sides' KV formats differ
 
 
-class DisaggSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class DisaggSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Which consumer receives a request's KV; carried in ``kv_transfer_params['disagg_spec']``.
 
     With tensor parallelism each consumer rank has its own ports: the port fields are lists
@@ -190,6 +190,10 @@ class DisaggSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     receiver_host: HostName
     receiver_init_port: Port | RankPorts
     receiver_alloc_port: Port | RankPorts
+    # Leading prompt tokens the proxy saw the chosen decode's prefix cache hold (KV routing):
+    # prefill pushes no chunk that lies wholly inside them, and a decode that holds fewer of
+    # them by the time it schedules the request recomputes it (their chunks never come).
+    decode_holds: Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)] = 0
 
     def __post_init__(self) -> None:
         if len(_as_list(self.receiver_init_port)) != len(_as_list(self.receiver_alloc_port)):
@@ -224,7 +228,12 @@ class DisaggSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             self.receiver_host,
             _as_list(self.receiver_init_port)[rank],
             _as_list(self.receiver_alloc_port)[rank],
+            self.decode_holds,
         )
+
+    def skipped_tokens(self, chunk_size: int) -> int:
+        """Leading tokens whose chunks prefill does not push: the whole chunks decode holds."""
+        return self.decode_holds // chunk_size * chunk_size
 
     def every_rank(self) -> list[DisaggSpec]:
         """One single-port spec per consumer rank, in rank order."""

@@ -27,6 +27,7 @@ from lmcache_pd.proxy.door import Door
 from lmcache_pd.proxy.flow import MAX_EVENT_BYTES, UPSTREAM_KEEPALIVE_S, Disaggregator
 from lmcache_pd.proxy.kv_drop import KVDropper
 from lmcache_pd.proxy.kv_index import KVIndex
+from lmcache_pd.proxy.local_tokenizer import LocalTokenizer
 from lmcache_pd.proxy.membership import Membership, MemberSource
 from lmcache_pd.proxy.metrics import ProxyMetrics
 from lmcache_pd.proxy.orchestration import Orchestrator
@@ -138,6 +139,9 @@ class Proxy:
                 self._upstreams,
                 self._instance_headers,
                 self.config.timeouts.health_s,
+                await asyncio.to_thread(
+                    LocalTokenizer.load, self.config.tokenizer or self.config.model
+                ),
             )
             placer = Placer(self.decode, self._sizer, self._index, tokens, self.config.model)
         self._orchestrator = Orchestrator(

@@ -124,7 +124,8 @@ class Orchestrator:
         if decoder is not None:
             assert decoder.receiver is not None
             host, init_port, alloc_port = decoder.receiver
-            spec = DisaggSpec(req_id, host, init_port, alloc_port)
+            # Prefill need not push what decode's prefix cache holds (the index says so).
+            spec = DisaggSpec(req_id, host, init_port, alloc_port, plan.decode_holds())
         answer: Answer | None = None
         outcome = Outcome.INTERNAL_ERROR
         try:

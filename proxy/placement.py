@@ -38,12 +38,17 @@ class Plan:
     def work_at(self, member: Upstream) -> int:
         return 0 if self.work is None else self.work(member)
 
+    def decode_holds(self) -> int:
+        """Leading prompt tokens the chosen decode's prefix cache holds (0: unknown)."""
+        if self.prompt_tokens is None or self.decoder is None:
+            return 0
+        return self.prompt_tokens - self.work_at(self.decoder)
+
     def trace(self) -> dict[str, int]:
         """What the trace file records of the placement."""
         if self.prompt_tokens is None or self.decoder is None:
             return {}
-        held = self.prompt_tokens - self.work_at(self.decoder)
-        return {"prompt_tokens": self.prompt_tokens, "decode_held_tokens": held}
+        return {"prompt_tokens": self.prompt_tokens, "decode_held_tokens": self.decode_holds()}
 
 
 class Placer:

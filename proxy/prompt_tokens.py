@@ -1,14 +1,16 @@
 """A request's prompt as token ids, before any instance is chosen: what KV routing looks up.
 
 A completion given as token ids is its own answer. Anything else (a text, a chat) is tokenized
-by an instance (vLLM's ``/tokenize``, which applies the same chat template and special tokens as
-serving does: the proxy could only approximate them), the least busy healthy one. One short
-call per request, bounded by the health deadline; a failure means "unknown" and the request is
-routed by load alone, as before.
+by the model's own tokenizer here where its files are (``local_tokenizer.py``), else by an
+instance (vLLM's ``/tokenize``, which applies the same chat template and special tokens as
+serving does), the least busy healthy one: one short call per request, bounded by the health
+deadline; a failure means "unknown" and the request is routed by load alone, as before.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -17,6 +19,7 @@ import aiohttp
 import msgspec
 
 from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
+from lmcache_pd.proxy.local_tokenizer import LocalTokenizer
 from lmcache_pd.proxy.routing import Upstream
 
 logger = logging.getLogger(__name__)
@@ -43,8 +46,11 @@ class PromptTokens:
         instances: Callable[[], Iterable[Upstream]],
         headers: dict[str, str],
         timeout_s: float,
+        local: LocalTokenizer | None = None,
     ) -> None:
-        """``instances()`` gives the instances that may tokenize now."""
+        """``instances()`` gives the instances that may tokenize now; ``local``: the model's
+        tokenizer here, tried first."""
+        self._local = local
         self._session = session
         self._instances = instances
         self._headers = {"Content-Type": "application/json", **headers}
@@ -53,6 +59,7 @@ class PromptTokens:
     async def of(self, request: ClientRequest, model: str) -> list[int] | None:
         """The prompt's token ids; None if they cannot be had now."""
         body = request.body
+        local = self._local
         if request.endpoint is Endpoint.COMPLETIONS:
             prompt = body["prompt"]
             if isinstance(prompt, list) and len(prompt) == 1:  # a batch of one (the door's)
@@ -62,9 +69,15 @@ class PromptTokens:
             ask: dict[str, Any] = {"model": model, "prompt": prompt}
             if "add_special_tokens" in body:
                 ask["add_special_tokens"] = body["add_special_tokens"]
+            special = body.get("add_special_tokens", True)
+            here = None if local is None else functools.partial(local.text, prompt, special)
         else:
             ask = {"model": model, "messages": body["messages"]}
             ask |= {key: body[key] for key in CHAT_TEMPLATE_FIELDS if key in body}
+            here = None if local is None else functools.partial(local.chat, body)
+        # Off the event loop: a long chat's template and encoding take milliseconds.
+        if here is not None and (found := await asyncio.to_thread(here)) is not None:
+            return found
         healthy = [member for member in self._instances() if member.healthy]
         if not healthy:
             return None

@@ -851,3 +851,49 @@ def test_a_synchronous_load_whose_kv_is_gone_or_unanswered_fails_within_its_boun
     workers.producer.wait_for_save(save("p3", spec, prompt, [7, 3, 12, 20, 5], 150))
     workers.consumer.start_load_kv(load("c3", "d-3", prompt, [11, 12, 13, 14, 15]))
     assert finish(workers.consumer) == ({"c3"}, set())
+
+
+def test_decode_holding_fewer_tokens_than_prefill_skipped_computes_the_prompt(
+    tmp_path: Path,
+) -> None:
+    """The proxy saw decode hold 150 tokens: prefill skips the 2 whole chunks of 64 inside
+    them. A decode that still holds 128 loads the rest, synchronously once the 2 chunks pushed
+    (not 4) have landed; one that holds 64 now would wait for a chunk that never comes: it
+    computes the prompt at once, counted, and the pushed chunks are let go."""
+    held = DisaggSpec.from_dict({**SPEC, "decode_holds": 150})
+    assert held.skipped_tokens(CHUNK) == 128 and held.for_rank(0).decode_holds == 150
+    board = landed_board.BoardWriter(tmp_path / "rank0")
+    board.post({"d-1": 2})
+    counted: list[str] = []
+    scheduler = ConsumerScheduler(counted.append, chunk_size=CHUNK, boards=[tmp_path / "rank0"])
+    req = request("c", list(range(201)), {"disagg_spec": msgspec.to_builtins(held)})
+    assert scheduler.get_num_new_matched_tokens(req, 128) == (72, False)  # all pushed landed
+    lost = request("lost", list(range(201)), {"disagg_spec": msgspec.to_builtins(held)})
+    assert scheduler.get_num_new_matched_tokens(lost, 64) == (0, False)
+    assert counted == ["held_prefix_lost"]
+    scheduler.update_state_after_alloc(lost, None, 0)
+    assert scheduler.build_connector_meta(step()).unneeded == {"d-1"}
+    board.close()
+
+
+@pytest.mark.processes
+def test_prefill_pushes_no_chunk_inside_what_decode_holds(workers: Workers) -> None:
+    """A spec saying decode holds 150 tokens: of 3 chunks (64, 64, 22) only the last is
+    pushed, and decode, whose own cache holds the first 128, loads it into its blocks."""
+    prompt = list(range(3000, 3150))
+    src_blocks, dst_blocks = [7, 3, 12, 20, 5], [1, 30, 2, 9, 11]
+    spec = msgspec.structs.replace(workers.spec, decode_holds=150)
+    workers.producer.wait_for_save(save("p", spec, prompt, src_blocks, 150))
+    workers.consumer.start_load_kv(
+        PDConnectorMetadata(loads=[LoadRequest("c", "d-1", prompt, dst_blocks, 2 * CHUNK)])
+    )
+    assert finish(workers.consumer) == ({"c"}, set())
+    for name in workers.source:
+        assert torch.equal(
+            workers.source[name][src_blocks[4:]], workers.target[name][dst_blocks[4:]]
+        )
+        assert not workers.target[name][dst_blocks[:4]].any()  # held by decode: not written
+    wait_for(lambda: workers.consumer_total("consumer_chunks_landed") == 1, what="one landed")
+    assert workers.producer_stats.totals()["bytes_pushed"] == workers.source["layer.0"][
+        0
+    ].nbytes * len(workers.source)

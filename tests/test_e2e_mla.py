@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
 from benchmarks.multi_turn_load import pushed_bytes_by_request
@@ -30,7 +29,7 @@ from lmcache_pd.harness.app_thread import proxy_thread
 from lmcache_pd.harness.model_maker import MLA_ARCHITECTURE, ensure_model
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source
 from tests.helpers import free_port, wait_for
-from tests.vllm_support import MODEL_DIR, PlainVLLM, assert_close_answer, body, prompt
+from tests.vllm_support import MODEL_DIR, PlainVLLM, assert_close_answer, complete, prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -51,15 +50,6 @@ PROMPTS |= {f"together-{i}": prompt(400 + 150 * i, 60_000 + i) for i in range(CO
 @pytest.fixture(scope="module")
 def mla_model() -> Path:
     return ensure_model(MODEL_DIR.with_name("tiny-mla"), architecture="mla")
-
-
-def complete(url: str, model: Path, tokens: list[int]) -> tuple[list, list]:
-    response = httpx.post(
-        f"{url}/v1/completions", json=body(model, tokens, OUTPUT_TOKENS), timeout=120
-    )
-    response.raise_for_status()
-    logprobs = response.json()["choices"][0]["logprobs"]
-    return logprobs["tokens"], logprobs["token_logprobs"]
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +88,14 @@ def test_an_mla_prefill_and_decode_answer_like_one_plain_vllm(
     before = sources()  # the launcher's warm-up requests
     names = [f"len-{n}" for n in LENGTHS]
     for name in names:
-        assert_close_answer(complete(url, mla_model, PROMPTS[name]), reference[name], name)
+        assert_close_answer(
+            complete(url, mla_model, PROMPTS[name], OUTPUT_TOKENS), reference[name], name
+        )
     together = [f"together-{i}" for i in range(CONCURRENT)]
     with ThreadPoolExecutor(CONCURRENT) as pool:
-        answers = list(pool.map(lambda n: complete(url, mla_model, PROMPTS[n]), together))
+        answers = list(
+            pool.map(lambda n: complete(url, mla_model, PROMPTS[n], OUTPUT_TOKENS), together)
+        )
     assert all(len(tokens) == OUTPUT_TOKENS for tokens, _ in answers)
     # Every prompt's KV was loaded, none computed twice: vLLM counted the prompt as external,
     # and decode computed one token a request (prefill's first token, appended to its prompt).

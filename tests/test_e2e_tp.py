@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import msgspec
 import pytest
 import yaml
@@ -31,7 +30,7 @@ from lmcache_pd.harness.app_thread import proxy_thread
 from lmcache_pd.harness.model_maker import ARCHITECTURE
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source
 from tests.helpers import free_port
-from tests.vllm_support import SERVER_ARGS, PlainVLLM, assert_close_answer, body, prompt
+from tests.vllm_support import SERVER_ARGS, PlainVLLM, assert_close_answer, complete, prompt
 
 logger = logging.getLogger(__name__)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -54,15 +53,6 @@ BLOCK_BYTES = (
 # Seeds apart, so that no two prompts share a prefix (decode's own prefix cache would hold it).
 PROMPTS = {f"len-{n}": prompt(n, 20_000 + n) for n in LENGTHS}
 PROMPTS |= {f"together-{i}": prompt(400 + 150 * i, 30_000 + i) for i in range(CONCURRENT)}
-
-
-def complete(url: str, model: Path, tokens: list[int]) -> tuple[list, list]:
-    response = httpx.post(
-        f"{url}/v1/completions", json=body(model, tokens, OUTPUT_TOKENS), timeout=120
-    )
-    response.raise_for_status()
-    logprobs = response.json()["choices"][0]["logprobs"]
-    return logprobs["tokens"], logprobs["token_logprobs"]
 
 
 @pytest.fixture(scope="module")
@@ -156,10 +146,12 @@ def test_prefill_and_decode_answer_like_one_plain_vllm_at_decodes_tp_size(
     reference = references[decode_ranks]
     names = [f"len-{n}" for n in LENGTHS]
     for name in names:
-        assert_close_answer(complete(url, model, PROMPTS[name]), reference[name], name)
+        assert_close_answer(
+            complete(url, model, PROMPTS[name], OUTPUT_TOKENS), reference[name], name
+        )
     together = [f"together-{i}" for i in range(CONCURRENT)]
     with ThreadPoolExecutor(CONCURRENT) as pool:
-        answers = pool.map(lambda n: complete(url, model, PROMPTS[n]), together)
+        answers = pool.map(lambda n: complete(url, model, PROMPTS[n], OUTPUT_TOKENS), together)
         for name, got in zip(together, answers, strict=True):
             assert_close_answer(got, reference[name], name)
     # Decode's ranks each loaded their heads of a request's KV, and vLLM counted the request's

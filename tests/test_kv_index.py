@@ -22,17 +22,20 @@ from vllm.distributed.kv_events import (
 
 from lmcache_pd.auth import DeploymentKeys, generate_secret
 from lmcache_pd.connector.kv_event_publisher import AuthenticatedEventPublisher
+from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.kv_events import BATCHES, prefix_keys
 from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
 from lmcache_pd.proxy.config import KVEventsAddress
 from lmcache_pd.proxy.kv_feed import EventFeed
 from lmcache_pd.proxy.kv_index import KVIndex
+from lmcache_pd.proxy.local_tokenizer import LocalTokenizer
 from lmcache_pd.proxy.placement import Placer, Plan
 from lmcache_pd.proxy.prefix_index import InstanceBlocks
 from lmcache_pd.proxy.prompt_size import PromptSizer
 from lmcache_pd.proxy.prompt_tokens import PromptTokens
 from lmcache_pd.proxy.routing import Pool, Role, Upstream, cost
 from tests.helpers import free_port
+from tests.vllm_support import MODEL_DIR
 
 BLOCK = 4
 
@@ -313,5 +316,37 @@ def test_placement_sends_a_prompt_decode_mostly_holds_to_decode_alone() -> None:
         alone, through_prefill, by_load = asyncio.run(run())
     assert alone.decoder is members[1] and alone.alone
     assert alone.trace() == {"prompt_tokens": 30, "decode_held_tokens": 24}
+    assert alone.decode_holds() == 24  # what the DisaggSpec tells prefill it need not push
     assert not through_prefill.alone
     assert by_load.decoder is members[0] and not by_load.alone  # 30 tokens: not short
+    assert by_load.decode_holds() == 0  # unknown: prefill pushes every chunk
+
+
+# ---- the proxy's own tokenizer ----
+
+
+def test_the_proxys_tokenizer_renders_plain_prompts_and_leaves_the_rest_to_an_instance() -> None:
+    """Text and plain chats are tokenized here, as vLLM serves them (its chat template, no
+    second BOS); what only vLLM renders alike (tools, a template of the request's, non-text
+    content), anything malformed, and a model whose files are not here: None."""
+    local = LocalTokenizer.load(str(ensure_model(MODEL_DIR)))
+    assert local is not None
+    text = local.text("def main():", True)
+    assert text is not None and text[0] == 0 and len(text) > 2  # BOS first
+    assert local.text("def main():", False) == text[1:]
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    ids = local.chat({"messages": chat})
+    assert ids is not None and ids.count(0) == 1  # the template's one BOS
+    assert local.chat({"messages": chat, "add_generation_prompt": False}) != ids
+    for odd in (
+        {"messages": chat, "tools": []},
+        {"messages": chat, "chat_template": "{{ messages }}"},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+        {"messages": [{"role": "user", "content": "hi", "name": "x"}]},
+        {"messages": "hello"},
+        {"messages": chat, "chat_template_kwargs": "x"},
+        {"messages": chat, "add_special_tokens": "yes"},
+    ):
+        assert local.chat(odd) is None, odd
+    assert local.text(["a"], True) is None
+    assert LocalTokenizer.load("/nowhere/model") is None

@@ -26,6 +26,7 @@ from lmcache_pd.deploy.pools import InstanceSpec, PoolsConfig, ProxySpec
 from lmcache_pd.harness.app_thread import proxy_thread
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source
 from lmcache_pd.proxy.config import ProxyConfig
+from lmcache_pd.proxy.local_tokenizer import LocalTokenizer
 from tests.helpers import free_port, metric_sample, wait_for
 from tests.vllm_support import SERVER_ARGS
 
@@ -201,3 +202,41 @@ def test_a_restarted_decode_reenters_the_index(pools: tuple) -> None:
         )
         wait_for(lambda: index_blocks(kv.url, url) > 0, 10, "the new instance's blocks indexed")
         assert time.monotonic() - started < 30
+
+
+def test_the_proxys_own_tokenizer_gives_the_token_ids_vllm_serves(pools: tuple) -> None:
+    """The proxy tokenizes plain prompts itself (no /tokenize round trip): its ids are the
+    instance's, for chats (with and without a generation prompt, a final message continued)
+    and for text with and without special tokens."""
+    launcher, config = pools
+    local = LocalTokenizer.load(config.model)
+    assert local is not None
+    url = launcher.servers["prefill-0"].url
+    headers = {"Authorization": f"Bearer {launcher.instance_key}"}
+    messages = [
+        {"role": "system", "content": text(3, 40)},
+        {"role": "user", "content": "why? " + text(4, 30)},
+        {"role": "assistant", "content": " " + text(5, 20)},
+        {"role": "user", "content": text(6, 10) + " \u00e9t\u00e9 \u2014 done."},
+    ]
+    chats = [
+        {"messages": messages},
+        {"messages": messages, "add_generation_prompt": False},
+        {"messages": messages[:3], "add_generation_prompt": False, "continue_final_message": True},
+    ]
+    for body in chats:
+        asked = httpx.post(
+            f"{url}/tokenize", json={"model": config.model, **body}, headers=headers, timeout=30
+        )
+        asked.raise_for_status()
+        assert local.chat(body) == asked.json()["tokens"], body
+    for special in (True, False):
+        prompt = "def f(x):\n    return x  # " + text(7, 12)
+        asked = httpx.post(
+            f"{url}/tokenize",
+            json={"model": config.model, "prompt": prompt, "add_special_tokens": special},
+            headers=headers,
+            timeout=30,
+        )
+        asked.raise_for_status()
+        assert local.text(prompt, special) == asked.json()["tokens"]

@@ -145,6 +145,17 @@ def shard(cache: list[torch.Tensor], tp_size: int, rank: int) -> list[torch.Tens
     return [layer[:, lo:hi].clone() for layer in cache]
 
 
+def profile(tp_size: int, rank: int, prefill_tp_size: int | None = None) -> KVProfile:
+    return KVProfile(
+        chunk_size=CHUNK,
+        page_bytes=1,
+        tp_size=tp_size,
+        tp_rank=rank,
+        kv_heads=HEADS,
+        prefill_tp_size=prefill_tp_size,
+    )
+
+
 @pytest.fixture
 def resharded(request: pytest.FixtureRequest) -> Iterator[Pair]:
     """A prefill of ``request.param[0]`` ranks and a decode of ``request.param[1]``."""
@@ -174,14 +185,7 @@ def resharded(request: pytest.FixtureRequest) -> Iterator[Pair]:
                     ),
                     as_layers(cache),
                     stats,
-                    KVProfile(
-                        chunk_size=CHUNK,
-                        page_bytes=1,
-                        tp_size=decode_tp,
-                        tp_rank=rank,
-                        kv_heads=HEADS,
-                        prefill_tp_size=prefill_tp,
-                    ),
+                    profile(decode_tp, rank, prefill_tp_size=prefill_tp),
                     rank,
                     layout=TPLayout(HEADS, decode_tp),
                 )
@@ -198,13 +202,7 @@ def resharded(request: pytest.FixtureRequest) -> Iterator[Pair]:
                     ),
                     as_layers(cache),
                     stats,
-                    KVProfile(
-                        chunk_size=CHUNK,
-                        page_bytes=1,
-                        tp_size=prefill_tp,
-                        tp_rank=rank,
-                        kv_heads=HEADS,
-                    ),
+                    profile(prefill_tp, rank),
                     rank,
                     layout=TPLayout(HEADS, prefill_tp),
                 )

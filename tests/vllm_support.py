@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from lmcache_pd.deploy.vllm_server import VLLMServer, worker_leftovers
@@ -57,6 +58,15 @@ def answer(response: dict) -> Answer:
     """A completion's tokens and their logprobs."""
     logprobs = response["choices"][0]["logprobs"]
     return logprobs["tokens"], logprobs["token_logprobs"]
+
+
+def complete(url: str, model: Path, tokens: list[int], max_tokens: int) -> Answer:
+    """A greedy completion with logprobs through ``url`` (a proxy or an instance)."""
+    response = httpx.post(
+        f"{url}/v1/completions", json=body(model, tokens, max_tokens), timeout=120
+    )
+    response.raise_for_status()
+    return answer(response.json())
 
 
 def assert_close_answer(got: tuple[list, list], want: tuple[list, list], name: str = "") -> None:

@@ -181,7 +181,8 @@ class ConsumerWorker(WorkerHalf):
             self._release(disagg_req_id)
             self._stats.add("loads_unneeded")
             logger.info(
-                "req %s: decode's own prefix cache had its prompt; pushed chunks released",
+                "req %s: decode computes its prompt itself (its own prefix cache had it, or "
+                "lost what prefill skipped); pushed chunks released",
                 disagg_req_id,
             )
         if meta.finished:

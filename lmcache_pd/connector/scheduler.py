@@ -292,16 +292,33 @@ class ConsumerScheduler(SchedulerHalf):
         external = len(request.prompt_token_ids or []) - 1 - num_computed
         if external <= 0:
             return 0, False
-        sync = self._all_landed(spec.req_id, len(request.prompt_token_ids or []) - 1)
+        skipped = spec.skipped_tokens(self._chunk_size)
+        if num_computed < skipped:
+            # Prefill did not push the chunks the proxy saw this cache hold; some are gone
+            # since (evicted): they will never come, so the prompt is computed here.
+            self._count("held_prefix_lost")
+            logger.warning(
+                "req %s (%s): prefill skipped %d tokens this cache held, %d still held; "
+                "computing the prompt",
+                request.request_id,
+                spec.req_id,
+                skipped,
+                num_computed,
+            )
+            return 0, False
+        sync = self._all_landed(spec, len(request.prompt_token_ids or []) - 1)
         self._sync[request.request_id] = sync
         return external, not sync
 
-    def _all_landed(self, disagg_req_id: str, kv_tokens: int) -> bool:
-        """Whether every rank posted every chunk of the producer's prompt (``kv_tokens``: all of
-        decode's prompt but its last token, the producer's first output) landed."""
-        chunks = -(-kv_tokens // self._chunk_size) * self._parts
+    def _all_landed(self, spec: DisaggSpec, kv_tokens: int) -> bool:
+        """Whether every rank posted every chunk the producer pushes of its prompt
+        (``kv_tokens``: all of decode's prompt but its last token, the producer's first output;
+        less the chunks it skipped) landed."""
+        pushed = -(-kv_tokens // self._chunk_size) - spec.skipped_tokens(self._chunk_size) // (
+            self._chunk_size
+        )
         return bool(self._boards) and all(
-            board.read().get(disagg_req_id, 0) >= chunks for board in self._boards
+            board.read().get(spec.req_id, 0) >= pushed * self._parts for board in self._boards
         )
 
     def update_state_after_alloc(

@@ -64,8 +64,8 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "pushes_abandoned": "Requests whose consumer was told their KV will not come.",
         "jobs_dropped": "Queued pushes dropped because their request was abandoned.",
         "staging_full": "Times a finished chunk found no free staging page.",
-        "pushes_without_rank": "Requests whose DisaggSpec named no consumer rank for this "
-        "producer rank (tensor-parallel sizes differ): not pushed by it.",
+        "pushes_without_rank": "Requests this producer rank could not push: its DisaggSpec "
+        "named no consumer rank for it, or TP sizes that cannot shard the model's KV heads.",
         "loads_completed": "Requests whose KV the consumer loaded into vLLM's blocks.",
         "loads_sync": "Loads done before the step that computes the request's last token "
         "(its KV had landed on every rank when vLLM scheduled it).",
@@ -74,7 +74,8 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "tokens_loaded": "Prompt tokens loaded from a producer instead of computed.",
         "loads_failed": "Loads reported failed to vLLM, which recomputes the prompt.",
         "loads_aborted": "Loads dropped because vLLM aborted the request.",
-        "loads_unneeded": "Requests decode's own prefix cache covered: pushed chunks released.",
+        "loads_unneeded": "Requests decode computes itself (its own prefix cache covered the "
+        "prompt, or lost what prefill skipped): pushed chunks released.",
         "load_timeouts": "Loads not complete by their deadline (also in loads_failed).",
         "loads_abandoned": "Loads failed at once: the producer or proxy abandoned their KV.",
         "integrity_failures": "Chunks whose checksum did not match (also in loads_failed).",
@@ -82,6 +83,8 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "bad_transfer_params": "Requests whose kv_transfer_params (or first-token address) "
         "were unusable: served without disaggregation (or without a notice).",
         "preemption_recomputes": "Requests preempted after their load, recomputed by vLLM.",
+        "held_prefix_lost": "Requests whose prefix the proxy saw decode's cache hold (prefill "
+        "did not push it) but that decode no longer held when it scheduled them: recomputed.",
         # Handshakes, by the transports they settled on (transport.py).
         "peers_local_transport": "Handshakes with a consumer on this network stack (ucx_tls).",
         "peers_remote_transport": "Handshakes with a consumer on another host or namespace "

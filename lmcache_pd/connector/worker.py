@@ -225,7 +225,7 @@ class ProducerWorker(WorkerHalf):
                 logger.error("req %s: not pushed by rank %d: %s", spec.req_id, self._rank, exc)
                 return []
             keys = self._keyer.chunk_keys(prompt, salt=save.cache_salt)
-            return [(Saving(rank_spec, keys, len(prompt)), self._cache)]
+            return self._skipping([(Saving(rank_spec, keys, len(prompt)), self._cache)])
         try:
             parts = route(layout.kv_heads, layout.tp_size, spec.ranks)
         except ValueError as exc:
@@ -233,20 +233,29 @@ class ProducerWorker(WorkerHalf):
             logger.error("req %s: not pushed by rank %d: %s", spec.req_id, self._rank, exc)
             return []
         own = rank_heads(layout.kv_heads, layout.tp_size, self._rank)[0]
-        return [
-            (
-                Saving(
-                    spec.for_rank(part.dest),
-                    part_keyer(self._keyer, layout.kv_heads, part).chunk_keys(
-                        prompt, salt=save.cache_salt
+        return self._skipping(
+            [
+                (
+                    Saving(
+                        spec.for_rank(part.dest),
+                        part_keyer(self._keyer, layout.kv_heads, part).chunk_keys(
+                            prompt, salt=save.cache_salt
+                        ),
+                        len(prompt),
                     ),
-                    len(prompt),
-                ),
-                head_slice(self._cache, part.lo - own, part.hi - own),
-            )
-            for part in parts
-            if part.source == self._rank
-        ]
+                    head_slice(self._cache, part.lo - own, part.hi - own),
+                )
+                for part in parts
+                if part.source == self._rank
+            ]
+        )
+
+    def _skipping(self, targets: list[tuple[Saving, PagedKV]]) -> list[tuple[Saving, PagedKV]]:
+        """``targets`` with the chunks decode's prefix cache holds (its spec says how many
+        tokens) counted as pushed: they are never sent."""
+        for request, _ in targets:
+            request.pushed_upto = request.spec.skipped_tokens(self._keyer.chunk_size)
+        return targets
 
     def _push_ready(self, request: Saving, cache: PagedKV, computed_end: int) -> None:
         """Gather the chunks of ``request`` computed by ``computed_end`` and not pushed yet
