@@ -133,7 +133,7 @@ class _Source:
         return elapsed, [d for d in digests if d is not None]
 
 
-def _push(
+def push_once(
     producer: Producer,
     config: PDConfig,
     consumer: ConsumerProcess,
@@ -164,7 +164,7 @@ def _push(
     return gather_s, elapsed
 
 
-def _raw_write(
+def raw_write_once(
     producer: Producer, peer: Peer, segments: np.ndarray, source: _Source
 ) -> tuple[float, float]:
     """Seconds of a plain gather and of one bare NIXL WRITE of ``segments`` with an empty
@@ -192,6 +192,31 @@ def _memcpy(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
     return time.perf_counter() - started
 
 
+def consumer_env(
+    settings: dict[str, Any],
+    host: str,
+    page_bytes: int,
+    pages: int,
+    init_port: int,
+    alloc_port: int,
+) -> dict[str, str]:
+    """A consumer process's environment: ``settings``, its address, and room for ``pages`` pages
+    of ``page_bytes`` and for pages reserved ahead (at most 1/8 of the buffer, >= 2)."""
+    overrides = {
+        **settings,
+        "receiver_host": host,
+        "page_bytes": page_bytes,
+        "buffer_size_bytes": (pages + SPARE_PAGES) * page_bytes,
+        "init_port": init_port,
+        "alloc_port": alloc_port,
+    }
+    return {
+        f"LMCACHE_PD_{name.upper()}": str(value).lower() if isinstance(value, bool) else str(value)
+        for name, value in overrides.items()
+        if value is not None
+    }
+
+
 def measure(
     chunk_bytes: int,
     count: int,
@@ -204,20 +229,7 @@ def measure(
     the consumer in network namespace ``consumer_netns`` at ``consumer_host`` if given.
     ``settings`` are transfer config keys of both sides (e.g. ``secret_file``)."""
     init_port, alloc_port = free_ports(2)
-    overrides = {
-        **settings,
-        "receiver_host": consumer_host,
-        "page_bytes": chunk_bytes,
-        # Room for a request and for pages reserved ahead (at most 1/8 of the buffer, >= 2).
-        "buffer_size_bytes": (count + SPARE_PAGES) * chunk_bytes,
-        "init_port": init_port,
-        "alloc_port": alloc_port,
-    }
-    env = {
-        f"LMCACHE_PD_{name.upper()}": str(value).lower() if isinstance(value, bool) else str(value)
-        for name, value in overrides.items()
-        if value is not None
-    }
+    env = consumer_env(settings, consumer_host, chunk_bytes, count, init_port, alloc_port)
     staging = {"page_bytes": chunk_bytes, "buffer_size_bytes": count * chunk_bytes}
     checked = load_config(
         CONFIGS / "producer.yaml", **settings, **staging, integrity_checksums=True
@@ -247,13 +259,13 @@ def measure(
             )
 
         targets = list(torch.empty(count, chunk_bytes, dtype=torch.uint8).unbind())
-        _push(producer, checked, consumer, spec, source, verify=True)
+        push_once(producer, checked, consumer, spec, source, verify=True)
         steps: dict[str, Callable[[], tuple[float, float]]] = {
-            "ours": lambda: _push(producer, checked, consumer, spec, source),
-            "ours_nochecksum": lambda: _push(producer, unchecked, consumer, spec, source),
+            "ours": lambda: push_once(producer, checked, consumer, spec, source),
+            "ours_nochecksum": lambda: push_once(producer, unchecked, consumer, spec, source),
             # Runs after the pushes' pages came back: a chunk it overwrites stays cached under a
             # fresh key nobody asks for again, a page reserved ahead is written again by its push.
-            "raw_nixl": lambda: _raw_write(producer, peer, next_segments(), source),
+            "raw_nixl": lambda: raw_write_once(producer, peer, next_segments(), source),
             "memcpy": lambda: (0.0, _memcpy(pages, targets)),
         }
         samples: dict[str, list[float]] = {name: [] for name in METHODS}

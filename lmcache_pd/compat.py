@@ -45,6 +45,13 @@ class KVProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_heads: Positive | None = None
     # Consumer: the TP size of the prefill it takes KV from (None: its own).
     prefill_tp_size: Positive | None = None
+    # vLLM's pipeline-parallel size: more than 1 stage is refused (each stage holds only its
+    # layers' KV, which no chunk format here describes).
+    pp_size: Positive | None = None
+    # vLLM's KV cache specs other than full attention and MLA among the model's layers
+    # (sliding-window, chunked-local, Mamba...: their caches hold other tokens than a prompt's
+    # chunks); any is refused.
+    unsupported_layers: Annotated[str, msgspec.Meta(max_length=256)] | None = None
 
 
 # What each chunk format's kind holds, as a refusal names it.
@@ -62,10 +69,13 @@ def incompatibilities(producer: KVProfile, consumer: KVProfile) -> list[str]:
     """Every field both sides know and disagree on, as ``"field: producer X, consumer Y"``;
     empty when the consumer can load what the producer sends. Prefill and decode at different
     TP sizes are compared by what a part of the KV is (``tp_parts.py``), not field by field."""
+    unsupported = _unsupported(producer, consumer)
     if _resharded(producer, consumer):
-        return _part_incompatibilities(producer, consumer)
-    problems = []
+        return unsupported + _part_incompatibilities(producer, consumer)
+    problems = unsupported
     for name in FIELDS:
+        if name in UNSUPPORTED_FIELDS:
+            continue
         ours, theirs = getattr(producer, name), getattr(consumer, name)
         if name == "prefill_tp_size":
             ours = producer.tp_size  # what the producer is, against what decode expects
@@ -85,6 +95,29 @@ def incompatibilities(producer: KVProfile, consumer: KVProfile) -> list[str]:
         problems.append(
             "prefill and decode at different tensor-parallel sizes need both to name the "
             "model's KV heads (the vLLM connector does)"
+        )
+    return problems
+
+
+# Fields that name a feature not supported (refused as such, not compared).
+UNSUPPORTED_FIELDS = frozenset({"pp_size", "unsupported_layers"})
+
+
+def _unsupported(producer: KVProfile, consumer: KVProfile) -> list[str]:
+    """Refusals naming pipeline parallelism, or layers whose caches are not moved, on either
+    side."""
+    problems = []
+    sizes = producer.pp_size or 1, consumer.pp_size or 1
+    if max(sizes) > 1:
+        problems.append(
+            f"pp_size: producer {sizes[0]}, consumer {sizes[1]} (pipeline parallelism is not "
+            "supported: decode recomputes)"
+        )
+    layers = producer.unsupported_layers, consumer.unsupported_layers
+    if any(layers):
+        problems.append(
+            f"unsupported_layers: producer {layers[0]!r}, consumer {layers[1]!r} (only "
+            "full-attention and MLA layers' KV is moved: decode recomputes)"
         )
     return problems
 
@@ -115,7 +148,7 @@ def _part_incompatibilities(producer: KVProfile, consumer: KVProfile) -> list[st
     problems = [
         f"{name}: producer {ours!r}, consumer {theirs!r}"
         for name in FIELDS
-        if name not in RESHARDED
+        if name not in RESHARDED | UNSUPPORTED_FIELDS
         and (ours := getattr(producer, name)) is not None
         and (theirs := getattr(consumer, name)) is not None
         and ours != theirs

@@ -92,6 +92,9 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     integrity_checksums: bool = True
     # Where a vLLM worker's connector appends one JSON line per push or load (None: nowhere).
     trace_path: str | None = None
+    # Load under a vLLM of a minor version the suite never ran (connector/vllm_version.py), with
+    # a warning, instead of refusing to.
+    allow_untested_vllm: bool = False
     # Level of lmcache-pd's own log lines inside processes it does not own (vLLM, children).
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     nixl_backends: Annotated[list[str], msgspec.Meta(min_length=1)] = msgspec.field(

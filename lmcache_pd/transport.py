@@ -63,13 +63,32 @@ class TransportChoice:
 
 
 def choose(
-    ours: str, theirs: str, *, local_tls: str | None, remote_tls: str | None, fallback: bool
+    ours: str,
+    theirs: str,
+    *,
+    local_tls: str | None,
+    remote_tls: str | None,
+    fallback: bool,
+    device_memory: bool = False,
 ) -> TransportChoice:
     """Local transports for a peer with our identity, remote ones for any other; then, if
-    ``fallback``, TCP when that differs from the first choice."""
+    ``fallback``, TCP when that differs from the first choice. With ``device_memory`` (pages
+    in GPU memory: ``buffer_device: cuda``), every list of transports also names UCX's
+    ``cuda_copy``, without which UCX cannot move CUDA memory at all (over TCP it stages through
+    host memory); a self-test of plain TCP would fail and every request be recomputed."""
     same = ours == theirs
     first = local_tls if same else remote_tls
     attempts: tuple[str | None, ...] = (first,)
     if fallback and first != FALLBACK_UCX_TLS:
         attempts += (FALLBACK_UCX_TLS,)
+    if device_memory:
+        attempts = tuple(_with_cuda_copy(tls) for tls in attempts)
     return TransportChoice(attempts, same)
+
+
+def _with_cuda_copy(tls: str | None) -> str | None:
+    """``tls`` able to move CUDA memory: as it is when UCX chooses (None, "all") or it names a
+    CUDA transport already, else with ``cuda_copy`` added."""
+    if tls is None or tls == "all" or "cuda" in tls:
+        return tls
+    return f"{tls},cuda_copy"

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import time
+from types import SimpleNamespace
 
 import msgspec
 import pytest
+import torch
 
 from lmcache_pd.compat import FIELDS, KVProfile, incompatibilities
 from lmcache_pd.config import load_config
@@ -52,6 +54,8 @@ DIFFERENT = {
     "tp_rank": 1,
     "kv_heads": 4,
     "prefill_tp_size": 2,
+    "pp_size": 2,
+    "unsupported_layers": "MambaSpec",
 }
 
 
@@ -59,8 +63,8 @@ DIFFERENT = {
 def test_each_field_that_differs_is_named_with_both_values(field: str) -> None:
     consumer = msgspec.structs.replace(FULL, **{field: DIFFERENT[field]})
     problems = incompatibilities(FULL, consumer)
-    # A producer's prefill TP size is its own TP size.
-    ours = FULL.tp_size if field == "prefill_tp_size" else getattr(FULL, field)
+    # A producer's prefill TP size is its own TP size; an unknown pipeline size is 1.
+    ours = {"prefill_tp_size": FULL.tp_size, "pp_size": 1}.get(field, getattr(FULL, field))
     assert problems[0].startswith(f"{field}: producer {ours!r}, consumer {DIFFERENT[field]!r}")
 
 
@@ -222,3 +226,40 @@ def test_an_mla_latent_peer_and_a_per_head_peer_are_refused_naming_both() -> Non
         in (problems[-1])
     )
     assert incompatibilities(latent, latent) == []
+
+
+def test_pipeline_parallelism_is_refused_on_either_side_naming_it() -> None:
+    for producer_pp, consumer_pp in ((2, 2), (1, 2), (2, 1)):
+        producer = msgspec.structs.replace(FULL, pp_size=producer_pp)
+        consumer = msgspec.structs.replace(FULL, pp_size=consumer_pp)
+        assert incompatibilities(producer, consumer) == [
+            f"pp_size: producer {producer_pp}, consumer {consumer_pp} (pipeline parallelism is "
+            "not supported: decode recomputes)"
+        ]
+    one = msgspec.structs.replace(FULL, pp_size=1)
+    assert incompatibilities(one, one) == []  # the control
+
+
+def test_layers_whose_caches_are_not_moved_are_refused_naming_them() -> None:
+    """A model with sliding-window (or Mamba...) layers vLLM keeps as such, on either side:
+    refused naming the kind; which kinds a model has comes from vLLM's own cache specs."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    from lmcache_pd.connector.facade import unsupported_layers
+
+    dims = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
+    full, window = FullAttentionSpec(**dims), SlidingWindowSpec(**dims, sliding_window=128)
+    latent = MLAAttentionSpec(**{**dims, "num_kv_heads": 1, "head_size": 576})
+
+    def groups(*specs: object) -> SimpleNamespace:
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
+
+    assert unsupported_layers(groups(full)) is None
+    assert unsupported_layers(groups(latent)) is None
+    assert unsupported_layers(groups(full, window)) == "SlidingWindowSpec"
+    windowed = msgspec.structs.replace(FULL, unsupported_layers="SlidingWindowSpec")
+    assert incompatibilities(windowed, FULL) == [
+        "unsupported_layers: producer 'SlidingWindowSpec', consumer None (only full-attention "
+        "and MLA layers' KV is moved: decode recomputes)"
+    ]
+    assert incompatibilities(FULL, windowed)[0].startswith("unsupported_layers: producer None")

@@ -3,8 +3,10 @@
 from pathlib import Path
 
 import pytest
+import vllm
 
 from lmcache_pd.config import load_config
+from lmcache_pd.connector.vllm_version import check_vllm_version
 from lmcache_pd.errors import ConfigError
 
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -65,3 +67,14 @@ def test_unreadable_file_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(tmp_path / "list.yaml", environ={})
+
+
+def test_the_connector_refuses_an_untested_vllm_naming_the_tested_one() -> None:
+    for tested in ("0.32.0", "0.32.3+cpu", vllm.__version__):
+        check_vllm_version(tested)
+    with pytest.raises(ConfigError, match=r"vLLM 0\.33\.0 is untested .* \(tested: 0\.32\.x\)"):
+        check_vllm_version("0.33.0")
+    allowed = load_config(
+        None, environ={"LMCACHE_PD_ALLOW_UNTESTED_VLLM": "true"}, kv_role="kv_consumer"
+    )
+    check_vllm_version("0.33.0", allowed.allow_untested_vllm)  # the operator's own risk

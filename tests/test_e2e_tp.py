@@ -56,19 +56,18 @@ PROMPTS |= {f"together-{i}": prompt(400 + 150 * i, 30_000 + i) for i in range(CO
 
 
 @pytest.fixture(scope="module")
-def references(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    """One plain vLLM's answers at each TP size, by size."""
-    found = {}
-    for ranks, cores in ((RANKS, CORES), (1, 0)):
-        log = tmp_path_factory.mktemp("reference") / f"plain-tp{ranks}.log"
-        args = [*SERVER_ARGS, "--tensor-parallel-size", str(ranks)]
-        with PlainVLLM(model, log, cpu=cores, extra_args=args) as plain:
-            found[ranks] = plain.answers(PROMPTS, OUTPUT_TOKENS)
-        if ranks > 1:
-            # What vLLM's TP workers leave (their meeting file, their all-reduce's shared
-            # memory) went with the instance (its stop checks that).
-            assert any("cpushm" in path.name for path in plain.leftovers), plain.leftovers
-    return found
+def references(
+    model: Path, tmp_path_factory: pytest.TempPathFactory, plain_vllm: PlainVLLM
+) -> dict[int, dict]:
+    """One plain vLLM's answers at each TP size, by size (TP 1: the session's reference)."""
+    log = tmp_path_factory.mktemp("reference") / "plain-tp2.log"
+    args = [*SERVER_ARGS, "--tensor-parallel-size", str(RANKS)]
+    with PlainVLLM(model, log, cpu=CORES, extra_args=args) as plain:
+        found = {RANKS: plain.answers(PROMPTS, OUTPUT_TOKENS)}
+    # What vLLM's TP workers leave (their meeting file, their all-reduce's shared memory) went
+    # with the instance (its stop checks that).
+    assert any("cpushm" in path.name for path in plain.leftovers), plain.leftovers
+    return found | {1: plain_vllm.answers(PROMPTS, OUTPUT_TOKENS)}
 
 
 def pools(model: Path, prefill_ranks: int, decode_ranks: int, workdir: Path) -> PoolsConfig:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import vllm
 from vllm import envs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -37,6 +38,7 @@ from lmcache_pd.connector.consumer_worker import ConsumerWorker
 from lmcache_pd.connector.metadata import PDConnectorMetadata, PushProgress
 from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler, SchedulerHalf
 from lmcache_pd.connector.stats import PDConnectorStats, PDPromMetrics, StatsRecorder
+from lmcache_pd.connector.vllm_version import check_vllm_version
 from lmcache_pd.connector.worker import CacheFacts, ProducerWorker, WorkerHalf
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.keys import ChunkKeyer
@@ -108,7 +110,27 @@ def chunk_keyer(vllm_config: VllmConfig, config: PDConfig, rank: int) -> ChunkKe
     )
 
 
-def kv_profile(vllm_config: VllmConfig, config: PDConfig, rank: int) -> KVProfile:
+# vLLM's KV cache specs whose caches hold a prompt's tokens as the chunks move them.
+SUPPORTED_LAYERS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
+
+
+def unsupported_layers(kv_cache_config: KVCacheConfig | None) -> str | None:
+    """The kinds of KV cache spec among the model's layers that are not moved (sliding-window
+    layers vLLM kept as such, chunked-local, Mamba...), comma-separated; None if none."""
+    kinds: set[str] = set()
+    for group in [] if kv_cache_config is None else kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        uniform = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        kinds |= {type(one).__name__ for one in (uniform.values() if uniform else [spec])}
+    return ",".join(sorted(kinds - SUPPORTED_LAYERS)) or None
+
+
+def kv_profile(
+    vllm_config: VllmConfig,
+    config: PDConfig,
+    rank: int,
+    kv_cache_config: KVCacheConfig | None = None,
+) -> KVProfile:
     """What a peer's KV must match to be loadable here, compared at handshake; the worker half
     completes it from the cache (chunk format, page bytes: ``worker.rank_profile``)."""
     parallel = vllm_config.parallel_config
@@ -121,6 +143,8 @@ def kv_profile(vllm_config: VllmConfig, config: PDConfig, rank: int) -> KVProfil
         tp_size=parallel.tensor_parallel_size,
         tp_rank=rank,
         kv_heads=kv_heads(vllm_config),
+        pp_size=parallel.pipeline_parallel_size,
+        unsupported_layers=unsupported_layers(kv_cache_config),
         prefill_tp_size=config.prefill_tp_size if config.kv_role == "kv_consumer" else None,
     )
 
@@ -192,6 +216,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._config = connector_config(vllm_config)
+        check_vllm_version(vllm.__version__, self._config.allow_untested_vllm)
         _show_our_logs(self._config.log_level)
         producer = self._config.kv_role == "kv_producer"
         # The worker half needs the paged cache: it is made in register_kv_caches.
@@ -233,7 +258,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
         """Called once the paged cache exists: the worker half starts here, moving whole
         blocks (vLLM's CPU engine) or tokens (GPU layouts) as the cache is (``paged_kv.py``)."""
         keyer = chunk_keyer(self._vllm_config, self._config, self._rank)
-        profile = kv_profile(self._vllm_config, self._config, self._rank)
+        profile = kv_profile(self._vllm_config, self._config, self._rank, self._kv_cache_config)
         facts = cache_facts(self._vllm_config)
         layout = tp_layout(self._vllm_config)
         if self._config.kv_role == "kv_producer":

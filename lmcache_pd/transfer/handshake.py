@@ -116,6 +116,7 @@ class Handshake:
                 local_tls=self.config.ucx_tls,
                 remote_tls=self.config.ucx_tls_remote,
                 fallback=self.config.transport_fallback,
+                device_memory=self.config.buffer_device == "cuda",
             )
             tried: list[str] = []
             for ucx_tls in choice.attempts:

@@ -1,0 +1,233 @@
+"""Transfer throughput between prefill and decode at different tensor-parallel sizes: a request's
+KV moved as parts (``lmcache_pd/tp_parts.py``), against bare NIXL moving the same bytes.
+
+- fan-out: one producer (a prefill rank holding 2 KV heads) sends each of two consumers (decode
+  ranks of one head each) its head of every chunk: a gather of that head from the paged cache
+  (half of each block), then a push to that consumer.
+- fan-in: two producers (prefill ranks of one head each, NIXL agents of their own) each send
+  their head of every chunk to one consumer (a decode rank of two heads).
+
+Methods, as in ``benchmarks/transfer.py`` (whose helpers this uses): "ours" is the hashed gather
+of each part then ``Producer.push`` with its checksums; "raw NIXL" the plain gather then one bare
+WRITE per destination of the same pages, no protocol. Both move every part once, one after
+another (the connector pushes to two consumers from two sender threads at once; timed one after
+the other here, so that the ratio is of the same work). Methods interleaved run by run; medians.
+
+Reproduce (table on stdout, JSON in benchmarks/results/transfer-parts.json)::
+
+    .venv/bin/python -m benchmarks.transfer_parts
+    .venv/bin/python -m benchmarks.transfer_parts --sizes 1M --chunks-per-request 8 --runs 3
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.common import LOG_FORMAT, free_ports, write_json
+from benchmarks.environment import run_environment
+from benchmarks.transfer import (
+    CONFIGS,
+    SOURCE_BLOCK_BYTES,
+    SPARE_PAGES,
+    WARMUP_RUNS,
+    consumer_env,
+    parse_sizes,
+    push_once,
+    raw_write_once,
+)
+from lmcache_pd.config import load_config
+from lmcache_pd.harness.consumer_process import ConsumerProcess
+from lmcache_pd.kernels import CpuKVCache
+from lmcache_pd.protocol import DisaggSpec
+from lmcache_pd.transfer.producer import Peer, Producer
+
+logger = logging.getLogger(__name__)
+
+OUTPUT = Path(__file__).resolve().parent / "results" / "transfer-parts.json"
+HEADS = 2
+SHAPES = ("fan-out", "fan-in")
+METHODS = ("ours", "raw_nixl")
+
+
+class PartSource:
+    """One head of a 2-head paged cache, gathered into staging pages: each page one chunk's
+    part, from blocks at scattered ids, as a rank's part of a prompt is in vLLM's cache."""
+
+    def __init__(self, cache: torch.Tensor, head: int, pages: list[torch.Tensor]) -> None:
+        """``cache``: (blocks, heads, 1, bytes a head of a block), uint8."""
+        per_part = pages[0].numel() // cache.shape[-1]
+        self.cache = CpuKVCache([cache[:, head : head + 1]])
+        ids = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(head))
+        self.tables = list(ids[: per_part * len(pages)].view(len(pages), per_part))
+        self.pages = pages
+
+    def gather(self, hashed: bool) -> tuple[float, list[int]]:
+        """Seconds of gathering every part into its page, and their checksums if ``hashed``."""
+        started = time.perf_counter()
+        digests = [
+            self.cache.gather(table, page, hashed=hashed)
+            for table, page in zip(self.tables, self.pages, strict=True)
+        ]
+        return time.perf_counter() - started, [d for d in digests if d is not None]
+
+
+def paged_cache(part_bytes: int, count: int) -> torch.Tensor:
+    """A 2-head cache with room for twice the request's blocks; a head of a block is at most
+    half of the tiny model's 128 KiB block."""
+    head_bytes = next(
+        size
+        for size in range(min(SOURCE_BLOCK_BYTES // HEADS, part_bytes), 0, -1)
+        if part_bytes % size == 0
+    )
+    blocks = 2 * count * (part_bytes // head_bytes)
+    return torch.randint(0, 256, (blocks, HEADS, 1, head_bytes), dtype=torch.uint8)
+
+
+def measure(shape: str, part_bytes: int, count: int, runs: int) -> dict[str, Any]:
+    """One record: ``count`` chunks a request, each in 2 parts of ``part_bytes``."""
+    consumers = 2 if shape == "fan-out" else 1
+    producers = 1 if shape == "fan-out" else 2
+    ports = free_ports(2 * consumers)
+    specs = [
+        DisaggSpec("bench-connect", "127.0.0.1", ports[2 * c], ports[2 * c + 1])
+        for c in range(consumers)
+    ]
+    # Each consumer takes every part meant for it: count of them, or 2 x count (fan-in).
+    room = count * HEADS // consumers
+    staging = count * HEADS // producers  # pages each producer stages a request's parts in
+    config = load_config(
+        CONFIGS / "producer.yaml",
+        page_bytes=part_bytes,
+        buffer_size_bytes=staging * part_bytes,
+        integrity_checksums=True,
+    )
+    cache = paged_cache(part_bytes, count)
+    with contextlib.ExitStack() as stack:
+        sinks = [
+            stack.enter_context(
+                ConsumerProcess(
+                    CONFIGS / "consumer.yaml",
+                    env=consumer_env({}, "127.0.0.1", part_bytes, room, *ports[2 * c : 2 * c + 2]),
+                )
+            )
+            for c in range(consumers)
+        ]
+        senders = [stack.enter_context(Producer(config)) for _ in range(producers)]
+        # (producer, its source of one head, the consumer and spec that head goes to)
+        routes: list[tuple[Producer, PartSource, ConsumerProcess, DisaggSpec]] = []
+        for head in range(HEADS):
+            producer = senders[0] if shape == "fan-out" else senders[head]
+            sink = 0 if shape == "fan-in" else head
+            pages = stack.enter_context(producer.staged(count))
+            routes.append((producer, PartSource(cache, head, pages), sinks[sink], specs[sink]))
+        peers = [producer.connect(spec) for producer, _, _, spec in routes]
+        written = [0] * HEADS
+
+        def raw(index: int) -> tuple[float, float]:
+            producer, source, _, _ = routes[index]
+            peer: Peer = peers[index]
+            # Round the consumer's buffer, as a receive buffer hands pages out (a page written
+            # again and again would stay in this core's cache: benchmarks/transfer.py).
+            first = written[index] * count
+            far = [(first + i) % (room + SPARE_PAGES) for i in range(count)]
+            written[index] += 1
+            segments = np.array(
+                [
+                    (page.data_ptr(), peer.buffer.base_addr + at * part_bytes, part_bytes)
+                    for page, at in zip(source.pages, far, strict=True)
+                ],
+                dtype=np.uint64,
+            )
+            return raw_write_once(producer, peer, segments, source)
+
+        def every_part(step: Callable[[int], tuple[float, float]]) -> float:
+            return sum(sum(step(index)) for index in range(HEADS))
+
+        steps = {
+            "ours": lambda: every_part(
+                lambda i: push_once(routes[i][0], config, routes[i][2], routes[i][3], routes[i][1])
+            ),
+            "raw_nixl": lambda: every_part(raw),
+        }
+        for index in range(HEADS):  # the bytes land where they should
+            producer, source, sink, spec = routes[index]
+            push_once(producer, config, sink, spec, source, verify=True)
+        samples: dict[str, list[float]] = {name: [] for name in METHODS}
+        for run in range(-WARMUP_RUNS, runs):
+            for name in METHODS[run % 2 :] + METHODS[: run % 2]:
+                elapsed = steps[name]()
+                if run >= 0:
+                    samples[name].append(elapsed)
+    nbytes = HEADS * count * part_bytes
+    gbps = {name: nbytes / statistics.median(times) / 1e9 for name, times in samples.items()}
+    logger.info("%s %d x 2 x %d B: %s", shape, count, part_bytes, gbps)
+    return {
+        "shape": shape,
+        "part_bytes": part_bytes,
+        "chunks_per_request": count,
+        "request_bytes": nbytes,
+        **{f"{name}_gbps": value for name, value in gbps.items()},
+        "ratio_vs_raw_nixl": gbps["ours"] / gbps["raw_nixl"],
+        "samples_s": samples,
+    }
+
+
+def print_table(document: dict[str, Any]) -> None:
+    table = Table(title=f"Parts, GB/s (medians of {document['settings']['runs']} runs)")
+    for column in ("shape", "part", "chunks", "ours", "raw NIXL", "ours/raw"):
+        table.add_column(column, justify="right")
+    for record in document["records"]:
+        size = record["part_bytes"]
+        table.add_row(
+            record["shape"],
+            f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB",
+            str(record["chunks_per_request"]),
+            f"{record['ours_gbps']:.2f}",
+            f"{record['raw_nixl_gbps']:.2f}",
+            f"{record['ratio_vs_raw_nixl']:.2f}",
+        )
+    Console().print(table)
+
+
+app = typer.Typer(add_completion=False, help=__doc__.splitlines()[0])
+
+
+@app.command()
+def main(
+    sizes: Annotated[str, typer.Option(help="part sizes")] = "256K,1M,4M",
+    chunks_per_request: Annotated[str, typer.Option(help="chunks per request")] = "1,16",
+    runs: Annotated[int, typer.Option(min=1, help="timed runs per method")] = 7,
+    output: Annotated[Path, typer.Option(help="where the JSON goes")] = OUTPUT,
+) -> None:
+    """Run every shape, size and count; print the table and write the JSON."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    records = [
+        measure(shape, size, count, runs)
+        for shape in SHAPES
+        for size in parse_sizes(sizes)
+        for count in parse_sizes(chunks_per_request)
+    ]
+    document = {
+        **run_environment(("torch", "nixl", "lmcache-pd"), None),
+        "settings": {"runs": runs, "warmup_runs": WARMUP_RUNS, "heads": HEADS},
+        "records": records,
+    }
+    print_table(document)
+    write_json(output, document)
+    logger.info("wrote %s", output)
+
+
+if __name__ == "__main__":
+    app()
