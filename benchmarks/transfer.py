@@ -103,22 +103,24 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
-class _Source:
+class Source:
     """A paged KV cache to gather the pushed chunks from: one chunk's blocks at scattered ids
-    per staging page, as a prompt's are in vLLM's cache."""
+    per staging page, as a prompt's are in vLLM's cache; with ``heads``, each page one head's
+    part of a chunk (``head``'s bytes of each block), as a rank sends another at a different
+    TP size (``benchmarks/transfer_parts.py``)."""
 
-    def __init__(self, pages: list[torch.Tensor]) -> None:
+    def __init__(self, pages: list[torch.Tensor], heads: int = 1, head: int = 0) -> None:
         chunk_bytes = pages[0].numel()
-        block_bytes = next(
+        head_bytes = next(
             size
-            for size in range(min(SOURCE_BLOCK_BYTES, chunk_bytes), 0, -1)
+            for size in range(min(SOURCE_BLOCK_BYTES // heads, chunk_bytes), 0, -1)
             if chunk_bytes % size == 0
         )
-        per_chunk = chunk_bytes // block_bytes
+        per_chunk = chunk_bytes // head_bytes
         total = 2 * per_chunk * len(pages)
-        cache = torch.randint(0, 256, (total, 1, 1, block_bytes), dtype=torch.uint8)
-        self.cache = CpuKVCache([cache])
-        ids = torch.randperm(total, generator=torch.Generator().manual_seed(0))
+        cache = torch.randint(0, 256, (total, heads, 1, head_bytes), dtype=torch.uint8)
+        self.cache = CpuKVCache([cache[:, head : head + 1]])
+        ids = torch.randperm(total, generator=torch.Generator().manual_seed(head))
         self.tables = list(ids[: per_chunk * len(pages)].view(len(pages), per_chunk))
         self.pages = pages
 
@@ -138,7 +140,7 @@ def push_once(
     config: PDConfig,
     consumer: ConsumerProcess,
     spec: DisaggSpec,
-    source: _Source,
+    source: Source,
     verify: bool = False,
 ) -> tuple[float, float]:
     """Seconds of gathering the chunks (hashed when ``config`` checks integrity) and of pushing
@@ -165,7 +167,7 @@ def push_once(
 
 
 def raw_write_once(
-    producer: Producer, peer: Peer, segments: np.ndarray, source: _Source
+    producer: Producer, peer: Peer, segments: np.ndarray, source: Source
 ) -> tuple[float, float]:
     """Seconds of a plain gather and of one bare NIXL WRITE of ``segments`` with an empty
     notification."""
@@ -242,7 +244,7 @@ def measure(
         Producer(checked) as producer,
         producer.staged(count) as pages,
     ):
-        source = _Source(pages)
+        source = Source(pages)
         peer = producer.connect(spec)
         written = itertools.count()
 

@@ -24,13 +24,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import numpy as np
-import torch
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -39,9 +37,9 @@ from benchmarks.common import LOG_FORMAT, free_ports, write_json
 from benchmarks.environment import run_environment
 from benchmarks.transfer import (
     CONFIGS,
-    SOURCE_BLOCK_BYTES,
     SPARE_PAGES,
     WARMUP_RUNS,
+    Source,
     consumer_env,
     parse_sizes,
     push_once,
@@ -49,7 +47,6 @@ from benchmarks.transfer import (
 )
 from lmcache_pd.config import load_config
 from lmcache_pd.harness.consumer_process import ConsumerProcess
-from lmcache_pd.kernels import CpuKVCache
 from lmcache_pd.protocol import DisaggSpec
 from lmcache_pd.transfer.producer import Peer, Producer
 
@@ -59,40 +56,6 @@ OUTPUT = Path(__file__).resolve().parent / "results" / "transfer-parts.json"
 HEADS = 2
 SHAPES = ("fan-out", "fan-in")
 METHODS = ("ours", "raw_nixl")
-
-
-class PartSource:
-    """One head of a 2-head paged cache, gathered into staging pages: each page one chunk's
-    part, from blocks at scattered ids, as a rank's part of a prompt is in vLLM's cache."""
-
-    def __init__(self, cache: torch.Tensor, head: int, pages: list[torch.Tensor]) -> None:
-        """``cache``: (blocks, heads, 1, bytes a head of a block), uint8."""
-        per_part = pages[0].numel() // cache.shape[-1]
-        self.cache = CpuKVCache([cache[:, head : head + 1]])
-        ids = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(head))
-        self.tables = list(ids[: per_part * len(pages)].view(len(pages), per_part))
-        self.pages = pages
-
-    def gather(self, hashed: bool) -> tuple[float, list[int]]:
-        """Seconds of gathering every part into its page, and their checksums if ``hashed``."""
-        started = time.perf_counter()
-        digests = [
-            self.cache.gather(table, page, hashed=hashed)
-            for table, page in zip(self.tables, self.pages, strict=True)
-        ]
-        return time.perf_counter() - started, [d for d in digests if d is not None]
-
-
-def paged_cache(part_bytes: int, count: int) -> torch.Tensor:
-    """A 2-head cache with room for twice the request's blocks; a head of a block is at most
-    half of the tiny model's 128 KiB block."""
-    head_bytes = next(
-        size
-        for size in range(min(SOURCE_BLOCK_BYTES // HEADS, part_bytes), 0, -1)
-        if part_bytes % size == 0
-    )
-    blocks = 2 * count * (part_bytes // head_bytes)
-    return torch.randint(0, 256, (blocks, HEADS, 1, head_bytes), dtype=torch.uint8)
 
 
 def measure(shape: str, part_bytes: int, count: int, runs: int) -> dict[str, Any]:
@@ -113,7 +76,6 @@ def measure(shape: str, part_bytes: int, count: int, runs: int) -> dict[str, Any
         buffer_size_bytes=staging * part_bytes,
         integrity_checksums=True,
     )
-    cache = paged_cache(part_bytes, count)
     with contextlib.ExitStack() as stack:
         sinks = [
             stack.enter_context(
@@ -126,12 +88,12 @@ def measure(shape: str, part_bytes: int, count: int, runs: int) -> dict[str, Any
         ]
         senders = [stack.enter_context(Producer(config)) for _ in range(producers)]
         # (producer, its source of one head, the consumer and spec that head goes to)
-        routes: list[tuple[Producer, PartSource, ConsumerProcess, DisaggSpec]] = []
+        routes: list[tuple[Producer, Source, ConsumerProcess, DisaggSpec]] = []
         for head in range(HEADS):
             producer = senders[0] if shape == "fan-out" else senders[head]
             sink = 0 if shape == "fan-in" else head
             pages = stack.enter_context(producer.staged(count))
-            routes.append((producer, PartSource(cache, head, pages), sinks[sink], specs[sink]))
+            routes.append((producer, Source(pages, HEADS, head), sinks[sink], specs[sink]))
         peers = [producer.connect(spec) for producer, _, _, spec in routes]
         written = [0] * HEADS
 
