@@ -153,7 +153,9 @@ def _part_incompatibilities(producer: KVProfile, consumer: KVProfile) -> list[st
         and (theirs := getattr(consumer, name)) is not None
         and ours != theirs
     ]
-    assert producer.tp_size and consumer.tp_size and producer.kv_heads  # _resharded said so
+    heads, sizes = producer.kv_heads, (producer.tp_size, consumer.tp_size)
+    if heads is None or sizes[0] is None or sizes[1] is None:  # never: _resharded saw them
+        return problems
     if consumer.prefill_tp_size is None:
         problems.append(
             f"tp_size: producer {producer.tp_size!r}, consumer {consumer.tp_size!r} (decode "
@@ -176,7 +178,7 @@ def _part_incompatibilities(producer: KVProfile, consumer: KVProfile) -> list[st
             f"{consumer.chunk_format!r} (beyond their heads)"
         )
     try:
-        parts = route(producer.kv_heads, producer.tp_size, consumer.tp_size)
+        parts = route(heads, *sizes)
     except ValueError as exc:
         return [*problems, str(exc)]
     if not any(p.source == producer.tp_rank and p.dest == consumer.tp_rank for p in parts):

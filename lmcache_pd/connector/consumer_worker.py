@@ -92,9 +92,8 @@ def chunk_sources(
     """What each chunk of a prompt arrives as, in order: the whole chunk under this rank's own
     keys (prefill at decode's TP size), or one part from each prefill rank holding some of this
     rank's heads, under that part's keys, scattered into those heads (``tp_parts.py``)."""
-    if layout is None or prefill_tp_size in (None, layout.tp_size):
+    if layout is None or prefill_tp_size is None or prefill_tp_size == layout.tp_size:
         return [(keyer, cache)]
-    assert prefill_tp_size is not None
     own = rank_heads(layout.kv_heads, layout.tp_size, rank)[0]
     return [
         (
