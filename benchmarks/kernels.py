@@ -39,7 +39,7 @@ call on the calling thread and never start threads).
 Reproduce (medians of 7 runs; table on stdout, JSON in benchmarks/results/kernels.json)::
 
     .venv/bin/python -m benchmarks.kernels
-    .venv/bin/python -m benchmarks.kernels --device cuda --runs 20   # on a GPU: kernels_gpu.json
+    python -m benchmarks.kernels --device cuda --runs 30 --models big  # a GPU: kernels_gpu.json
     .venv/bin/python -m benchmarks.kernels --models tiny --runs 5 --output /tmp/k.json
 """
 
@@ -414,6 +414,12 @@ def main(
     device: Annotated[
         str, typer.Option(help="cpu: every kernel on CPU tensors; cuda: the Triton path on a GPU")
     ] = "cpu",
+    rotation_mib: Annotated[
+        int, typer.Option(min=1, help="cuda: distinct chunks per timed sample, in MiB (> L2)")
+    ] = 512,
+    sweep: Annotated[
+        bool, typer.Option(help="cuda: also time other tokens-per-program and warp counts")
+    ] = True,
     output: Annotated[
         Path | None, typer.Option(help="where the JSON goes (default: results/kernels*.json)")
     ] = None,
@@ -429,23 +435,23 @@ def main(
     torch.set_num_threads(torch_threads)
     if device == "cuda":
         # Imported here: it is the GPU's, and needs Triton only when run.
-        from benchmarks.kernels_gpu import run_gpu_benchmark
+        from benchmarks.kernels_gpu import print_gpu_table, run_gpu_benchmark
 
         document = run_gpu_benchmark(
             [MODELS[name] for name in names],
             runs,
             block_size=GPU_BLOCK_SIZE,
-            chunk_tokens=chunk_tokens,
-            cache_mib=cache_mib,
-            make_layers=token_layers,
-            make_slots=request_slots,
+            rotation_mib=rotation_mib,
+            sweep=sweep,
         )
-        output = output or DEFAULT_GPU_OUTPUT
-    else:
-        document = run_benchmark(
-            names, runs, chunk_tokens=chunk_tokens, cache_mib=cache_mib, stream_mib=stream_mib
-        )
-        output = output or DEFAULT_OUTPUT
+        print_gpu_table(document)
+        write_json(output or DEFAULT_GPU_OUTPUT, document)
+        logger.info("wrote %s", output or DEFAULT_GPU_OUTPUT)
+        return
+    document = run_benchmark(
+        names, runs, chunk_tokens=chunk_tokens, cache_mib=cache_mib, stream_mib=stream_mib
+    )
+    output = output or DEFAULT_OUTPUT
     print_table(document)
     write_json(output, document)
     logger.info("wrote %s", output)

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from lmcache_pd.kernels.chunk_bytes import ChunkBytes
 from lmcache_pd.kernels.cpu_blocks import CpuKVCache, validate_chunk_size
 from lmcache_pd.kernels.token_layout import (
     KVLayout,
@@ -54,6 +55,10 @@ class Copy(Protocol):
     def wait(self, deadline: float) -> None:
         """Return once done; raise ``TransferError`` at ``deadline`` (``time.monotonic()``)."""
 
+    def order_model(self) -> None:
+        """Make the model's work queued from now on wait for this copy: for a scatter whose
+        blocks vLLM may use again before the copy is seen done (a failed or aborted load)."""
+
 
 class Copied:
     """A copy that finished before its call returned (every CPU copy)."""
@@ -67,8 +72,30 @@ class Copied:
     def wait(self, deadline: float) -> None:
         return None
 
+    def order_model(self) -> None:
+        return None
+
 
 COPIED = Copied()
+
+
+def scatter_each(
+    cache: PagedKV,
+    chunks: Sequence[ChunkBytes],
+    block_ids: Sequence[int],
+    start: int,
+    hashed: bool,
+    model_waits: bool,
+) -> tuple[Copy, list[int | None]]:
+    """``PagedKV.scatter_chunks`` as one ``scatter`` a chunk (CPU caches: each done at once)."""
+    copy: Copy = COPIED
+    digests: list[int | None] = []
+    for chunk in chunks:
+        copy = cache.scatter(
+            chunk.data, block_ids, chunk.start, chunk.end, start, hashed, model_waits
+        )
+        digests.append(copy.digest)
+    return copy, digests
 
 
 class PagedKV(Protocol):
@@ -80,6 +107,8 @@ class PagedKV(Protocol):
     # Whether a chunk is whole blocks (then chunk_size must be a multiple of block_size, and
     # so must the peer's block size be the same).
     whole_blocks: bool
+    # Whether a copy with ``hashed`` returns its chunk's digest (taken in the copy's own pass).
+    hashes_in_pass: bool
     device: torch.device
 
     def chunk_nbytes(self, num_tokens: int) -> int: ...
@@ -104,11 +133,26 @@ class PagedKV(Protocol):
         chunk_end: int,
         start: int,
         hashed: bool = False,
+        model_waits: bool = True,
     ) -> Copy:
         """Write ``chunk`` (the request's tokens ``chunk_start .. chunk_end``, as ``gather``
         made it) into the request's blocks, its tokens from ``start`` on only (decode's own
         prefix-cache hit ends there, on a block boundary); with ``hashed``, the copy's
-        ``digest`` is all of ``chunk``'s XXH3-64 where the cache can take it in the same pass."""
+        ``digest`` is all of ``chunk``'s XXH3-64 where the cache can take it in the same pass.
+        ``model_waits``: on a GPU, the model's next work waits for the copy (a load the coming
+        forward pass reads); otherwise the caller must see the copy done before any model work
+        reads the blocks. A CPU copy is done when this returns, either way."""
+
+    def scatter_chunks(
+        self,
+        chunks: Sequence[ChunkBytes],
+        block_ids: Sequence[int],
+        start: int,
+        hashed: bool = False,
+        model_waits: bool = True,
+    ) -> tuple[Copy, list[int | None]]:
+        """``scatter`` of several chunks of one request (a load) at once: one copy, done when
+        all are (on a GPU, one launch), and each chunk's digest where taken in the pass."""
 
     def adopt(self, buffer: torch.Tensor) -> None:
         """Chunks will be read from or written to ``buffer``: make copies with it fast."""
@@ -122,6 +166,7 @@ class BlockKV:
     bytes."""
 
     whole_blocks = True
+    hashes_in_pass = True
 
     def __init__(self, layers: Sequence[torch.Tensor], chunk_size: int) -> None:
         """Refuses a ``chunk_size`` that is not a whole number of blocks, at start-up."""
@@ -157,9 +202,20 @@ class BlockKV:
         chunk_end: int,
         start: int,
         hashed: bool = False,
+        model_waits: bool = True,
     ) -> Copy:
         blocks = self._blocks(block_ids, max(chunk_start, start), chunk_end)
         return Copied(self._cache.scatter(chunk, blocks, hashed=hashed))
+
+    def scatter_chunks(
+        self,
+        chunks: Sequence[ChunkBytes],
+        block_ids: Sequence[int],
+        start: int,
+        hashed: bool = False,
+        model_waits: bool = True,
+    ) -> tuple[Copy, list[int | None]]:
+        return scatter_each(self, chunks, block_ids, start, hashed, model_waits)
 
     def adopt(self, buffer: torch.Tensor) -> None:
         return None
@@ -193,6 +249,7 @@ class TokenKV:
     tensors: how they are tested and measured without a GPU)."""
 
     whole_blocks = False
+    hashes_in_pass = False
 
     def __init__(self, views: Sequence[torch.Tensor], block_size: int) -> None:
         """``views``: the layers in NHD order (see ``recognise``)."""
@@ -223,11 +280,22 @@ class TokenKV:
         chunk_end: int,
         start: int,
         hashed: bool = False,
+        model_waits: bool = True,
     ) -> Copy:
         first = max(chunk_start, start)
         slots = slot_mapping(block_ids, first, chunk_end, self.block_size)
         self._cache.scatter(chunk, slots, skip=first - chunk_start)
         return COPIED
+
+    def scatter_chunks(
+        self,
+        chunks: Sequence[ChunkBytes],
+        block_ids: Sequence[int],
+        start: int,
+        hashed: bool = False,
+        model_waits: bool = True,
+    ) -> tuple[Copy, list[int | None]]:
+        return scatter_each(self, chunks, block_ids, start, hashed, model_waits)
 
     def adopt(self, buffer: torch.Tensor) -> None:
         return None
@@ -283,8 +351,7 @@ def recognise(
     if sample.dim() == 4:
         # vLLM 0.32: (blocks, heads, block size, 2 * head size), K then V in the last dimension,
         # strides as the resolved layout has them (vllm/v1/attention/backends/flash_attn.py).
-        head_size = sample.shape[-1] // 2
-        views = [layer.unflatten(-1, (2, head_size)).permute(3, 0, 2, 1, 4) for layer in layers]
+        views = vllm_nhd_views(layers)
         if block_size is not None and block_size != sample.shape[2]:
             views = [_manager_blocks(view, block_size) for view in views]
         return _token_kv(views, views[0].shape[2])
@@ -298,6 +365,14 @@ def recognise(
         "its per-layer (blocks, heads, block size, 2 * head size) view, or a (2, blocks, ...) "
         "NHD or HND layer"
     )
+
+
+def vllm_nhd_views(layers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """vLLM 0.32's per-layer ``(blocks, heads, block size, 2 * head size)`` views (K then V in
+    the last dimension, strides as the resolved layout has them) as ``(2, blocks, block size,
+    heads, head size)`` NHD views of the same memory."""
+    head_size = layers[0].shape[-1] // 2
+    return [layer.unflatten(-1, (2, head_size)).permute(3, 0, 2, 1, 4) for layer in layers]
 
 
 def shape_order(layer: torch.Tensor, block_size: int | None, physical: str | None) -> KVLayout:

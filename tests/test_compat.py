@@ -13,7 +13,7 @@ import torch
 
 from lmcache_pd.compat import FIELDS, KVProfile, incompatibilities
 from lmcache_pd.config import load_config
-from lmcache_pd.connector.stats import StatsRecorder
+from lmcache_pd.connector.counters import StatsRecorder
 from lmcache_pd.errors import Incompatible
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.trace import TraceFile

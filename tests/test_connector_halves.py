@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,13 +19,13 @@ from vllm.v1.request import RequestStatus
 
 from lmcache_pd.config import load_config
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
+from lmcache_pd.connector.counters import StatsRecorder
 from lmcache_pd.connector.metadata import (
     LoadRequest,
     PDConnectorMetadata,
     SaveRequest,
 )
 from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler
-from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.connector.worker import ProducerWorker
 from lmcache_pd.errors import AllocationError, BufferFull, PeerTimeout, TransferError
 from lmcache_pd.first_token import FirstTokenNotice
@@ -550,6 +551,107 @@ def test_a_request_that_ends_while_its_kv_is_awaited_is_released_at_once(
     assert (totals["loads_aborted"], totals["load_timeouts"]) == (1, 0)
     wait_for(lambda: workers.consumer_used_pages() == 0, what="pages back")
     assert not any(layer.any() for layer in workers.target.values())
+
+
+class GatedCopy:
+    """A scatter as a GPU's copy stream runs it: done only once the test opens the gate."""
+
+    def __init__(self, gate: threading.Event, digest: int | None) -> None:
+        self._gate = gate
+        self.digest = digest
+        self.model_ordered = False
+
+    def done(self) -> bool:
+        return self._gate.is_set()
+
+    def wait(self, deadline: float) -> None:
+        if not self._gate.wait(max(0.0, deadline - time.monotonic())):
+            raise TransferError("gated copy not done")
+
+    def order_model(self) -> None:
+        self.model_ordered = True
+
+
+class GatedKV:
+    """The consumer's real cache, whose scatters are reported done only once the test says so:
+    the consumer worker as it runs beside a GPU copy stream that finishes later."""
+
+    def __init__(self, cache) -> None:
+        self._cache = cache
+        self.gate = threading.Event()
+        self.copies: list[GatedCopy] = []
+        self.model_waits: list[bool] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._cache, name)
+
+    def scatter_chunks(self, chunks, block_ids, start, hashed=False, model_waits=True):
+        self.model_waits.append(model_waits)
+        _, digests = self._cache.scatter_chunks(chunks, block_ids, start, hashed)
+        self.copies.append(GatedCopy(self.gate, None))
+        return self.copies[-1], digests
+
+
+def step_until_scattered(consumer: ConsumerWorker, gated: GatedKV) -> set[str]:
+    """Step the consumer until its scatters are issued; the requests it reported meanwhile."""
+    reported: set[str] = set()
+
+    def scattered() -> bool:
+        reported.update(consumer.finished_loads()[0])
+        return bool(gated.copies)
+
+    wait_for(scattered, what="the scatters issued")
+    return reported
+
+
+def gate_scatters(consumer: ConsumerWorker) -> GatedKV:
+    gated = GatedKV(consumer._sources[0][1])
+    consumer._sources = [(keyer, gated) for keyer, _ in consumer._sources]
+    return gated
+
+
+@pytest.mark.processes
+def test_an_asynchronous_load_is_reported_only_once_its_copy_is_done(workers: Workers) -> None:
+    """On a GPU the model's stream does not wait for an asynchronous load's scatter (running
+    decodes would stall for it): the load is reported received once the copy is seen done,
+    and its pages go back then, not before."""
+    gated = gate_scatters(workers.consumer)
+    prompt = list(range(3000, 3100))
+    workers.producer.wait_for_save(save("p", workers.spec, prompt, [4, 5, 6, 7], 100))
+    workers.consumer.start_load_kv(load("c", "d-1", prompt, [8, 9, 10, 11]))
+    assert step_until_scattered(workers.consumer, gated) == set()
+    for _ in range(5):  # landed and scattered, copy not done: still awaited
+        assert workers.consumer.finished_loads() == (set(), set())
+        time.sleep(0.02)
+    assert gated.model_waits == [False]  # the load's two chunks, in one call
+    assert workers.consumer_used_pages() == 2
+    assert workers.consumer_stats.totals()["loads_completed"] == 0
+    gated.gate.set()
+    assert workers.consumer.finished_loads() == ({"c"}, set())
+    wait_for(lambda: workers.consumer_used_pages() == 0, what="pages back")
+    for name in workers.source:
+        assert torch.equal(workers.source[name][[4, 5, 6, 7]], workers.target[name][8:12])
+    assert not any(copy.model_ordered for copy in gated.copies)
+
+
+@pytest.mark.processes
+def test_a_request_that_ends_while_its_copy_runs_orders_the_model_after_it(
+    workers: Workers,
+) -> None:
+    """Aborted mid-copy: vLLM frees the blocks the copy still writes, so the model's next work
+    waits for the copy, and the pages the copy still reads go back only once it is done."""
+    gated = gate_scatters(workers.consumer)
+    prompt = list(range(4000, 4064))
+    workers.producer.wait_for_save(save("p", workers.spec, prompt, [4, 5], 64))
+    workers.consumer.start_load_kv(load("c", "d-1", prompt, [8, 9]))
+    assert step_until_scattered(workers.consumer, gated) == set()
+    workers.consumer.start_load_kv(PDConnectorMetadata(finished={"c"}))
+    assert workers.consumer.finished_loads() == ({"c"}, set())
+    assert gated.copies[-1].model_ordered
+    time.sleep(0.2)
+    assert workers.consumer_used_pages() == 1  # the copy still reads its page
+    gated.gate.set()
+    wait_for(lambda: workers.consumer_used_pages() == 0, what="pages back")
 
 
 @pytest.mark.processes

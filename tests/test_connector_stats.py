@@ -28,16 +28,19 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from lmcache_pd.connector import stats
-from lmcache_pd.connector.stats import (
-    COUNTERS,
-    GAUGES,
-    PDConnectorStats,
-    PDPromMetrics,
-    StatsRecorder,
-)
+from lmcache_pd.connector.counters import COUNTERS, GAUGES, StatsRecorder
+from lmcache_pd.connector.stats import PDConnectorStats, PDPromMetrics
 from lmcache_pd.metrics_scrape import decode_sources, prompt_tokens_by_source, scrape
 
 LABELS = ["model_name", "engine"]
+
+
+def taken(recorder: StatsRecorder) -> PDConnectorStats | None:
+    """What ``recorder`` took, as the facade hands it to vLLM."""
+    data = recorder.take()
+    return None if data is None else PDConnectorStats(data=data)
+
+
 ENGINE_LABELS: dict[int, list[object]] = {0: ["demo", "0"], 1: ["demo", "1"]}
 
 
@@ -121,29 +124,29 @@ def test_take_returns_deltas_since_last_take_and_starts_a_new_interval() -> None
     recorder = StatsRecorder("rank0")
     recorder.add("pushes")
     recorder.add("bytes_pushed", 4096)
-    first = recorder.take()
+    first = taken(recorder)
     assert first is not None
     assert first.counters == {"pushes": 1, "bytes_pushed": 4096}
     recorder.add("pushes", 2)
-    second = recorder.take()
+    second = taken(recorder)
     assert second is not None
     assert second.counters == {"pushes": 2}
 
 
 def test_take_returns_none_when_nothing_happened() -> None:
     recorder = StatsRecorder("rank0")
-    assert recorder.take() is None
+    assert taken(recorder) is None
     recorder.add("pushes", 0)
-    assert recorder.take() is None
+    assert taken(recorder) is None
     recorder.add("pushes")  # control: one real count is reported
-    assert recorder.take() is not None
-    assert recorder.take() is None
+    assert taken(recorder) is not None
+    assert taken(recorder) is None
 
 
 def test_totals_count_since_start_across_takes() -> None:
     recorder = StatsRecorder("rank0")
     recorder.add("tokens_loaded", 100)
-    recorder.take()
+    taken(recorder)
     recorder.add("tokens_loaded", 50)
     recorder.set_gauge("consumer_used_pages", 3)
     totals = recorder.totals()
@@ -167,7 +170,7 @@ def test_unknown_name_or_negative_count_is_refused(call: str, args: tuple[str, i
     recorder = StatsRecorder("rank0")
     with pytest.raises(ValueError):
         getattr(recorder, call)(*args)
-    assert recorder.take() is None
+    assert taken(recorder) is None
 
 
 @pytest.fixture
@@ -183,7 +186,7 @@ def frequent_thread_switches() -> Iterator[None]:
 
 def count_and_drain(recorder: StatsRecorder, threads_n: int, adds_n: int) -> int:
     """Sender-like threads add while a model-runner-like thread takes; returns all taken."""
-    taken: list[int] = []
+    drained: list[int] = []
     done = threading.Event()
 
     def count() -> None:
@@ -193,8 +196,8 @@ def count_and_drain(recorder: StatsRecorder, threads_n: int, adds_n: int) -> int
 
     def drain() -> None:
         while not done.is_set():
-            if (got := recorder.take()) is not None:
-                taken.append(got.counters.get("chunks_pushed", 0))
+            if (got := taken(recorder)) is not None:
+                drained.append(got.counters.get("chunks_pushed", 0))
 
     drainer = threading.Thread(target=drain)
     drainer.start()
@@ -205,9 +208,9 @@ def count_and_drain(recorder: StatsRecorder, threads_n: int, adds_n: int) -> int
         worker.join(timeout=60)
     done.set()
     drainer.join(timeout=10)
-    if (rest := recorder.take()) is not None:
-        taken.append(rest.counters.get("chunks_pushed", 0))
-    return sum(taken)
+    if (rest := taken(recorder)) is not None:
+        drained.append(rest.counters.get("chunks_pushed", 0))
+    return sum(drained)
 
 
 @pytest.mark.usefixtures("frequent_thread_switches")
@@ -224,14 +227,14 @@ def test_concurrent_adds_from_threads_sum_exactly() -> None:
 def test_gauge_is_reported_only_when_its_value_changed() -> None:
     recorder = StatsRecorder("rank1")
     recorder.set_gauge("consumer_used_pages", 0)
-    first = recorder.take()
+    first = taken(recorder)
     assert first is not None
     assert first.gauges == {"rank1": {"consumer_used_pages": 0}}
     recorder.set_gauge("consumer_used_pages", 0)
-    assert recorder.take() is None
+    assert taken(recorder) is None
     recorder.set_gauge("consumer_used_pages", 5)
     recorder.set_gauge("consumer_held_requests", 2)
-    changed = recorder.take()
+    changed = taken(recorder)
     assert changed is not None
     assert changed.gauges == {"rank1": {"consumer_used_pages": 5, "consumer_held_requests": 2}}
 
@@ -250,7 +253,7 @@ def test_two_workers_stats_aggregate_as_vllm_merges_tp_workers() -> None:
     rank1.add("loads_completed", 3)
     rank1.add("loads_failed")
     rank1.set_gauge("consumer_used_pages", 4)
-    outputs = [worker_output(rank0.take()), worker_output(rank1.take())]
+    outputs = [worker_output(taken(rank0)), worker_output(taken(rank1))]
 
     merged = KVOutputAggregator(expected_finished_count=2).aggregate(outputs)
 
@@ -265,10 +268,10 @@ def test_aggregate_over_steps_keeps_a_workers_latest_gauge_not_the_sum() -> None
     recorder = StatsRecorder("rank0")
     recorder.set_gauge("consumer_used_pages", 10)
     recorder.add("pushes")
-    older = recorder.take()
+    older = taken(recorder)
     recorder.set_gauge("consumer_used_pages", 7)
     recorder.add("pushes")
-    newer = recorder.take()
+    newer = taken(recorder)
     assert older is not None and newer is not None
 
     merged = older.aggregate(newer)
@@ -288,12 +291,12 @@ def test_stats_cross_processes_by_pickle_and_vllm_msgpack() -> None:
     recorder = StatsRecorder("rank0")
     recorder.add("tokens_loaded", 256)
     recorder.set_gauge("consumer_held_requests", 1)
-    taken = recorder.take()
-    assert taken is not None
-    assert pickle.loads(pickle.dumps(taken)) == taken  # worker -> engine core
+    report = taken(recorder)
+    assert report is not None
+    assert pickle.loads(pickle.dumps(report)) == report  # worker -> engine core
 
     # engine core -> API server: Scheduler.make_stats puts to_dict() into SchedulerStats
-    frames = MsgpackEncoder().encode(SchedulerStats(kv_connector_stats=taken.to_dict()))
+    frames = MsgpackEncoder().encode(SchedulerStats(kv_connector_stats=report.to_dict()))
     received = MsgpackDecoder(SchedulerStats).decode(frames)
 
     rebuilt = StatsOnlyConnector.build_kv_connector_stats(received.kv_connector_stats)
@@ -448,7 +451,7 @@ def test_worker_counts_reach_a_scrape_of_vllm_registry(
     rank1.add("tokens_loaded", 400)
     rank1.set_gauge("consumer_held_requests", 2)
     merged = KVOutputAggregator(2).aggregate(
-        [worker_output(rank0.take()), worker_output(rank1.take())]
+        [worker_output(taken(rank0)), worker_output(taken(rank1))]
     )
     assert merged is not None and merged.kv_connector_output is not None
     payload = merged.kv_connector_output.kv_connector_stats

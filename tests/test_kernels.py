@@ -6,7 +6,6 @@ index the cache one block or one token at a time, independently of the code unde
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from lmcache_pd.kernels import (
     CpuKVCache,
     KVLayout,
     TokenKVCache,
+    TritonTokenKV,
     blocks_for_tokens,
     chunk_nbytes,
     gather_blocks,
@@ -34,6 +34,8 @@ from lmcache_pd.kernels import (
     triton_available,
     validate_chunk_size,
 )
+from lmcache_pd.kernels.token_layout import slot_mapping
+from lmcache_pd.kernels.triton_layout import PlanRow, chunk_blocks
 
 BLOCK_SIZES = (32, 64, 128)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -225,7 +227,16 @@ def test_good_block_arguments_pass_the_same_checks():  # the negative control of
 
 # GPU layouts: tokens ---------------------------------------------------------------------------
 
+
 # name -> (layout, how to allocate one layer, how to view it for the kernels)
+def vllm_view(layer: torch.Tensor) -> torch.Tensor:
+    """vLLM 0.32's per-layer ``(blocks, heads, block size, 2 * head size)`` view as the
+    connector reads it (``paged_kv.recognise``): NHD, K and V the halves of each head's run."""
+    return layer.unflatten(-1, (2, layer.shape[-1] // 2)).permute(3, 0, 2, 1, 4)
+
+
+# name -> (layout, physical shape of one layer (or of one block of every layer, for the
+# block-outer layouts), the view the kernels are given)
 TOKEN_LAYOUTS = {
     "flash_attn_nhd": (KVLayout.NHD, lambda nb, bs, h, d: (2, nb, bs, h, d), lambda x: x),
     "flash_attn_hnd": (KVLayout.HND, lambda nb, bs, h, d: (2, nb, h, bs, d), lambda x: x),
@@ -239,18 +250,32 @@ TOKEN_LAYOUTS = {
         lambda nb, bs, h, d: (nb, 2, h, bs, d),
         lambda x: x.transpose(0, 1),
     ),
-    # newest vLLM: physical (blocks, block_size, heads, K|V), handed out as (B, H, N, 2 * head)
-    "packed_kv_nhd": (
+    # vLLM 0.32 (vllm/v1/kv_cache_layout.py): one buffer, each layer a 4-D view whose strides
+    # follow the resolved layout. LBNHC: pages [tokens][heads][K|V], layer after layer.
+    "vllm_lbnhc": (
         KVLayout.NHD,
         lambda nb, bs, h, d: (nb, bs, h, 2 * d),
-        lambda x: x.permute(0, 2, 1, 3).unflatten(-1, (2, x.shape[-1] // 2)).permute(3, 0, 2, 1, 4),
+        lambda x: vllm_view(x.permute(0, 2, 1, 3)),
+    ),
+    # LBHNC (FlashInfer on Blackwell, vLLM's NixlConnector): pages [heads][tokens][K|V].
+    "vllm_lbhnc": (KVLayout.NHD, lambda nb, bs, h, d: (nb, h, bs, 2 * d), vllm_view),
+    # BLNHC: block-outer, one block's pages of every layer together.
+    "vllm_blnhc": (
+        KVLayout.NHD,
+        lambda nb, bs, h, d: (nb, bs, h, 2 * d),
+        lambda x: vllm_view(x.permute(0, 2, 1, 3)),
     ),
 }
+BLOCK_OUTER = {"vllm_blnhc"}
 
 
 def token_layers(name: str, num_layers: int, num_blocks: int, block: int, heads: int, head, dtype):
     layout, shape, view = TOKEN_LAYOUTS[name]
-    buffer = random_bits((num_layers, *shape(num_blocks, block, heads, head)), dtype, 7)
+    page = shape(num_blocks, block, heads, head)
+    if name in BLOCK_OUTER:
+        buffer = random_bits((page[0], num_layers, *page[1:]), dtype, 7)
+        return layout, [view(layer) for layer in buffer.unbind(1)]
+    buffer = random_bits((num_layers, *page), dtype, 7)
     return layout, [view(layer) for layer in buffer.unbind(0)]
 
 
@@ -409,69 +434,107 @@ def test_bad_token_arguments_are_refused_before_any_copy(case):
 # Triton: only where it can run -----------------------------------------------------------------
 
 
+def check_triton_against_torch(
+    name: str, dtype: torch.dtype, device: str, geometry: tuple[int, int, int, int, int]
+) -> None:
+    """The Triton path equals the torch path, bit for bit, on one layout: a request's chunk
+    from inside one block to inside another (a shuffled block table), gathered; then scattered
+    into a zeroed cache whole and from inside the chunk on (a load past decode's own hit), with
+    programs of one token and of four, every byte of the cache compared (nothing else
+    written). ``geometry``: (layers, blocks, block size, heads, head size)."""
+    num_layers, num_blocks, block, heads, head = geometry
+    layout, layers = token_layers(name, num_layers, num_blocks, block, heads, head, dtype)
+    layers = [layer.to(device) for layer in layers]
+    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
+    start, end = 5, 5 + 2 * block + 7
+    slots = slot_mapping(table, start, end, block).to(device)
+    size = token_chunk_nbytes(layers, end - start, layout)
+    expected = torch.empty(size, dtype=torch.uint8, device=device)
+    gather_tokens(layers, slots, expected, layout)
+    chunk = torch.zeros_like(expected)
+    gather_tokens_triton(layers, table, start, end, chunk, layout)
+    assert torch.equal(chunk, expected), (name, dtype, "gather")
+    _, target = token_layers(name, num_layers, num_blocks, block, heads, head, dtype)
+    target = [layer.to(device).zero_() for layer in target]
+    scatter_tokens_triton(chunk, target, table, start, end, layout)
+    check = torch.empty_like(expected)
+    gather_tokens(target, slots, check, layout)
+    assert torch.equal(check, expected), (name, dtype, "scatter")
+    for skip in (0, 9):
+        for tile in (1, 4):
+            _, target = token_layers(name, num_layers, num_blocks, block, heads, head, dtype)
+            target = [layer.to(device).zero_() for layer in target]
+            reference = [layer.clone() for layer in target]
+            blocks, first = chunk_blocks(table, start + skip, end, block, num_blocks, unique=True)
+            kernel = TritonTokenKV(target, layout)
+            on_device = torch.tensor(blocks, device=device)
+            kernel.scatter(chunk, on_device, first, end - start - skip, skip=skip, tile=tile)
+            TokenKVCache(reference, layout).scatter(chunk, slots[skip:], skip=skip)
+            assert any(layer.view(torch.uint8).any() for layer in target), (name, dtype)
+            same = zip(target, reference, strict=True)
+            assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in same), (
+                name,
+                dtype,
+                skip,
+                tile,
+                "scatter",
+            )
+    # a load: three chunks of a request in one launch, from inside the first one on
+    _, target = token_layers(name, num_layers, num_blocks, block, heads, head, dtype)
+    target = [layer.to(device).zero_() for layer in target]
+    reference = [layer.clone() for layer in target]
+    kernel, torch_path = TritonTokenKV(target, layout), TokenKVCache(reference, layout)
+    load_start, rows, chunks = 7, [], []
+    generator = torch.Generator().manual_seed(3)
+    for chunk_start, chunk_end in ((0, 20), (20, 45), (45, 50)):
+        size = token_chunk_nbytes(target, chunk_end - chunk_start, layout)
+        chunk = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+        chunks.append(chunk.to(device))
+        begin = max(chunk_start, load_start)
+        rows.append(PlanRow(begin // block, begin % block, chunk_end - begin, begin - chunk_start))
+        mapping = slot_mapping(table, begin, chunk_end, block).to(device)
+        torch_path.scatter(chunks[-1], mapping, skip=begin - chunk_start)
+    kernel.run(kernel.plan(chunks, rows), torch.tensor(table, device=device), to_cache=True)
+    same = zip(target, reference, strict=True)
+    assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in same), (name, dtype, "load")
+
+
+# Triton's first compile runs ldconfig (to find libcuda): a process.
+@pytest.mark.processes
 @pytest.mark.skipif(not triton_available(), reason="needs Triton and a CUDA device")
 @pytest.mark.parametrize("name", sorted(TOKEN_LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_triton_path_matches_the_torch_path(name, dtype):
-    layout, layers = token_layers(name, 3, 8, 64, 8, 128, dtype)
-    layers = [layer.cuda() for layer in layers]
-    slots = torch.randperm(8 * 64, generator=torch.Generator().manual_seed(0))[:300].cuda()
-    expected = torch.empty(
-        token_chunk_nbytes(layers, 300, layout), dtype=torch.uint8, device="cuda"
-    )
-    gather_tokens(layers, slots, expected, layout)
-    chunk = torch.empty_like(expected)
-    gather_tokens_triton(layers, slots, chunk, layout)
-    assert torch.equal(chunk, expected)
-
-    _, target = token_layers(name, 3, 8, 64, 8, 128, dtype)
-    target = [layer.zero_().cuda() for layer in target]
-    scatter_tokens_triton(chunk, target, slots, layout)
-    check = torch.empty_like(expected)
-    gather_tokens(target, slots, check, layout)
-    assert torch.equal(check, expected)
+    check_triton_against_torch(name, dtype, "cuda", (3, 8, 64, 8, 128))
 
 
 INTERPRETER_CHECK = """
 import torch
-from lmcache_pd.kernels import gather_tokens, gather_tokens_triton, scatter_tokens_triton
-from lmcache_pd.kernels import TokenKVCache, TritonTokenKV, token_chunk_nbytes
-from tests.test_kernels import TOKEN_LAYOUTS, as_bytes, token_layers
+from tests.test_kernels import TOKEN_LAYOUTS, check_triton_against_torch
 
 for name in sorted(TOKEN_LAYOUTS):
     for dtype in (torch.float32, torch.bfloat16):
-        layout, layers = token_layers(name, 2, 3, 32, 3, 24, dtype)
-        slots = torch.randperm(96, generator=torch.Generator().manual_seed(1))[:37]
-        expected = torch.empty(token_chunk_nbytes(layers, 37, layout), dtype=torch.uint8)
-        gather_tokens(layers, slots, expected, layout)
-        chunk = torch.zeros_like(expected)
-        gather_tokens_triton(layers, slots, chunk, layout)
-        assert torch.equal(chunk, expected), (name, dtype, "gather")
-        _, target = token_layers(name, 2, 3, 32, 3, 24, dtype)
-        scatter_tokens_triton(chunk, target, slots, layout)
-        check = torch.empty_like(expected)
-        gather_tokens(target, slots, check, layout)
-        assert torch.equal(check, expected), (name, dtype, "scatter")
-        # a load that starts inside the chunk: only its later tokens are written
-        _, target = token_layers(name, 2, 3, 32, 3, 24, dtype)
-        target = [layer.zero_() for layer in target]
-        reference = [layer.clone() for layer in target]
-        TritonTokenKV(target, layout).scatter(chunk, slots[5:].long(), skip=5)
-        TokenKVCache(reference, layout).scatter(chunk, slots[5:], skip=5)
-        assert any(layer.view(torch.uint8).any() for layer in target), (name, dtype, "nothing")
-        assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(target, reference)), (
-            name, dtype, "scatter skipping 5")
+        check_triton_against_torch(name, dtype, "cpu", (2, 4, 16, 3, 24))
 print("interpreter ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+# Where the Makefile installs Triton for its interpreter, outside .venv (vLLM must not find it).
+TRITON_INTERPRETER = Path(__file__).resolve().parents[1] / ".cache" / "triton-interpreter"
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(
+    not (TRITON_INTERPRETER / "triton").is_dir(),
+    reason=f"Triton's interpreter is not installed in {TRITON_INTERPRETER} (the Makefile does)",
+)
 def test_triton_kernel_in_the_interpreter_matches_the_torch_path():
-    """Runs the real kernel on CPU tensors (3 heads of 24: both get masked lanes), in a child
-    process because TRITON_INTERPRET is read when Triton compiles the kernel."""
+    """Runs the real kernel on CPU tensors, every layout, two tile sizes (3 heads of 24: both
+    get masked lanes), in a child process because TRITON_INTERPRET is read when Triton compiles
+    the kernel."""
     result = subprocess.run(
         [sys.executable, "-c", INTERPRETER_CHECK],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
+        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(TRITON_INTERPRETER)},
         cwd=Path(__file__).resolve().parents[1],
         capture_output=True,
         text=True,
@@ -486,4 +549,4 @@ def test_triton_path_without_triton_or_gpu_says_what_is_missing():
     layout, layers = token_layers("flash_attn_nhd", 1, 2, 32, 2, 16, torch.float32)
     out = torch.empty(token_chunk_nbytes(layers, 1, layout), dtype=torch.uint8)
     with pytest.raises((ImportError, ValueError), match=r"Triton|CUDA"):
-        gather_tokens_triton(layers, torch.tensor([0]), out, layout)
+        gather_tokens_triton(layers, [0], 0, 1, out, layout)

@@ -21,8 +21,8 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import load_config
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
+from lmcache_pd.connector.counters import StatsRecorder
 from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata, SaveRequest
-from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.connector.worker import ProducerWorker
 from lmcache_pd.deploy.launcher import peer_text
 from lmcache_pd.deploy.pools import InstanceSpec, load_pools

@@ -16,8 +16,8 @@ import torch
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import load_config
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
+from lmcache_pd.connector.counters import StatsRecorder
 from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata, SaveRequest
-from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.connector.worker import ProducerWorker
 from lmcache_pd.kernels.paged_kv import BlockKV, head_slice, recognise
 from lmcache_pd.protocol import DisaggSpec

@@ -20,6 +20,10 @@ blocks by then. That is safe because the load is reported failed: vLLM's schedul
 none of the request's tokens as computed and frees its blocks without caching them
 (``kv_load_failure_policy: recompute``), so the prompt is recomputed over those bytes and no
 other request can hit them in the prefix cache.
+
+A cache that cannot hash while it copies (token layouts, GPU caches) has each chunk hashed on
+threads of its own (``chunk_checks.py``) before it is scattered, so vLLM's model thread never
+spends a pass over the bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,8 +40,9 @@ import torch
 
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig, replace
+from lmcache_pd.connector.chunk_checks import ChunkChecks
+from lmcache_pd.connector.counters import CONSUMER_PREFIX, StatsRecorder
 from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata
-from lmcache_pd.connector.stats import CONSUMER_PREFIX, StatsRecorder
 from lmcache_pd.connector.worker import (
     UNKNOWN,
     CacheFacts,
@@ -45,7 +51,7 @@ from lmcache_pd.connector.worker import (
     rank_profile,
 )
 from lmcache_pd.errors import IntegrityError, PeerTimeout, TransferError
-from lmcache_pd.kernels.integrity import checksum
+from lmcache_pd.kernels.chunk_bytes import ChunkBytes
 from lmcache_pd.kernels.paged_kv import COPIED, Copy, PagedKV, head_slice
 from lmcache_pd.keys import ChunkKey, ChunkKeyer
 from lmcache_pd.protocol import DEVICE_COPY_TIMEOUT_S
@@ -65,6 +71,9 @@ logger = logging.getLogger(__name__)
 # How long a synchronous load waits for its consumer's process to say where its chunks are (they
 # have landed by then; the answer takes well under a millisecond): the step waits meanwhile.
 SYNC_LOAD_WAIT_S = 0.05
+# How long a synchronous load waits for its chunks' checksums, taken on other threads (1 GiB of
+# XXH3 takes ~0.1 s); past it the load fails and vLLM recomputes the prompt.
+SYNC_CHECK_WAIT_S = 2.0
 
 
 @dataclass(slots=True)
@@ -75,11 +84,25 @@ class _PendingLoad:
     deadline: float
     queued_at: float  # wall clock, for the trace
     landed: list[LandedChunk] = field(default_factory=list)  # where its first keys landed
+    # An asynchronous load's scatter on a GPU's copy stream: reported received once done.
+    copying: Copy | None = None
+    # Each chunk's digest, hashed off the model thread (None: checked in the scatter's pass, or
+    # no checksum came); the list is made once every chunk has landed.
+    digests: list[Future[int] | None] | None = None
 
     def query(self) -> LoadQuery:
         """The progress question for the keys not yet seen landed."""
         located = len(self.landed)
         return LoadQuery(self.load.disagg_req_id, located, [k.key for k in self.keys[located:]])
+
+
+def _by_cache(caches: list[PagedKV]) -> list[tuple[PagedKV, list[int]]]:
+    """The distinct caches a load's chunks go to (one, or each head slice of a fan-in), each
+    with the indices of its chunks, in order."""
+    groups: dict[int, tuple[PagedKV, list[int]]] = {}
+    for index, cache in enumerate(caches):
+        groups.setdefault(id(cache), (cache, []))[1].append(index)
+    return list(groups.values())
 
 
 def chunk_sources(
@@ -138,6 +161,7 @@ class ConsumerWorker(WorkerHalf):
             rank_config, keyer, profile=profile, device=device, board=board
         )
         self._cache.adopt(self._service.buffer)
+        self._checks = ChunkChecks()
         # Loads scattered on a GPU's copy stream whose pages go back once the copy is done.
         self._releasing: list[tuple[Copy, str]] = []
         self._stats = stats
@@ -222,7 +246,13 @@ class ConsumerWorker(WorkerHalf):
         and they are reported received, since vLLM holds their blocks until then."""
         for pending in [p for p in self._pending if p.load.req_id in finished]:
             self._pending.remove(pending)
-            self._release(pending.load.disagg_req_id)
+            if pending.copying is not None and not pending.copying.done():
+                # Its copy still writes the blocks vLLM frees now, and reads the pages: the
+                # model's next work waits for it, the pages go back once it is done.
+                pending.copying.order_model()
+                self._releasing.append((pending.copying, pending.load.disagg_req_id))
+            else:
+                self._release(pending.load.disagg_req_id)
             self._aborted.add(pending.load.req_id)
             self._traced(pending, "aborted")
             self._stats.add("loads_aborted")
@@ -317,6 +347,7 @@ class ConsumerWorker(WorkerHalf):
             with contextlib.suppress(TransferError):
                 copy.wait(deadline)
         self._releasing = []
+        self._checks.close()
         self._service.close()
         self._cache.close()
 
@@ -338,6 +369,9 @@ class ConsumerWorker(WorkerHalf):
         """True once loaded, False if it failed, None while its chunks are still on the way.
         ``state``: what the consumer's process said of it this step, if anything."""
         load = pending.load
+        if pending.copying is not None:
+            # Scattered already: vLLM reads the blocks only once it is told, after the copy.
+            return self._loaded(pending) if pending.copying.done() else None
         if state is not None and state.dropped is not None:
             return self._failed(
                 pending, "abandoned", "loads_abandoned", f"KV abandoned: {state.dropped}"
@@ -354,30 +388,67 @@ class ConsumerWorker(WorkerHalf):
                 f"KV not landed within {self._config.load_timeout_s:.1f} s",
             )
         # Only pages this request holds: they keep their bytes until it is released.
+        if pending.digests is None:
+            pending.digests = [
+                self._checks.digest(self._service.chunk(landed))
+                if landed.checksum is not None and not cache.hashes_in_pass
+                else None
+                for cache, landed in zip(pending.caches, pending.landed, strict=True)
+            ]
+        if not load.sync and not all(d is None or d.done() for d in pending.digests):
+            return None  # still hashing; a synchronous load waits for them below
         copy: Copy = COPIED
         try:
-            for chunk, cache, landed in zip(
-                pending.keys, pending.caches, pending.landed, strict=True
-            ):
-                data = self._service.chunk(landed)
-                hashed = landed.checksum is not None
-                copy = cache.scatter(
-                    data, load.block_ids, chunk.start, chunk.end, load.start, hashed=hashed
+            for landed, digest in zip(pending.landed, pending.digests, strict=True):
+                if digest is not None:
+                    check_landed(landed, digest.result(timeout=SYNC_CHECK_WAIT_S))
+            # Each cache's chunks in one call (on a GPU, one launch for the whole load).
+            for cache, indices in _by_cache(pending.caches):
+                landed = [pending.landed[i] for i in indices]
+                chunks = [
+                    ChunkBytes(
+                        self._service.chunk(chunk), pending.keys[i].start, pending.keys[i].end
+                    )
+                    for i, chunk in zip(indices, landed, strict=True)
+                ]
+                hashed = cache.hashes_in_pass and any(c.checksum is not None for c in landed)
+                copy, digests = cache.scatter_chunks(
+                    chunks, load.block_ids, load.start, hashed=hashed, model_waits=load.sync
                 )
-                # A cache that cannot hash while it copies: a pass of its own (the bytes were
-                # written already; a mismatch fails the load, so vLLM recomputes them).
-                digest = copy.digest if copy.digest is not None or not hashed else checksum(data)
-                check_landed(landed, digest)
+                if hashed:
+                    # Taken in the copy's pass: the bytes were written already; a mismatch
+                    # fails the load, so vLLM recomputes them.
+                    for chunk, chunk_digest in zip(landed, digests, strict=True):
+                        check_landed(chunk, chunk_digest)
         except IntegrityError as exc:
+            copy.order_model()  # vLLM recomputes into these blocks: after the copy
             return self._failed(
                 pending, "unusable", "integrity_failures", f"received KV unusable: {exc}"
             )
-        # The model reads the blocks after the copy (its stream waits for it); the pages may
-        # be written again only once the copy has read them.
-        if copy.done():
-            self._release(load.disagg_req_id)
-        else:
+        except TimeoutError:
+            copy.order_model()
+            return self._failed(
+                pending, "unchecked", None, f"checksums not taken in {SYNC_CHECK_WAIT_S:.0f} s"
+            )
+        except Exception:
+            copy.order_model()
+            raise
+        if load.sync and not copy.done():
+            # The coming forward pass reads the blocks after the copy (its stream waits for
+            # it); the pages may be written again only once the copy has read them.
             self._releasing.append((copy, load.disagg_req_id))
+            return self._loaded(pending, release=False)
+        if not copy.done():
+            pending.copying = copy
+            return None
+        return self._loaded(pending)
+
+    def _loaded(self, pending: _PendingLoad, release: bool = True) -> bool:
+        """Count and log a load whose chunks are in its blocks (or queued before the model's
+        next work); its pages go back with ``release`` (its copy has read them)."""
+        load = pending.load
+        if release:
+            self._release(load.disagg_req_id)
         tokens = len(load.prompt) - load.start
         self._traced(pending, "loaded", tokens)
         self._stats.add("loads_completed")

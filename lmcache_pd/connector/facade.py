@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 
 from lmcache_pd.auth import load_keys
@@ -35,9 +36,10 @@ from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import CONFIG_PATH_ENV, PDConfig, load_config
 from lmcache_pd.connector import kv_event_publisher
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
+from lmcache_pd.connector.counters import StatsRecorder
 from lmcache_pd.connector.metadata import PDConnectorMetadata, PushProgress
 from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler, SchedulerHalf
-from lmcache_pd.connector.stats import PDConnectorStats, PDPromMetrics, StatsRecorder
+from lmcache_pd.connector.stats import PDConnectorStats, PDPromMetrics
 from lmcache_pd.connector.vllm_version import check_vllm_version
 from lmcache_pd.connector.worker import CacheFacts, ProducerWorker, WorkerHalf
 from lmcache_pd.errors import ConfigError
@@ -57,6 +59,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+# metadata.py stays free of vLLM; to vLLM its classes are the kinds of metadata they carry.
+KVConnectorMetadata.register(PDConnectorMetadata)
+KVConnectorWorkerMetadata.register(PushProgress)
 
 
 def _show_our_logs(level: str) -> None:
@@ -311,7 +317,8 @@ class LMCachePDConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> PDConnectorStats | None:
         """This half's counters since the last call (either process; vLLM adds them up)."""
-        return self._stats.take()
+        taken = self._stats.take()
+        return None if taken is None else PDConnectorStats(data=taken)
 
     def shutdown(self) -> None:
         self._worker.close()

@@ -3,16 +3,14 @@
 vLLM runs the two halves in different processes and ships this object from one to the other
 with every step, so it carries plain data only, and only what changed: a request's prompt goes
 once, with its first save or its load; later saves carry the blocks added since.
+
+Free of vLLM, as the worker halves that read it are: ``facade.py`` registers these classes as
+the vLLM metadata kinds they are (virtual subclasses of its abstract bases).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
 
 from lmcache_pd.protocol import DisaggSpec
 
@@ -54,7 +52,7 @@ class LoadRequest:
 
 
 @dataclass
-class PDConnectorMetadata(KVConnectorMetadata):
+class PDConnectorMetadata:
     """One step's saves (producer) or loads (consumer), the requests that finished, the
     producer's requests that finished before their prompt was computed (aborted), and the
     consumer's disaggregated requests that load nothing (``unneeded``, by ``disagg_req_id``:
@@ -68,13 +66,12 @@ class PDConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass
-class PushProgress(KVConnectorWorkerMetadata):
+class PushProgress:
     """Producer worker -> scheduler, every step: push jobs not finished yet. While any are,
     the scheduler asks vLLM to keep stepping (``has_pending_push_work``), so that the pushes'
     counters reach ``/metrics`` and nothing waits on an idle engine."""
 
     outstanding: int = 0
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> PushProgress:
-        assert isinstance(other, PushProgress)
+    def aggregate(self, other: PushProgress) -> PushProgress:
         return PushProgress(self.outstanding + other.outstanding)

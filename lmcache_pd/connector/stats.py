@@ -28,10 +28,7 @@ changed, so ``observe`` remembers every worker's last value.
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Gauge
@@ -44,73 +41,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from lmcache_pd.connector.counters import (
+    COUNTERS,
+    COUNTERS_KEY,
+    GAUGES,
+    GAUGES_KEY,
+    GaugeReports,
+    sum_gauges,
+)
 from lmcache_pd.metrics_scrape import METRIC_PREFIX
-from lmcache_pd.transfer.consumer_stats import EXPORTED_COUNTERS, EXPORTED_GAUGES
 
 logger = logging.getLogger(__name__)
-
-# Names of the consumer rank's own counters and gauges (``consumer_stats.py``) among ours.
-CONSUMER_PREFIX = "consumer_"
-
-COUNTERS: Mapping[str, str] = MappingProxyType(
-    {
-        "pushes": "Requests whose KV the producer pushed to a consumer.",
-        "chunks_pushed": "KV chunks the producer wrote to consumers.",
-        "chunks_skipped": "KV chunks not sent because the consumer already held them.",
-        "pushes_reserved": "Pushes written into pages the consumer reserved ahead, with no "
-        "allocation round trip.",
-        "bytes_pushed": "Bytes of KV the producer wrote to consumers.",
-        "push_failures": "Pushes that failed; the consumer recomputes those prompts.",
-        "pushes_abandoned": "Requests whose consumer was told their KV will not come.",
-        "jobs_dropped": "Queued pushes dropped because their request was abandoned.",
-        "staging_full": "Times a finished chunk found no free staging page.",
-        "pushes_without_rank": "Requests this producer rank could not push: its DisaggSpec "
-        "named no consumer rank for it, or TP sizes that cannot shard the model's KV heads.",
-        "loads_completed": "Requests whose KV the consumer loaded into vLLM's blocks.",
-        "loads_sync": "Loads done before the step that computes the request's last token "
-        "(its KV had landed on every rank when vLLM scheduled it).",
-        "sync_load_failures": "Of those, loads that failed (also in loads_failed): vLLM "
-        "recomputes their blocks.",
-        "tokens_loaded": "Prompt tokens loaded from a producer instead of computed.",
-        "loads_failed": "Loads reported failed to vLLM, which recomputes the prompt.",
-        "loads_aborted": "Loads dropped because vLLM aborted the request.",
-        "loads_unneeded": "Requests decode computes itself (its own prefix cache covered the "
-        "prompt, or lost what prefill skipped): pushed chunks released.",
-        "load_timeouts": "Loads not complete by their deadline (also in loads_failed).",
-        "loads_abandoned": "Loads failed at once: the producer or proxy abandoned their KV.",
-        "integrity_failures": "Chunks whose checksum did not match (also in loads_failed).",
-        "thread_errors": "Unexpected exceptions caught in the connector's threads.",
-        "bad_transfer_params": "Requests whose kv_transfer_params (or first-token address) "
-        "were unusable: served without disaggregation (or without a notice).",
-        "preemption_recomputes": "Requests preempted after their load, recomputed by vLLM.",
-        "held_prefix_lost": "Requests whose prefix the proxy saw decode's cache hold (prefill "
-        "did not push it) but that decode no longer held when it scheduled them: recomputed.",
-        # Handshakes, by the transports they settled on (transport.py).
-        "peers_local_transport": "Handshakes with a consumer on this network stack (ucx_tls).",
-        "peers_remote_transport": "Handshakes with a consumer on another host or namespace "
-        "(ucx_tls_remote, TCP by default).",
-        "peers_fallback_transport": "Handshakes whose first transports failed the self-test "
-        "and that went on over TCP.",
-        "transport_self_test_failures": "Transport self-tests failed at handshake.",
-        "handshakes_refused": "Handshakes refused: the two sides' KV formats differ.",
-        "peers_evicted": "Idle consumer senders let go to make room for a new consumer "
-        "(the most one producer keeps is 64).",
-        "consumer_process_down": "Times the consumer rank's own process was found gone; "
-        "every load of that rank is recomputed from then on.",
-        # The consumer rank's own counters (its process), as deltas each step.
-        **{CONSUMER_PREFIX + name: text for name, text in EXPORTED_COUNTERS.items()},
-    }
-)
-GAUGES: Mapping[str, str] = MappingProxyType(
-    {CONSUMER_PREFIX + name: text for name, text in EXPORTED_GAUGES.items()}
-)
-
-# Keys of PDConnectorStats.data.
-_COUNTERS_KEY = "counters"
-_GAUGES_KEY = "gauges"
-
-# worker -> gauge name -> latest value
-GaugeReports = dict[str, dict[str, int]]
 
 
 @dataclass
@@ -125,22 +66,22 @@ class PDConnectorStats(KVConnectorStats):
         # vLLM rebuilds stats from the to_dict() payload, or from None for an empty container.
         if not self.data:
             self.reset()
-        self.data.setdefault(_COUNTERS_KEY, {})
-        self.data.setdefault(_GAUGES_KEY, {})
+        self.data.setdefault(COUNTERS_KEY, {})
+        self.data.setdefault(GAUGES_KEY, {})
 
     @property
     def counters(self) -> dict[str, int]:
         """Counter deltas of the interval, by name."""
-        return self.data[_COUNTERS_KEY]
+        return self.data[COUNTERS_KEY]
 
     @property
     def gauges(self) -> GaugeReports:
         """Latest gauge values reported in the interval, by worker then name."""
-        return self.data[_GAUGES_KEY]
+        return self.data[GAUGES_KEY]
 
     def reset(self) -> None:
         """Empty the container."""
-        self.data = {_COUNTERS_KEY: {}, _GAUGES_KEY: {}}
+        self.data = {COUNTERS_KEY: {}, GAUGES_KEY: {}}
 
     def aggregate(self, other: KVConnectorStats) -> PDConnectorStats:
         """Counters add; a worker's gauges in ``other`` replace its older ones here.
@@ -149,12 +90,12 @@ class PDConnectorStats(KVConnectorStats):
         object, so neither input is changed and no nested dict is shared.
         """
         counters = dict(self.counters)
-        for name, delta in other.data.get(_COUNTERS_KEY, {}).items():
+        for name, delta in other.data.get(COUNTERS_KEY, {}).items():
             counters[name] = counters.get(name, 0) + delta
         gauges = {worker: dict(values) for worker, values in self.gauges.items()}
-        for worker, values in other.data.get(_GAUGES_KEY, {}).items():
+        for worker, values in other.data.get(GAUGES_KEY, {}).items():
             gauges.setdefault(worker, {}).update(values)
-        return PDConnectorStats(data={_COUNTERS_KEY: counters, _GAUGES_KEY: gauges})
+        return PDConnectorStats(data={COUNTERS_KEY: counters, GAUGES_KEY: gauges})
 
     def reduce(self) -> dict[str, int | float]:
         """For vLLM's periodic log line: non-zero counters, then each gauge summed over the
@@ -168,79 +109,6 @@ class PDConnectorStats(KVConnectorStats):
     def is_empty(self) -> bool:
         """True when nothing was counted and no gauge was reported."""
         return not any(self.counters.values()) and not any(self.gauges.values())
-
-
-def sum_gauges(reports: GaugeReports) -> dict[str, int]:
-    """Each gauge's latest value summed over the workers that reported it."""
-    totals: dict[str, int] = {}
-    for values in reports.values():
-        for name, value in values.items():
-            totals[name] = totals.get(name, 0) + value
-    return totals
-
-
-class StatsRecorder:
-    """Thread-safe counters of one connector half; ``take`` hands vLLM what is new.
-
-    Cheap enough for hot paths: a lock and a dict update, no I/O. Unknown names raise at once,
-    so a typo fails its first test rather than reporting nothing.
-    """
-
-    def __init__(self, worker: str) -> None:
-        """``worker`` names this reporter among the engine's (e.g. ``"rank0"``,
-        ``"scheduler"``); gauges from different workers are summed, from one are replaced."""
-        self._worker = worker
-        self._lock = threading.Lock()
-        self._deltas: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self._totals: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self._gauges: dict[str, int] = {}
-        self._reported_gauges: dict[str, int] = {}
-
-    @property
-    def worker(self) -> str:
-        """The name this recorder reports its gauges under."""
-        return self._worker
-
-    def add(self, name: str, n: int = 1) -> None:
-        """Count ``n`` more of counter ``name``."""
-        if name not in COUNTERS:
-            raise ValueError(f"unknown counter {name!r}; known: {', '.join(COUNTERS)}")
-        if n < 0:
-            raise ValueError(f"counter {name!r} only goes up, got {n}")
-        with self._lock:
-            self._deltas[name] += n
-            self._totals[name] += n
-
-    def set_gauge(self, name: str, value: int) -> None:
-        """Set gauge ``name`` to its current ``value``."""
-        if name not in GAUGES:
-            raise ValueError(f"unknown gauge {name!r}; known: {', '.join(GAUGES)}")
-        with self._lock:
-            self._gauges[name] = value
-
-    def take(self) -> PDConnectorStats | None:
-        """What accumulated since the last call, starting a new interval; None when nothing.
-
-        None matters: vLLM treats any stats object as output worth sending, even an empty one.
-        """
-        with self._lock:
-            counters = {name: delta for name, delta in self._deltas.items() if delta}
-            changed = {
-                name: value
-                for name, value in self._gauges.items()
-                if self._reported_gauges.get(name) != value
-            }
-            if not counters and not changed:
-                return None
-            self._deltas = dict.fromkeys(COUNTERS, 0)
-            self._reported_gauges.update(changed)
-        gauges = {self._worker: changed} if changed else {}
-        return PDConnectorStats(data={_COUNTERS_KEY: counters, _GAUGES_KEY: gauges})
-
-    def totals(self) -> dict[str, int]:
-        """Counters since start (taken or not), and each gauge's current value, for logs."""
-        with self._lock:
-            return {**self._totals, **self._gauges}
 
 
 class PDPromMetrics(KVConnectorPromMetrics):
@@ -287,14 +155,14 @@ class PDPromMetrics(KVConnectorPromMetrics):
         Runs in the API server's output loop, where an exception would stop serving, so names
         this version does not know are logged once and skipped.
         """
-        for name, delta in transfer_stats_data.get(_COUNTERS_KEY, {}).items():
+        for name, delta in transfer_stats_data.get(COUNTERS_KEY, {}).items():
             if name in self._counters:
                 if delta > 0:
                     self._counters[name][engine_idx].inc(delta)
             else:
                 self._skip_unknown(name)
         latest = self._latest.setdefault(engine_idx, {})
-        for worker, values in transfer_stats_data.get(_GAUGES_KEY, {}).items():
+        for worker, values in transfer_stats_data.get(GAUGES_KEY, {}).items():
             latest.setdefault(worker, {}).update(values)
         for name, total in sum_gauges(latest).items():
             if name in self._gauges:

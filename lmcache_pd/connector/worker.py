@@ -25,12 +25,12 @@ import torch
 
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig, replace
+from lmcache_pd.connector.counters import StatsRecorder
 from lmcache_pd.connector.metadata import (
     PDConnectorMetadata,
     PushProgress,
     SaveRequest,
 )
-from lmcache_pd.connector.stats import StatsRecorder
 from lmcache_pd.errors import AllocationError, ProtocolError
 from lmcache_pd.kernels.paged_kv import COPIED, Copy, PagedKV, head_slice, recognise
 from lmcache_pd.keys import ChunkKeyer
@@ -155,8 +155,17 @@ class ProducerWorker(WorkerHalf):
         self._staging = staging_for(config, self._cache)
         # Each request's pushes: one per consumer rank it sends to, with the heads it sends.
         self._saving: dict[str, list[tuple[Saving, PagedKV]]] = {}
+        device = self._cache.device
+
+        def sender_producer() -> Producer:
+            """Run first in each sender thread: its CUDA calls (event queries, NIXL's VRAM
+            work) go to this rank's GPU, not to GPU 0, where they would make a context."""
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            return Producer(config, staging=self._staging, profile=profile, count=stats.add)
+
         self._senders = SenderPool(
-            lambda: Producer(config, staging=self._staging, profile=profile, count=stats.add),
+            sender_producer,
             stats.add,
             TraceFile(config.trace_path),
             [parse_peer(peer) for peer in config.warm_peers],

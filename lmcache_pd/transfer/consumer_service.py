@@ -6,17 +6,18 @@ code holds the worker's GIL, and no thread of ours runs meanwhile, unpinned or n
 to 78 s of silence in 2P1D on 2 cores, 35 to 55 s on both decode ranks of TP 2, the watchdog
 thread silent too). A process of its own is scheduled by the kernel like any other.
 
-The receive buffer is a memfd both processes map (or, with ``buffer_device: cuda``, the worker's
-GPU memory, opened by CUDA IPC: ``cuda_ipc.py``): the service registers it with NIXL and lands
-chunks in it; the worker scatters from it, and reads only pages its request holds (they keep
-their bytes until it releases them). Control is msgpack over a socketpair: ``claim`` and
-``release`` are one-way, and the worker's one question per engine step, ``Progress``, asks how
-far every pending load got and gets the consumer's counters with the answer. The worker waits
-for that answer only briefly (``REPLY_WAIT_S``) and otherwise reads it at its next step, so a
-service that is slow to be scheduled delays loads by a step, never vLLM's model thread. The one
-question the worker waits for is ``LoadNow``, for a request whose KV had all landed when vLLM
-scheduled it (as the service posted on its ``landed_board``): it is loaded before the step's
-forward pass, and the wait has a deadline.
+The receive buffer is a memfd both processes map (or, with ``buffer_device: cuda``, GPU memory the
+service allocates on the worker's device and the worker opens by CUDA IPC: ``cuda_ipc.py``; the
+process that registers memory with NIXL owns it, so UCX never has to re-export an imported
+mapping): the service registers it with NIXL and lands chunks in it; the worker scatters from it,
+and reads only pages its request holds (they keep their bytes until it releases them). Control is
+msgpack over a socketpair: ``claim`` and ``release`` are one-way, and the worker's one question per
+engine step, ``Progress``, asks how far every pending load got and gets the consumer's counters
+with the answer. The worker waits for that answer only briefly (``REPLY_WAIT_S``) and otherwise
+reads it at its next step, so a service that is slow to be scheduled delays loads by a step, never
+vLLM's model thread. The one question the worker waits for is ``LoadNow``, for a request whose KV
+had all landed when vLLM scheduled it (as the service posted on its ``landed_board``): it is loaded
+before the step's forward pass, and the wait has a deadline.
 
 The service exits when its worker does: on end of file from the socketpair, or when its parent
 process changes (checked every ``PARENT_CHECK_S``), or on SIGTERM, which the launcher sends the
@@ -46,6 +47,7 @@ from lmcache_pd.affinity import unpin_this_thread
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import PDError, PeerTimeout
+from lmcache_pd.kernels.gpu_memory import ensure_room
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.protocol import PROCESS_EXIT_TIMEOUT_S
 from lmcache_pd.transfer import cuda_ipc
@@ -72,14 +74,17 @@ class Setup(msgspec.Struct, frozen=True):
     config: PDConfig
     keyer: dict[str, str | int]
     profile: KVProfile | None
-    # With buffer_device cuda: the worker's GPU receive buffer (the memfd is then unused).
-    cuda_buffer: CudaBufferHandle | None = None
+    # With buffer_device cuda: the GPU (index) to allocate the receive buffer on (the memfd is
+    # then unused).
+    cuda_device: int | None = None
     # Where to post chunks landed per unclaimed request (``landed_board.py``); None: nowhere.
     board: str | None = None
 
 
 class Ready(msgspec.Struct, frozen=True):
     pid: int
+    # With buffer_device cuda: the receive buffer the service allocated, for the worker to open.
+    cuda_buffer: CudaBufferHandle | None = None
 
 
 class Claim(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -156,9 +161,9 @@ class ConsumerService:
         board: Path | None = None,
     ) -> None:
         """``config``: the rank's own (``PDConfig.for_rank``), with its page size. ``device``:
-        a GPU to hold the receive buffer (``buffer_device: cuda``; shared with the process by
-        CUDA IPC), else it is a memfd both map. ``board``: where the process posts landed
-        chunks for decode's scheduler."""
+        a GPU to hold the receive buffer (``buffer_device: cuda``; the process allocates it
+        there and shares it with this one by CUDA IPC), else it is a memfd both map.
+        ``board``: where the process posts landed chunks for decode's scheduler."""
         self.page_bytes = config.page_bytes
         self.stats: dict[str, int] = {}
         self._awaiting = False
@@ -167,12 +172,14 @@ class ConsumerService:
         self._down: str | None = None
         size = receive_buffer_bytes(config)
         memory = os.memfd_create("lmcache-pd-receive-buffer", os.MFD_CLOEXEC)
-        shared = None
+        on_gpu = device is not None and device.type == "cuda"
+        cuda_device = None
         try:
-            if device is not None and device.type == "cuda":
-                # Ours: it outlives the process, which is stopped in close() before it goes.
-                self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-                shared = cuda_ipc.share(self.buffer)
+            if on_gpu:
+                cuda_device = torch.device(device).index
+                if cuda_device is None:
+                    cuda_device = torch.cuda.current_device()
+                ensure_room(torch.device("cuda", cuda_device), size, "the GPU receive buffer")
             else:
                 os.ftruncate(memory, size)
                 self.buffer = _map(memory, size)
@@ -187,10 +194,20 @@ class ConsumerService:
             try:
                 self._send(
                     Setup(
-                        config, keyer.params, profile, shared, None if board is None else str(board)
+                        config,
+                        keyer.params,
+                        profile,
+                        cuda_device,
+                        None if board is None else str(board),
                     )
                 )
                 ready = self._receive(READY_TIMEOUT_S, Ready, "start")
+                if on_gpu:
+                    if ready.cuda_buffer is None:
+                        raise ConsumerServiceDown("the service shared no GPU receive buffer")
+                    # Theirs: valid while the process runs; close() stops it only after the
+                    # worker's copies out of it are done.
+                    self.buffer = cuda_ipc.open_shared(ready.cuda_buffer)
             except BaseException:
                 self._kill()
                 raise
@@ -315,8 +332,14 @@ def _serve(memory: int, connection: Connection) -> None:
 
 
 def _serve_consumer(memory: int, connection: Connection, setup: Setup, parent: int) -> None:
-    if setup.cuda_buffer is not None:
-        buffer = cuda_ipc.open_shared(setup.cuda_buffer)
+    shared = None
+    if setup.cuda_device is not None:
+        # This process's CUDA work goes to the worker's GPU, not GPU 0, whatever its rank.
+        torch.cuda.set_device(setup.cuda_device)
+        buffer = torch.zeros(
+            receive_buffer_bytes(setup.config), dtype=torch.uint8, device=setup.cuda_device
+        )
+        shared = cuda_ipc.share(buffer)
     else:
         buffer = _map(memory, receive_buffer_bytes(setup.config))
     os.close(memory)
@@ -331,7 +354,7 @@ def _serve_consumer(memory: int, connection: Connection, setup: Setup, parent: i
         # serving loop, then walks only what serving made (measured with these imports: 60 ms
         # a full collection before, ~0 after).
         gc.freeze()
-        connection.send_bytes(msgspec.msgpack.encode(Ready(os.getpid())))
+        connection.send_bytes(msgspec.msgpack.encode(Ready(os.getpid(), shared)))
         while True:
             if not connection.poll(PARENT_CHECK_S):
                 if os.getppid() != parent:

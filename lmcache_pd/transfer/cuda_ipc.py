@@ -1,10 +1,12 @@
 """A GPU buffer shared between a vLLM worker and its consumer process (``buffer_device: cuda``).
 
-The worker allocates the receive buffer in its cache's GPU memory; the consumer process, which
-registers it with NIXL as VRAM, opens it by CUDA IPC. The handle is torch's own, the one
+The consumer process allocates the receive buffer on the worker's GPU and registers it with NIXL
+as VRAM: the process that registers memory owns it, so UCX registers an allocation of its own
+and never has to re-export a mapping imported by IPC. The worker, which scatters chunks out of
+it into vLLM's cache, opens it by CUDA IPC. The handle is torch's own, the one
 ``torch.multiprocessing`` sends (``reduce_tensor``), carried here as a typed struct on the
-service's msgpack channel (never pickled). The worker owns the memory: it keeps the tensor until
-the consumer process has ended (``ConsumerService.close``).
+service's msgpack channel (never pickled). The process keeps the tensor while it runs; the
+worker stops it only after its copies out of the buffer are done (``ConsumerWorker.close``).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import torch
 
 from lmcache_pd import protocol
 from lmcache_pd.errors import AllocationError
+from lmcache_pd.kernels.gpu_memory import ensure_room
 from lmcache_pd.transfer.allocator import PageAllocator
 
 
@@ -38,6 +39,8 @@ class Staging:
         self.page_bytes = page_bytes
         self._pages_bytes = num_pages * page_bytes
         size = self._pages_bytes + protocol.PROBE_AREA_BYTES
+        if torch.device(device).type == "cuda":
+            ensure_room(torch.device(device), size, "the producer's GPU staging")
         # Zeroed now so that every page is faulted in here, not on the first transfers.
         self.buffer = torch.zeros(size, dtype=torch.uint8, device=device, pin_memory=pinned)
         self._pages = PageAllocator(num_pages=num_pages, page_bytes=page_bytes, lease_s=None)
