@@ -8,6 +8,7 @@
 #   kernels_gpu.json     benchmarks/kernels_gpu.py: Triton copies vs a device copy, cold L2
 #   load_stall_gpu.json  benchmarks/load_stall_gpu.py: what a load adds to the model's step
 #   transfer_gpu.json    benchmarks/transfer_gpu.py: producer to consumer through NIXL, both buffers
+#   gpu.json             benchmarks/gpu_summary.py: the three against issue 34's goals
 #
 #   bash benchmarks/gpu_session.sh "$OUT"
 set -uo pipefail
@@ -32,3 +33,4 @@ timeout 120 python3 -m benchmarks.load_stall_gpu --runs 15 \
     --output "$out/load_stall_gpu.json" 2>&1 | tail -8
 timeout 240 python3 -m benchmarks.transfer_gpu --runs 5 \
     --output "$out/transfer_gpu.json" 2>&1 | grep -E "benchmarks.transfer_gpu|Error|error" | tail -12
+python3 -m benchmarks.gpu_summary "$out" 2>&1 | tail -1
