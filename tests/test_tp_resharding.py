@@ -18,7 +18,7 @@ from lmcache_pd.config import load_config
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
 from lmcache_pd.connector.counters import StatsRecorder
 from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata, SaveRequest
-from lmcache_pd.connector.worker import ProducerWorker
+from lmcache_pd.connector.worker import CacheFacts, ProducerWorker
 from lmcache_pd.kernels.paged_kv import BlockKV, head_slice, recognise
 from lmcache_pd.protocol import DisaggSpec
 from lmcache_pd.tp_parts import Part, TPLayout, part_keyer, rank_heads, route
@@ -295,3 +295,58 @@ def test_a_part_sent_to_the_wrong_rank_is_never_loaded_there(resharded: Pair) ->
     for rank, cache in enumerate(pair.decode.caches):
         assert pair.decode.stats[rank].totals()["load_timeouts"] == 1
         assert not cache[0].any()
+
+
+@pytest.mark.processes
+def test_a_cache_that_cannot_be_cut_by_heads_abandons_every_decode_rank_at_once() -> None:
+    """A token-layout prefill (a GPU backend's cache, here on CPU) given a decode of two ranks:
+    it cannot send each rank its heads, so it tells both at once that the KV will not come;
+    they recompute within moments, not at their load deadline, and nothing is written."""
+    init, alloc = [free_port(), free_port()], [free_port(), free_port()]
+    common = {"chunk_size": CHUNK, "buffer_size_bytes": 16 << 20, "load_timeout_s": 30.0}
+    consumer_config = load_config(
+        None, environ={}, kv_role="kv_consumer", init_port=init, alloc_port=alloc, **common
+    )
+    facts = CacheFacts(block_size=BLOCK, physical_order="NHD", packed_blocks=False)
+    tokens = [torch.randn(2, NUM_BLOCKS, BLOCK, HEADS, HEAD) for _ in range(LAYERS)]
+    workers: list = []
+    try:
+        for rank in range(2):
+            own = [layer[:, :, :, rank : rank + 1].clone().zero_() for layer in tokens]
+            keyer = make_keyer(model_name="m", world_size=2, worker_id=rank, chunk_size=CHUNK)
+            workers.append(
+                ConsumerWorker(
+                    consumer_config.for_rank(rank),
+                    keyer,
+                    as_layers(own),
+                    StatsRecorder(f"c{rank}"),
+                    rank=rank,
+                    facts=facts,
+                    layout=TPLayout(HEADS, 2),
+                )
+            )
+        stats = StatsRecorder("p")
+        producer = ProducerWorker(
+            load_config(None, environ={}, kv_role="kv_producer", **common),
+            make_keyer(model_name="m", chunk_size=CHUNK),
+            as_layers(tokens),
+            stats,
+            facts=facts,
+            layout=TPLayout(HEADS, 1),
+        )
+        workers.append(producer)
+        spec = DisaggSpec("d-1", "127.0.0.1", init, alloc)
+        started = time.monotonic()
+        save = SaveRequest("p", spec, PROMPT, BLOCKS, len(PROMPT))
+        producer.wait_for_save(PDConnectorMetadata(saves=[save]))
+        assert (
+            load(Pair(Side([], [], []), Side(workers[:2], [], []), spec, []))
+            == [({"c"}, {"c"})] * 2
+        )
+        assert time.monotonic() - started < 10.0  # told, not timed out at 30 s
+        assert stats.totals()["pushes_without_rank"] == 1
+        for worker in workers[:2]:
+            assert worker._stats.totals()["loads_abandoned"] == 1
+    finally:
+        for worker in workers:
+            worker.close()

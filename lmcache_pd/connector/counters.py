@@ -31,7 +31,8 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "jobs_dropped": "Queued pushes dropped because their request was abandoned.",
         "staging_full": "Times a finished chunk found no free staging page.",
         "pushes_without_rank": "Requests this producer rank could not push: its DisaggSpec "
-        "named no consumer rank for it, or TP sizes that cannot shard the model's KV heads.",
+        "named no consumer rank for it, TP sizes that cannot shard the model's KV heads, or a "
+        "decode at another TP size than a cache that cannot be cut by heads (token chunks).",
         "loads_completed": "Requests whose KV the consumer loaded into vLLM's blocks.",
         "loads_sync": "Loads done before the step that computes the request's last token "
         "(its KV had landed on every rank when vLLM scheduled it).",

@@ -242,22 +242,27 @@ class ProducerWorker(WorkerHalf):
             logger.error("req %s: not pushed by rank %d: %s", spec.req_id, self._rank, exc)
             return []
         own = rank_heads(layout.kv_heads, layout.tp_size, self._rank)[0]
-        return self._skipping(
-            [
-                (
-                    Saving(
-                        spec.for_rank(part.dest),
-                        part_keyer(self._keyer, layout.kv_heads, part).chunk_keys(
-                            prompt, salt=save.cache_salt
-                        ),
-                        len(prompt),
-                    ),
-                    head_slice(self._cache, part.lo - own, part.hi - own),
-                )
-                for part in parts
-                if part.source == self._rank
-            ]
-        )
+        mine = [part for part in parts if part.source == self._rank]
+        requests = [
+            Saving(
+                spec.for_rank(part.dest),
+                part_keyer(self._keyer, layout.kv_heads, part).chunk_keys(
+                    prompt, salt=save.cache_salt
+                ),
+                len(prompt),
+            )
+            for part in mine
+        ]
+        try:
+            caches = [head_slice(self._cache, part.lo - own, part.hi - own) for part in mine]
+        except ValueError as exc:
+            # This cache cannot be cut by heads (token chunks): every decode rank it would feed
+            # is told at once, so that it recomputes now rather than at its load deadline.
+            self._stats.add("pushes_without_rank")
+            for request in requests:
+                self._abandon(request, AbandonReason.INCOMPATIBLE, str(exc))
+            return []
+        return self._skipping(list(zip(requests, caches, strict=True)))
 
     def _skipping(self, targets: list[tuple[Saving, PagedKV]]) -> list[tuple[Saving, PagedKV]]:
         """``targets`` with the chunks decode's prefix cache holds (its spec says how many
