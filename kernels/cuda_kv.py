@@ -186,13 +186,11 @@ class CudaTokenKV:
         for chunk in chunks:
             sizes.append(self._checked_size(chunk.data, chunk.end - chunk.start))
             begin = max(chunk.start, start)
-            _, first = chunk_blocks(
-                block_ids, begin, chunk.end, self.block_size, self._num_blocks, unique=True
-            )
+            _, first = chunk_blocks(block_ids, begin, chunk.end, self.block_size, self._num_blocks)
             rows.append(
                 PlanRow(begin // self.block_size, first, chunk.end - begin, begin - chunk.start)
             )
-        # Distinct blocks across the chunks too: two tokens of a load never share a slot.
+        # Distinct blocks over the whole load, once: two of its tokens never share a slot.
         chunk_blocks(
             block_ids,
             max(chunks[0].start, start),

@@ -79,25 +79,6 @@ class Copied:
 COPIED = Copied()
 
 
-def scatter_each(
-    cache: PagedKV,
-    chunks: Sequence[ChunkBytes],
-    block_ids: Sequence[int],
-    start: int,
-    hashed: bool,
-    model_waits: bool,
-) -> tuple[Copy, list[int | None]]:
-    """``PagedKV.scatter_chunks`` as one ``scatter`` a chunk (CPU caches: each done at once)."""
-    copy: Copy = COPIED
-    digests: list[int | None] = []
-    for chunk in chunks:
-        copy = cache.scatter(
-            chunk.data, block_ids, chunk.start, chunk.end, start, hashed, model_waits
-        )
-        digests.append(copy.digest)
-    return copy, digests
-
-
 class PagedKV(Protocol):
     """What the worker halves ask of the cache, whatever its format."""
 
@@ -160,7 +141,29 @@ class PagedKV(Protocol):
     def close(self) -> None: ...
 
 
-class BlockKV:
+class ChunkByChunk:
+    """``PagedKV.scatter_chunks`` as one ``scatter`` (the subclass's) a chunk: the CPU caches,
+    whose every copy is done when its call returns, so nothing is gained by one call a load."""
+
+    def scatter_chunks(
+        self,
+        chunks: Sequence[ChunkBytes],
+        block_ids: Sequence[int],
+        start: int,
+        hashed: bool = False,
+        model_waits: bool = True,
+    ) -> tuple[Copy, list[int | None]]:
+        copy: Copy = COPIED
+        digests: list[int | None] = []
+        for chunk in chunks:
+            copy = self.scatter(
+                chunk.data, block_ids, chunk.start, chunk.end, start, hashed, model_waits
+            )
+            digests.append(copy.digest)
+        return copy, digests
+
+
+class BlockKV(ChunkByChunk):
     """vLLM's CPU cache (``blocks``, 4-D layers) or an MLA latent cache in CPU memory
     (``latent``, 3-D layers, seen as blocks of one head): chunks of whole blocks, as opaque
     bytes."""
@@ -207,16 +210,6 @@ class BlockKV:
         blocks = self._blocks(block_ids, max(chunk_start, start), chunk_end)
         return Copied(self._cache.scatter(chunk, blocks, hashed=hashed))
 
-    def scatter_chunks(
-        self,
-        chunks: Sequence[ChunkBytes],
-        block_ids: Sequence[int],
-        start: int,
-        hashed: bool = False,
-        model_waits: bool = True,
-    ) -> tuple[Copy, list[int | None]]:
-        return scatter_each(self, chunks, block_ids, start, hashed, model_waits)
-
     def adopt(self, buffer: torch.Tensor) -> None:
         return None
 
@@ -244,7 +237,7 @@ class BlockKV:
         return torch.tensor(block_ids[first:last], dtype=torch.int64)
 
 
-class TokenKV:
+class TokenKV(ChunkByChunk):
     """A token-layout cache in CPU memory: the torch path (the GPU backends' layouts, on CPU
     tensors: how they are tested and measured without a GPU)."""
 
@@ -286,16 +279,6 @@ class TokenKV:
         slots = slot_mapping(block_ids, first, chunk_end, self.block_size)
         self._cache.scatter(chunk, slots, skip=first - chunk_start)
         return COPIED
-
-    def scatter_chunks(
-        self,
-        chunks: Sequence[ChunkBytes],
-        block_ids: Sequence[int],
-        start: int,
-        hashed: bool = False,
-        model_waits: bool = True,
-    ) -> tuple[Copy, list[int | None]]:
-        return scatter_each(self, chunks, block_ids, start, hashed, model_waits)
 
     def adopt(self, buffer: torch.Tensor) -> None:
         return None
