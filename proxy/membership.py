@@ -19,6 +19,7 @@ from typing import Annotated, Literal, Protocol
 import msgspec
 
 from lmcache_pd.protocol import Port, RankPorts
+from lmcache_pd.proxy.config import KVEventsAddress
 from lmcache_pd.proxy.routing import Periodic, Pool, Role, Upstream
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class Member(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     receiver_host: str | None = None
     init_port: Port | RankPorts | None = None
     alloc_port: Port | RankPorts | None = None
+    # Where it publishes its KV events, for the proxy's KV routing (None: it does not).
+    kv_events: KVEventsAddress | None = None
 
     @property
     def receiver(self) -> tuple[str, int | list[int], int | list[int]] | None:
@@ -97,11 +100,13 @@ class Membership:
 
     def _apply(self, pool: Pool, members: list[Member]) -> None:
         wanted = {member.url: member for member in members}
-        # An instance back on its address with other KV ports is another instance.
+        # An instance back on its address with other KV or event ports is another instance.
         current = {
             upstream.url: upstream
             for upstream in pool.members
-            if upstream.url in wanted and wanted[upstream.url].receiver == upstream.receiver
+            if upstream.url in wanted
+            and wanted[upstream.url].receiver == upstream.receiver
+            and wanted[upstream.url].kv_events == upstream.kv_events
         }
         kept = list(current.values())
         for upstream in pool.members:
@@ -113,6 +118,6 @@ class Membership:
         for url, member in wanted.items():
             if url not in current:
                 logger.info("%s instance %s (%s) joined", pool.role.value, url, member.name)
-                kept.append(Upstream(url, pool.role, member.receiver))
+                kept.append(Upstream(url, pool.role, member.receiver, member.kv_events))
         if kept != pool.members:
             pool.replace(kept)

@@ -29,7 +29,7 @@ from lmcache_pd.deploy.k8s import manifests, to_yaml
 from lmcache_pd.deploy.launcher import peer_text
 from lmcache_pd.deploy.pools import InstanceSpec, KubernetesSpec, PoolsConfig, load_pools
 from lmcache_pd.errors import ConfigError
-from lmcache_pd.proxy.config import ProxyConfig, proxy_config
+from lmcache_pd.proxy.config import KVEventsAddress, ProxyConfig, proxy_config
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 SHIPPED = ["pools.yaml", "pools-2p1d.yaml", "pools-tp2.yaml", "pools-tp2p-tp1d.yaml"]
@@ -119,6 +119,32 @@ def mounted_file(workload: Manifest, objects: list[Manifest], path: str) -> str 
 def model_mount(workload: Manifest) -> str | None:
     mounts = container_of(workload)["volumeMounts"]
     return next((m["mountPath"] for m in mounts if m["name"] == "model"), None)
+
+
+def _events_faults(
+    command: list[str],
+    env: dict[str, str],
+    listed: KVEventsAddress | None,
+    pod: str,
+    resolve: dict[str, str],
+    exposed: set[int],
+) -> list[str]:
+    """Where a pod's KV events and the proxy's entry for them disagree: vLLM publishes on the
+    pod's IP, at the ports the proxy follows, which the pod exposes; neither or both."""
+    published = "--kv-events-config" in command
+    if listed is None or not published:
+        return [] if listed is None and not published else [f"{pod}: published {published}"]
+    config = json.loads(expand(argument(command, "--kv-events-config"), env))
+    ip = resolve.get(listed.host)
+    wanted = {
+        "endpoint": f"tcp://{ip}:{listed.port}",
+        "replay_endpoint": f"tcp://{ip}:{listed.replay_port}",
+    }
+    if ip != pod_ip(pod) or {k: config.get(k) for k in wanted} != wanted:
+        return [f"{pod}: publishes at {config}, the proxy follows {listed}"]
+    if not {listed.port, listed.replay_port} <= exposed:
+        return [f"{pod}: its KV-event ports are not container ports"]
+    return []
 
 
 def wiring_faults(objects: list[Manifest], tmp_path: Path) -> list[str]:
@@ -211,6 +237,7 @@ def _instance_faults(objects: list[Manifest], tmp_path: Path) -> list[str]:
         # The cluster's DNS: each pod's name under its headless Service is its IP.
         resolve = {f"{pod}.{domain}": pod_ip(pod) for pod in pods}
         port = argument(command, "--port")
+        events = [m.kv_events for m in (proxy.prefill if component == "prefill" else proxy.decode)]
         if {p["containerPort"] for p in container["ports"] if p["name"] == "http"} != {int(port)}:
             faults.append(f"{component}: its http port is not vLLM's --port")
         if urls != [f"http://{pod}.{domain}:{port}" for pod in pods]:
@@ -231,6 +258,8 @@ def _instance_faults(objects: list[Manifest], tmp_path: Path) -> list[str]:
             env = pod_env(container, pod, objects)
             if expand(argument(command, "--host"), env) != pod_ip(pod):
                 faults.append(f"{pod}: vLLM binds {argument(command, '--host')}, not the pod's IP")
+            listed = events[index] if index < len(events) else None
+            faults += _events_faults(command, env, listed, pod, resolve, exposed)
             try:
                 settings = load_config(local, environ=env)
                 keys = load_keys(settings.secret_file, env)
@@ -339,6 +368,12 @@ def _break_vllm_host(objects: list[Manifest]) -> None:
     command[command.index("--host") + 1] = "0.0.0.0"
 
 
+def _break_events_port(objects: list[Manifest]) -> None:
+    command = _decode(objects)["command"]
+    at = command.index("--kv-events-config") + 1
+    command[at] = command[at].replace(":5570", ":5580")  # publishes where nobody follows
+
+
 def _break_secret_item(objects: list[Manifest]) -> None:
     [env] = [e for e in _decode(objects)["env"] if e["name"] == SECRET_ENV]
     env["valueFrom"]["secretKeyRef"]["key"] = "instance-api-key"  # a secret, not the deployment's
@@ -378,6 +413,7 @@ def _break_service_links(objects: list[Manifest]) -> None:
         _break_service_name,
         _break_receiver_host,
         _break_vllm_host,
+        _break_events_port,
         _break_secret_item,
         _break_proxy_secret,
         _break_warm_peers,
@@ -406,6 +442,7 @@ def test_kubernetes_settings_reach_every_object(tmp_path: Path) -> None:
         model_mount_path="/models/tiny",
         http_port=8100,
         kv_port_base=40000,
+        kv_events_port=41000,
         proxy_service_type="NodePort",
         proxy_service_port=80,
         gpu_resource="nvidia.com/gpu",
@@ -419,7 +456,8 @@ def test_kubernetes_settings_reach_every_object(tmp_path: Path) -> None:
     decode = _decode(objects)
     assert decode["image"] == "registry.example/lmcache-pd:0.1"
     assert decode["resources"]["limits"] == {"nvidia.com/gpu": "2"}
-    assert [p["containerPort"] for p in decode["ports"]] == [8100, 40000, 40001, 40002, 40003]
+    ports = [8100, 40000, 40001, 40002, 40003, 41000, 41001]
+    assert [p["containerPort"] for p in decode["ports"]] == ports
     volumes = one(objects, "StatefulSet", "decode")["spec"]["template"]["spec"]["volumes"]
     assert {
         "name": "model",

@@ -122,19 +122,22 @@ def admitted(objects: list[Manifest], source: Pod, component: str, port: int) ->
 
 def needed(objects: list[Manifest]) -> set[tuple[str, str, int]]:
     """(source, target, port) of every connection the deployment makes, read from its own
-    configs: the proxy to every instance URL and decode's alloc ports (KV drops), prefill to its
-    warm peers (every decode rank's KV ports) and decode's UCX range, prefill to the proxy's
-    notice port. ``*`` is any source (the proxy's clients)."""
+    configs: the proxy to every instance URL and KV-event ports and decode's alloc ports (KV
+    drops), prefill to its warm peers (every decode rank's KV ports) and decode's UCX range,
+    prefill to the proxy's notice port. ``*`` is any source (the proxy's clients)."""
     proxy_map = one(objects, "ConfigMap", "proxy")["data"]["proxy.yaml"]
     proxy: ProxyConfig = proxy_config(yaml.safe_load(proxy_map))
     prefill_map = one(objects, "ConfigMap", "prefill")["data"]["prefill.yaml"]
     flows = {("*", "proxy", proxy.port)}
     assert proxy.notice_port is not None
     flows.add(("prefill", "proxy", proxy.notice_port))
-    for member in proxy.prefill:
-        flows.add(("proxy", "prefill", urlsplit(member.url).port))
+    for role, members in (("prefill", proxy.prefill), ("decode", proxy.decode)):
+        for member in members:
+            flows.add(("proxy", role, urlsplit(member.url).port))
+            if member.kv_events is not None:  # routing: kv follows each instance's events
+                events = member.kv_events
+                flows |= {("proxy", role, port) for port in (events.port, events.replay_port)}
     for member in proxy.decode:
-        flows.add(("proxy", "decode", urlsplit(member.url).port))
         alloc = member.alloc_port if isinstance(member.alloc_port, list) else [member.alloc_port]
         flows |= {("proxy", "decode", port) for port in alloc}
     for peer in yaml.safe_load(prefill_map)["warm_peers"]:
@@ -370,6 +373,13 @@ def test_decode_ports_that_would_meet_are_refused() -> None:
     with pytest.raises(ConfigError, match="below 65536"):
         with_kubernetes(kv_port_base=65501)  # its last UCX port would be 65536
     with_kubernetes(http_port=55555 + 4 + 32)  # the first port after decode's: allowed
+    with pytest.raises(ConfigError, match="kv_events_port 7999"):
+        with_kubernetes(kv_events_port=7999)  # its replay port would be vLLM's HTTP port
+    with pytest.raises(ConfigError, match="kv_events_port 55570"):
+        with_kubernetes(kv_events_port=55570)  # among decode's UCX ports
+    with pytest.raises(ConfigError, match="below 65536"):
+        with_kubernetes(kv_events_port=65535)
+    with_kubernetes(kv_events_port=7998)  # right below vLLM's: allowed
     pools = shipped("pools.yaml")
     proxy = msgspec.structs.replace(pools.proxy, port=5557)
     with pytest.raises(ConfigError, match="first-token notices"):

@@ -5,19 +5,22 @@ edits); the real one, Ray, is ``tests/test_ray_cluster.py``."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 import httpx
+import msgspec
 import openai
 import pytest
 
 from lmcache_pd.harness.app_thread import AppThread, proxy_thread
 from lmcache_pd.harness.standin import Standin
-from lmcache_pd.proxy.config import proxy_config
-from lmcache_pd.proxy.membership import Member, Outstanding
+from lmcache_pd.proxy.config import KVEventsAddress, proxy_config
+from lmcache_pd.proxy.membership import Member, Membership, Outstanding
+from lmcache_pd.proxy.routing import Pool, Role
 from tests.helpers import free_port, wait_for
 
 MODEL = "tiny"
@@ -180,3 +183,23 @@ def test_an_instance_back_on_its_address_with_other_kv_ports_gets_them_in_the_sp
     _, _, body = cluster.standins["p0"].state.received[-1]
     spec = body["kv_transfer_params"]["disagg_spec"]
     assert (spec["receiver_init_port"], spec["receiver_alloc_port"]) == (11, 12)
+
+
+def test_an_instance_back_with_other_kv_event_ports_is_followed_there() -> None:
+    """A restarted instance publishes on fresh ports (Ray's): it is a new upstream, with the new
+    address, so the KV index stops the old feed and starts one there (``kv_index.sync``)."""
+    old = KVEventsAddress("127.0.0.1", 7001, 7002)
+    new = KVEventsAddress("127.0.0.1", 7011, 7012)
+    member = Member("p0", "prefill", "http://127.0.0.1:9", kv_events=old)
+    pools = {Role.PREFILL: Pool(Role.PREFILL, []), Role.DECODE: Pool(Role.DECODE, [])}
+    source = Source([member])
+    membership = Membership(source, pools, lambda: None)
+    assert asyncio.run(membership.refresh())
+    [first] = pools[Role.PREFILL].members
+    assert first.kv_events == old
+    asyncio.run(membership.refresh())  # the same answer keeps the same upstream
+    assert pools[Role.PREFILL].members == [first]
+    source.answer = [msgspec.structs.replace(member, kv_events=new)]
+    asyncio.run(membership.refresh())
+    [second] = pools[Role.PREFILL].members
+    assert second is not first and second.kv_events == new

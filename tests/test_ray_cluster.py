@@ -58,6 +58,8 @@ PROXY_PORT = 8000
 NAMESPACE = "lmpd-test"
 OUTPUT_TOKENS = 6
 PROMPTS = {f"len-{n}": prompt(n, 900 + n) for n in (300, 1000, 2600)}
+# Prompts no instance holds when they come (the proxy routes by KV): spread by load, each loads.
+FRESH = {f"fresh-{i}": prompt(300, 1900 + i) for i in range(2)}
 SERVE_TIMEOUT_S = 600.0
 RECOVERY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
@@ -201,6 +203,13 @@ class Cluster:
 
         return self.at_head(call, 300)
 
+    def indexed(self) -> dict[str, float]:
+        """Prefix-cache blocks the proxy's KV index holds per instance URL (its gauge): the
+        instances whose KV events it follows."""
+        text = self.at_head(lambda: httpx.get(f"{self.proxy}/metrics", timeout=5).text, 10)
+        pattern = r'lmcache_pd_proxy_kv_index_blocks\{instance="([^"]+)"\} (\S+)'
+        return {url: float(count) for url, count in re.findall(pattern, text)}
+
     def decode_counters(self, url: str) -> dict[str, float]:
         return self.worker.call(lambda: scrape(url) | decode_sources(url), 15)
 
@@ -265,7 +274,7 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> float:
 
 @pytest.fixture(scope="module")
 def reference(plain_vllm: PlainVLLM) -> dict[str, tuple]:
-    return plain_vllm.answers(PROMPTS, OUTPUT_TOKENS)
+    return plain_vllm.answers(PROMPTS | FRESH, OUTPUT_TOKENS)
 
 
 def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
@@ -335,6 +344,11 @@ def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
             assert loaded >= sum(len(t) for t in PROMPTS.values()) - 3 * 256, (loaded, computed)
             assert after["loads_failed"] == before.get("loads_failed", 0)
             assert after["consumer_unauthenticated"] == 0  # its KV ports know the secret
+            # Both instances publish their KV events from their nodes; the proxy follows them.
+            [prefill_port] = vllm_servers(cluster.head)
+            both = sorted([decode_url, f"http://{cluster.head.address}:{prefill_port}"])
+            wait_for("both instances indexed", lambda: min(cluster.indexed().values()) > 0, 10)
+            assert sorted(cluster.indexed()) == both
 
             # Decode's vLLM dies; Ray restarts its actor; requests succeed again.
             os.killpg(vllm_servers(cluster.worker)[decode_port], signal.SIGKILL)
@@ -356,6 +370,16 @@ def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
             for name, tokens in PROMPTS.items():
                 assert_close_answer(cluster.complete(tokens), reference[name], name)
             assert cluster.decode_counters(new_url[0])["tokens_loaded"] > 0
+            # The restarted decode publishes on new ports: the proxy follows it there, and
+            # no longer the old one.
+            wait_for(
+                "the restarted decode indexed",
+                lambda: (
+                    (indexed := cluster.indexed()).get(new_url[0], 0) > 0
+                    and decode_url not in indexed
+                ),
+                10,
+            )
 
             # A second decode instance, on the worker's node, takes requests.
             measured["scale_up_s"] = cluster.scale(2)
@@ -365,7 +389,10 @@ def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
             assert len(vllm_servers(cluster.worker)) == 2
             for name, tokens in PROMPTS.items():
                 assert_close_answer(cluster.complete(tokens), reference[name], name)
-            for url in urls:  # round-robin between idle equals: each got some
+            # Prompts nobody holds go round-robin between idle equals: each decode loads one.
+            for name, tokens in FRESH.items():
+                assert_close_answer(cluster.complete(tokens), reference[name], name)
+            for url in urls:
                 assert cluster.decode_counters(url)["tokens_loaded"] > 0, url
 
             # Shrinking back drains: two streams in flight (one on each decode) both finish.
@@ -374,7 +401,10 @@ def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
 
             loaded_before = loads()
             with ThreadPoolExecutor(2) as streams:
-                running = [streams.submit(cluster.stream, PROMPTS["len-300"], 400) for _ in (0, 1)]
+                # Prompts neither holds, so that both go through prefill and load.
+                running = [
+                    streams.submit(cluster.stream, prompt(300, 2900 + i), 400) for i in (0, 1)
+                ]
                 wait_for("both streams at decode", lambda: loads() >= loaded_before + 2, 60)
                 measured["scale_down_s"] = cluster.scale(1)
                 scaled = time.monotonic()

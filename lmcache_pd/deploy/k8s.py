@@ -18,6 +18,9 @@ start, as objects a cluster runs, each a plain dict ready for YAML.
   process without it.
 - NetworkPolicies (``k8s_policy.py``): the KV ports and vLLM's take only the pools' own pods and
   the proxy; the proxy's HTTP port takes anyone.
+- With the proxy's ``routing: kv``, every vLLM pod publishes its KV events (``--kv-events-config``,
+  bound to the pod's IP, CURVE under the deployment secret) on ``kv_events_port`` and replays
+  them on the next port; the proxy's list names each pod's, and follows them.
 
 A StatefulSet's pods are alike, so every instance of a pool must be, except in its cores
 (``cpus``, ``thread_cpus``, ``process_cpus``) and ``port``, which are not used: they name one
@@ -38,10 +41,12 @@ from lmcache_pd.auth import generate_secret
 from lmcache_pd.deploy.instance import transfer_settings
 from lmcache_pd.deploy.k8s_policy import PortRange, deployment_policies
 from lmcache_pd.deploy.k8s_workloads import (
+    EVENTS_PORT_NAME,
     INSTANCE_KEY_ITEM,
     KV_SECRET_ITEM,
     PROXY_NOTICE_PORT,
     RECEIVER_HOST_ENV,
+    REPLAY_PORT_NAME,
     SECRETS,
     TRACE_DIR,
     Manifest,
@@ -54,7 +59,13 @@ from lmcache_pd.deploy.k8s_workloads import (
 from lmcache_pd.deploy.launcher import INSTANCE_KEY_BYTES, peer_text
 from lmcache_pd.deploy.pools import InstanceSpec, KubernetesSpec, PoolsConfig
 from lmcache_pd.errors import ConfigError
-from lmcache_pd.proxy.config import DecodeInstance, PrefillInstance, ProxyConfig, Timeouts
+from lmcache_pd.proxy.config import (
+    DecodeInstance,
+    KVEventsAddress,
+    PrefillInstance,
+    ProxyConfig,
+    Timeouts,
+)
 
 # UCX's TCP listening ports per decode rank (``UCX_TCP_PORT_RANGE``; one per network interface,
 # with room: UCX picks one at random in the range and tries another where one is taken).
@@ -82,16 +93,27 @@ def manifests(
             f"proxy.port {PROXY_NOTICE_PORT} is the proxy pod's port for first-token notices: "
             "pick another"
         )
+    taken = {k8s.http_port, *_listed_ports(receive), *range(ucx[0], ucx[1] + 1)}
+    events = kv_events_ports(pools, taken)
+
+    def events_of(component: str, index: int) -> KVEventsAddress | None:
+        host = names.pod_host(component, index)
+        return KVEventsAddress(host, *events.values()) if events else None
+
     decode = [
         DecodeInstance(
             f"http://{names.pod_host('decode', index)}:{k8s.http_port}",
             names.pod_host("decode", index),
             **receive,
+            kv_events=events_of("decode", index),
         )
         for index in range(len(pools.decode))
     ]
     prefill = [
-        PrefillInstance(f"http://{names.pod_host('prefill', index)}:{k8s.http_port}")
+        PrefillInstance(
+            f"http://{names.pod_host('prefill', index)}:{k8s.http_port}",
+            kv_events=events_of("prefill", index),
+        )
         for index in range(len(pools.prefill))
     ]
     trace = pools.trace
@@ -115,6 +137,7 @@ def manifests(
         trace_path=f"{TRACE_DIR}/proxy.trace.jsonl" if trace else None,
         tokenizer=model,
         min_disagg_tokens=pools.proxy.min_disagg_tokens,
+        routing=pools.proxy.routing,
     )
     configs = {
         "prefill": _with_trace(prefill_settings, "prefill", trace),
@@ -133,20 +156,21 @@ def manifests(
         ucx_ports=ucx,
         proxy_port=pools.proxy.port,
         notice_port=PROXY_NOTICE_PORT,
+        events_ports=list(events.values()),
     )
     decode_env = {UCX_PORT_RANGE_ENV: f"{ucx[0]}-{ucx[1]}"}
+    prefill_ports = {"http": k8s.http_port} | events
+    decode_pod_ports = decode_ports(k8s, receive) | events
     return [
         *(_config_map(names, component, text) for component, text in configs.items()),
         _secret(names, keys),
-        _headless_service(names, "prefill", {"http": k8s.http_port}),
-        _headless_service(names, "decode", decode_ports(k8s, receive)),
+        _headless_service(names, "prefill", prefill_ports),
+        _headless_service(names, "decode", decode_pod_ports),
         _proxy_service(names, k8s),
         *policies,
+        stateful_set(names, pools, prefill_spec, "prefill", len(prefill), prefill_ports, {}),
         stateful_set(
-            names, pools, prefill_spec, "prefill", len(prefill), {"http": k8s.http_port}, {}
-        ),
-        stateful_set(
-            names, pools, decode_spec, "decode", len(decode), decode_ports(k8s, receive), decode_env
+            names, pools, decode_spec, "decode", len(decode), decode_pod_ports, decode_env
         ),
         proxy_deployment(names, pools),
     ]
@@ -182,6 +206,26 @@ def ucx_port_range(k8s: KubernetesSpec, ranks: int) -> PortRange:
             f"({k8s.kv_port_base}-{last}): move one of them"
         )
     return first, last
+
+
+def kv_events_ports(pools: PoolsConfig, taken: set[int]) -> dict[str, int]:
+    """A vLLM pod's KV-event ports by name, the publisher's then the replay's (none unless the
+    proxy routes by KV); ``ConfigError`` if they would pass 65535 or meet one of ``taken``."""
+    if pools.proxy.routing != "kv":
+        return {}
+    first = pools.kubernetes.kv_events_port
+    ports = {EVENTS_PORT_NAME: first, REPLAY_PORT_NAME: first + 1}
+    clash = sorted(set(ports.values()) & taken)
+    if first + 1 > 65535 or clash:
+        raise ConfigError(
+            f"kubernetes.kv_events_port {first} and its replay port {first + 1} must be free in "
+            f"a vLLM pod and below 65536 (taken: {clash or [first + 1]}): move it"
+        )
+    return ports
+
+
+def _listed_ports(receive: dict[str, int | list[int]]) -> list[int]:
+    return [*_listed(receive["init_port"]), *_listed(receive["alloc_port"])]
 
 
 def _listed(ports: int | list[int]) -> list[int]:

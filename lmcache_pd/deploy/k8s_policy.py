@@ -8,7 +8,7 @@ only: what pods send is not limited); anything else sent to them is dropped:
 | --- | --- | --- |
 | decode | KV init (per rank), UCX's TCP ports | prefill pods |
 | decode | KV alloc (per rank) | prefill pods, the proxy (KV drops) |
-| decode, prefill | vLLM's HTTP | the proxy |
+| decode, prefill | vLLM's HTTP, KV events (``routing: kv``: publisher, replay) | the proxy |
 | proxy | HTTP | anyone (its clients) |
 | proxy | first-token notices | prefill pods |
 
@@ -49,6 +49,7 @@ def deployment_policies(
     ucx_ports: PortRange,
     proxy_port: int,
     notice_port: int,
+    events_ports: list[int],
 ) -> list[Manifest]:
     """The policies of decode's, prefill's and the proxy's pods, in that order."""
     return [
@@ -57,10 +58,10 @@ def deployment_policies(
             "decode",
             [
                 Admit((*init_ports, *alloc_ports, ucx_ports), ("prefill",)),
-                Admit((http_port, *alloc_ports), ("proxy",)),
+                Admit((http_port, *alloc_ports, *events_ports), ("proxy",)),
             ],
         ),
-        network_policy(names, "prefill", [Admit((http_port,), ("proxy",))]),
+        network_policy(names, "prefill", [Admit((http_port, *events_ports), ("proxy",))]),
         network_policy(
             names, "proxy", [Admit((proxy_port,), None), Admit((notice_port,), ("prefill",))]
         ),

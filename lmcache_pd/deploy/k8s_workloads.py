@@ -11,11 +11,17 @@ from typing import Any
 
 from lmcache_pd.auth import SECRET_ENV
 from lmcache_pd.config import ENV_PREFIX
-from lmcache_pd.deploy.instance import Role, connector_config, instance_args, instance_env
+from lmcache_pd.deploy.instance import (
+    Role,
+    connector_config,
+    instance_args,
+    instance_env,
+    kv_events_args,
+)
 from lmcache_pd.deploy.instance_guard import KEY_ENV
 from lmcache_pd.deploy.pools import InstanceSpec, KubernetesSpec, PoolsConfig
 from lmcache_pd.deploy.vllm_server import server_env, vllm_command
-from lmcache_pd.proxy.config import INSTANCE_API_KEY_ENV
+from lmcache_pd.proxy.config import INSTANCE_API_KEY_ENV, KVEventsAddress
 
 Manifest = dict[str, Any]
 
@@ -32,6 +38,9 @@ KV_SECRET_ITEM = "kv-secret"
 # A vLLM pod's own address (the downward API's status.podIP): vLLM and decode's KV ports bind it,
 # not every interface of the pod.
 POD_IP_ENV = "POD_IP"
+# A vLLM pod's named ports for its KV events (with the proxy's ``routing: kv``).
+EVENTS_PORT_NAME = "kv-events"
+REPLAY_PORT_NAME = "kv-events-rep"
 # Where a vLLM pod's memory volume is mounted: its ranks share tensors there, and a decode pod's
 # vLLM puts its IPC sockets and our landed boards there.
 SHARED_MEMORY_MOUNT = "/dev/shm"
@@ -157,7 +166,7 @@ def _vllm_container(
         k8s.http_port,
         host=f"$({POD_IP_ENV})",  # Kubernetes expands it in a command too
         engine_args=pools.engine_args,
-        extra_args=instance_args(pools, spec),
+        extra_args=[*instance_args(pools, spec), *_events_args(ports)],
         log_stats=True,
         kv_transfer_config=connector_config(role, f"{CONFIG_DIR}/{component}.yaml"),
         python=POD_PYTHON,
@@ -205,6 +214,14 @@ def _vllm_container(
             {"name": "dshm", "mountPath": SHARED_MEMORY_MOUNT},
         ],
     }
+
+
+def _events_args(ports: dict[str, int]) -> list[str]:
+    """vLLM's KV events published on the pod's IP, where its ports name them (none: not)."""
+    if EVENTS_PORT_NAME not in ports:
+        return []
+    here = KVEventsAddress(f"$({POD_IP_ENV})", ports[EVENTS_PORT_NAME], ports[REPLAY_PORT_NAME])
+    return kv_events_args(here)
 
 
 def _health_probe(period_s: int, failures: int) -> Manifest:

@@ -150,6 +150,9 @@ class KubernetesSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     http_port: Port = 8000
     # Decode rank r receives KV on kv_port_base + 2r (init) and kv_port_base + 2r + 1 (alloc).
     kv_port_base: Port = 55555
+    # With the proxy's ``routing: kv``, every vLLM pod publishes its KV events on this port and
+    # replays them on the next one, for the proxy alone (its NetworkPolicy).
+    kv_events_port: Port = 5570
     proxy_service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     proxy_service_port: Port = 8000
     # An accelerator each vLLM pod asks for one of per rank (e.g. "nvidia.com/gpu"); None: CPU.

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmcache_pd.deploy.launcher import Ports, receive_ports, start_instance
 from lmcache_pd.deploy.pools import InstanceSpec, PoolsConfig
+from lmcache_pd.proxy.config import KVEventsAddress
 from lmcache_pd.proxy.membership import Member
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,13 @@ class InstanceActor:
         if role == "decode":
             receive = receive_ports(ports, spec.tensor_parallel_size)
             settings_of_role = settings_of_role | receive | {"receiver_host": self._host}
+        # Its KV events, on this node's address too, for the proxy's KV routing: a restart
+        # publishes on fresh ports, and the proxy follows it there (``proxy/kv_index.py``).
+        events = (
+            KVEventsAddress(self._host, ports.take(), ports.take())
+            if pools.proxy.routing == "kv"
+            else None
+        )
         self._server = start_instance(
             pools,
             folder,
@@ -103,6 +111,7 @@ class InstanceActor:
             host=self._host,
             api_key=instance_key,
             secret=secret,
+            kv_events=events,
         )
         if role == "decode":
             member = Member(
@@ -112,9 +121,10 @@ class InstanceActor:
                 self._host,
                 receive["init_port"],
                 receive["alloc_port"],
+                kv_events=events,
             )
         else:
-            member = Member(name, role, self._server.url)
+            member = Member(name, role, self._server.url, kv_events=events)
         self._member = member
         self._restarted = restarted
         self._state: State = "starting"

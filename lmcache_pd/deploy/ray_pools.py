@@ -352,7 +352,7 @@ class RayPools:
             .remote(pools, str(self.workdir.resolve()), self.instance_key, self.secret)
         )
         members = ray.get(self._controller.start.remote(), timeout=READY_TIMEOUT_S * 2)
-        prefill = [PrefillInstance(m.url) for m in members if m.role == "prefill"]
+        prefill = [PrefillInstance(m.url, m.kv_events) for m in members if m.role == "prefill"]
         decode = [_decode_instance(m) for m in members if m.role == "decode"]
         return proxy_config_for(
             pools, prefill, decode, self.workdir, self.instance_key, secret_file
@@ -399,4 +399,4 @@ def _absolute(pools: PoolsConfig) -> PoolsConfig:
 def _decode_instance(member: Member) -> DecodeInstance:
     receiver = member.receiver
     assert receiver is not None, f"decode member {member.name} without KV ports"
-    return DecodeInstance(member.url, *receiver)
+    return DecodeInstance(member.url, *receiver, kv_events=member.kv_events)
