@@ -143,7 +143,9 @@ class Proxy:
                     LocalTokenizer.load, self.config.tokenizer or self.config.model
                 ),
             )
-            placer = Placer(self.decode, self._sizer, self._index, tokens, self.config.model)
+            placer = Placer(
+                self.decode, self._sizer, self._index, tokens, self.config.model, self.prefill
+            )
         self._orchestrator = Orchestrator(
             model=self.config.model,
             flow=Disaggregator(

@@ -5,10 +5,14 @@ With ``routing: kv`` and a KV index that holds anything, the prompt's token ids 
 every instance's prefix cache (``kv_index.py``). Decode is the instance that would compute the
 fewest of them, against its load (``routing.py``); if what that instance would still compute is
 under ``min_disagg_tokens``, it serves the request alone, however long the prompt (a follow-up
-turn whose history it holds); else prefill runs, chosen the same way for its own cache, and
-pushes what decode lacks. A conversation stays where its history is without any session id.
-Without the index (``routing: load``, no instance publishes, nothing stored yet, or the tokens
-cannot be had) the choice is by load alone and the prompt's whole length decides, as before.
+turn whose history it holds). It does so too when prefill has nothing to spare it: when even the
+prefill instance that holds most of the prompt would compute at least ``RECOMPUTE_FACTOR`` times
+what decode would, and ``min_disagg_tokens`` more (decode holds a history prefill lost to
+eviction or never saw: a conversation's answers, which decode generated). Else prefill runs,
+chosen the same way for its own cache, and pushes what decode lacks. A conversation stays where
+its history is without any session id. Without the index (``routing: load``, no instance
+publishes, nothing stored yet, or the tokens cannot be had) the choice is by load alone and the
+prompt's whole length decides, as before.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ from lmcache_pd.proxy.kv_index import KVIndex
 from lmcache_pd.proxy.prompt_size import PromptSizer
 from lmcache_pd.proxy.prompt_tokens import PromptTokens
 from lmcache_pd.proxy.routing import Pool, Upstream
+
+# Decode serves a request alone, rather than have prefill compute it, when the best prefill would
+# compute this many times the tokens decode would (and min_disagg_tokens more): disaggregation
+# would then cost more compute than it spares decode, and more time to the first token.
+RECOMPUTE_FACTOR = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +70,12 @@ class Placer:
         index: KVIndex | None = None,
         tokens: PromptTokens | None = None,
         model: str = "",
+        prefill: Pool | None = None,
     ) -> None:
-        """Without ``index`` and ``tokens``: by load, as ``routing: load``."""
+        """Without ``index`` and ``tokens``: by load, as ``routing: load``; ``prefill``: its
+        pool, whose caches weigh for decode alone (None: they do not)."""
         self._decode = decode
+        self._prefill = prefill
         self._sizer = sizer
         self._index = index
         self._tokens = tokens
@@ -79,8 +91,24 @@ class Placer:
             return Plan(decoder, decoder is not None and self._sizer.is_short(client))
         work = _work(index, token_ids, client.body.get("cache_salt"))
         decoder = self._decode.pick(work=work) if client.needs_decode else None
-        alone = decoder is not None and work(decoder) < self._sizer.min_tokens
+        alone = decoder is not None and self._alone(decoder, work)
         return Plan(decoder, alone, work, len(token_ids))
+
+    def _alone(self, decoder: Upstream, work: Callable[[Upstream], int]) -> bool:
+        """Whether ``decoder`` serves the request alone: it would compute fewer than
+        ``min_disagg_tokens`` (0: never alone), or every healthy prefill instance that publishes
+        its cache would compute ``RECOMPUTE_FACTOR`` times as many and ``min_disagg_tokens``
+        more."""
+        threshold, own = self._sizer.min_tokens, work(decoder)
+        if own < threshold:
+            return True
+        # Only instances whose caches the index follows: of the others nothing is known.
+        members = [] if self._prefill is None else self._prefill.members
+        prefill = [m for m in members if m.healthy and m.kv_events is not None]
+        if threshold <= 0 or not prefill:
+            return False
+        least = min(work(member) for member in prefill)
+        return least >= max(RECOMPUTE_FACTOR * own, own + threshold)
 
 
 def _work(index: KVIndex, tokens: list[int], salt: object) -> Callable[[Upstream], int]:

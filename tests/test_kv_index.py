@@ -350,3 +350,52 @@ def test_the_proxys_tokenizer_renders_plain_prompts_and_leaves_the_rest_to_an_in
         assert local.chat(odd) is None, odd
     assert local.text(["a"], True) is None
     assert LocalTokenizer.load("/nowhere/model") is None
+
+
+def test_a_prompt_prefill_would_recompute_goes_to_the_decode_holding_it_alone() -> None:
+    """Decode holds 24 of a prompt's 38 tokens: 14 to compute, over ``min_disagg_tokens`` 8. A
+    prefill holding none would compute all 38 (more than twice as many): decode serves it alone.
+    The control: a prefill that holds the same 24 tokens gets it (through prefill, as before);
+    so does one that publishes nothing (nothing known of its cache)."""
+    keys = DeploymentKeys.from_secret(generate_secret())
+    addresses = [KVEventsAddress("127.0.0.1", free_port(), free_port()) for _ in range(3)]
+    decode = Upstream("http://d0", Role.DECODE, kv_events=addresses[0])
+    cold, warm = (
+        Upstream(f"http://p{i}", Role.PREFILL, kv_events=a) for i, a in enumerate(addresses[1:])
+    )
+    silent = Upstream("http://p9", Role.PREFILL)
+    held = list(range(500, 524))  # six blocks of 4
+    prompt = [*held, *range(900, 914)]
+    body = {"model": "m", "prompt": prompt, "max_tokens": 4}
+    client = ClientRequest.from_json(Endpoint.COMPLETIONS, msgspec.json.encode(body), "m")
+
+    async def run() -> list[Plan]:
+        members = [decode, cold, warm]
+        index = KVIndex(lambda: members, keys, 1000)
+        await index.sync()
+        await until(lambda: index.counts.get("resyncs", 0) >= 3, "every subscription connected")
+        for pub in (pubs[0], pubs[2]):  # decode and the warm prefill hold the 24 tokens
+            pub.publish(batch(stored(list(range(1, 7)), None, held)))
+        await until(
+            lambda: (
+                len(list(index.by_instance())) == 3
+                and all(len(blocks) == 6 for url, blocks in index.by_instance() if url != cold.url)
+            ),
+            "decode's and the warm prefill's blocks indexed",
+        )
+        tokens = PromptTokens(None, lambda: members, {}, 1.0)
+        plans = [
+            await Placer(Pool(Role.DECODE, [decode]), PromptSizer(8, None), index, tokens, "m",
+                         Pool(Role.PREFILL, prefill)).plan(client)
+            for prefill in ([cold], [warm], [cold, warm], [silent])
+        ]  # fmt: skip
+        await index.close()
+        return plans
+
+    with contextlib.ExitStack() as stack:
+        pubs = [stack.enter_context(publisher(a, keys)) for a in addresses]
+        by_cold, by_warm, by_both, by_silent = asyncio.run(run())
+    assert by_cold.alone and by_cold.decoder is decode
+    assert not by_warm.alone and by_warm.decode_holds() == 24
+    assert not by_both.alone  # the warm one would compute as little as decode
+    assert not by_silent.alone
