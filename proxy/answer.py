@@ -10,12 +10,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from lmcache_pd.protocol import DisaggSpec
 from lmcache_pd.proxy.client_request import ClientRequest
 from lmcache_pd.proxy.decode_stream import DecodeStream
-from lmcache_pd.proxy.flow import Disaggregator, Prefilled, UpstreamFailed
+from lmcache_pd.proxy.flow import Disaggregator, Prefilled, UpstreamFailed, UpstreamRejected
 from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
 from lmcache_pd.proxy.openai_format import Piece, ResponseWriter, Usage, error_body
 from lmcache_pd.proxy.responses import (
@@ -107,6 +108,17 @@ class Answer:
         self.metrics.upstream_error(exc.member, exc.kind)
         logger.error("req %s: decode failed after the first token: %s", self.req_id, exc)
 
+    def _decode_refused(self, exc: UpstreamRejected) -> None:
+        """Decode refused what prefill took (vLLM checks some limits, such as ``max_tokens``
+        past the model's length, only where more than one token is asked): the client's
+        request, not a fault."""
+        logger.info(
+            "req %s: decode refused it after the first token (%d): %s",
+            self.req_id,
+            exc.status,
+            exc.body[:300],
+        )
+
     async def stream(self, http: web.Request) -> tuple[web.StreamResponse, Outcome]:
         """The answer as SSE events: the first token at once, then decode's as they come."""
         response = web.StreamResponse(headers=SSE_HEADERS)
@@ -120,6 +132,10 @@ class Answer:
             if self.continues:
                 try:
                     await self._stream_rest(response, first_sent)
+                except UpstreamRejected as exc:
+                    self._decode_refused(exc)
+                    await write(response, sse(_refusal_event(exc)))
+                    outcome = Outcome.UPSTREAM_REJECTED
                 except UpstreamFailed as exc:
                     self._decode_failed(exc)
                     message = exc.client_message(self.req_id)
@@ -163,6 +179,12 @@ class Answer:
             try:
                 async with contextlib.aclosing(self._rest()) as rest:
                     pieces.extend([piece async for batch in rest for piece in batch])
+            except UpstreamRejected as exc:
+                self._decode_refused(exc)
+                refused = web.Response(
+                    body=exc.body, status=exc.status, content_type="application/json"
+                )
+                return refused, Outcome.UPSTREAM_REJECTED
             except UpstreamFailed as exc:
                 self._decode_failed(exc)
                 response = error_response(exc.client_message(self.req_id), "BadGateway", 502)
@@ -184,3 +206,15 @@ class Answer:
             self.decoder.url if self.continues and self.decoder else "not needed",
             1000 * (time.perf_counter() - self.started),
         )
+
+
+def _refusal_event(exc: UpstreamRejected) -> dict[str, Any]:
+    """A stream's last event for decode's refusal: vLLM's own error body where it is one (an
+    ``error`` object), else OpenAI's shape with its status."""
+    try:
+        body = msgspec.json.decode(exc.body)
+    except msgspec.DecodeError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return body
+    return error_body(f"decode refused the request ({exc.status})", "BadRequestError", exc.status)

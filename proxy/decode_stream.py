@@ -55,8 +55,8 @@ class DecodeStream:
         )
 
     async def batches(self) -> AsyncIterator[list[Piece | Usage]]:
-        """Decode's pieces (then its usage), a list per network read; raises ``UpstreamFailed``
-        as ``Disaggregator.decode`` does."""
+        """Decode's pieces (then its usage), a list per network read; raises
+        ``UpstreamRejected`` and ``UpstreamFailed`` as ``Disaggregator.decode`` does."""
         first = await self._first
         if first is None:
             return

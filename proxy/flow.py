@@ -62,10 +62,11 @@ class UpstreamFailed(Exception):
 
 
 class UpstreamRejected(Exception):
-    """Prefill refused the request itself (a 4xx): the client gets vLLM's own answer."""
+    """An instance refused the request itself (a 4xx: ``max_tokens`` past the model's length,
+    say): the client gets vLLM's own answer, with its status."""
 
     def __init__(self, status: int, body: bytes) -> None:
-        super().__init__(f"prefill answered {status}")
+        super().__init__(f"an instance answered {status}")
         self.status = status
         self.body = body
 
@@ -213,14 +214,12 @@ class Disaggregator:
         self, member: Upstream, req_id: str, body: dict[str, Any]
     ) -> AsyncIterator[list[Piece | Usage]]:
         """Decode's stream as pieces (then its usage), a list per network read: the caller can
-        pass on with one write what arrived together. Raises ``UpstreamFailed`` on any failure,
+        pass on with one write what arrived together. Raises ``UpstreamRejected`` if decode
+        refuses the request itself (a 4xx) and ``UpstreamFailed`` on any other failure,
         including a stream that ends without ``[DONE]``."""
         endpoint, timeout = Endpoint.COMPLETIONS, self._decode_timeout
         async with self._call(member, endpoint, req_id, body, timeout) as response:
-            if response.status != 200:
-                raw = await response.read()
-                kind = "unauthorized" if response.status in UNAUTHORIZED_STATUSES else "status"
-                raise UpstreamFailed(member, kind, f"answered {response.status}: {raw[:300]!r}")
+            await _ensure_ok(member, response)
             async for events in _sse_batches(member, response):
                 items: list[Piece | Usage] = []
                 for data in events:

@@ -413,6 +413,27 @@ def test_decode_failing_a_request_it_serves_alone_is_a_clear_error(stacks, decod
     assert stack.prefill[0].state.received == []
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_refusing_what_prefill_took_passes_its_answer_on(stacks, stream) -> None:
+    """vLLM checks some limits (``max_tokens`` past the model's length) only where more than one
+    token is asked: prefill serves its one, decode refuses. The client gets decode's own refusal
+    (its 400, or as the stream's last event), not a 502."""
+    stack = stack_with_failing_decode(stacks, Fault.STATUS_400, min_disagg_tokens=0)
+    if stream:
+        chunks = stack.client.completions.create(
+            model=MODEL, prompt=[4, 2], max_tokens=6, stream=True
+        )
+        with pytest.raises(openai.APIError, match="refused by the stand-in"):
+            list(chunks)
+    else:
+        with pytest.raises(openai.BadRequestError, match="refused by the stand-in"):
+            stack.client.completions.create(model=MODEL, prompt=[4, 2], max_tokens=6)
+    assert stack.prefill[0].state.received  # prefill served its token first
+    assert stack.metric(
+        "lmcache_pd_proxy_requests_total", endpoint="/v1/completions", outcome="upstream_rejected"
+    )
+
+
 def test_decode_refusing_a_request_it_serves_alone_passes_its_answer_on(stacks) -> None:
     stack = stacks(decode=[Standin(StandinState(fault=Fault.STATUS_400))], min_disagg_tokens=100)
     with pytest.raises(openai.BadRequestError, match="refused by the stand-in"):
