@@ -216,10 +216,14 @@ def kv_events_ports(pools: PoolsConfig, taken: set[int]) -> dict[str, int]:
     first = pools.kubernetes.kv_events_port
     ports = {EVENTS_PORT_NAME: first, REPLAY_PORT_NAME: first + 1}
     clash = sorted(set(ports.values()) & taken)
-    if first + 1 > 65535 or clash:
+    if clash:
         raise ConfigError(
-            f"kubernetes.kv_events_port {first} and its replay port {first + 1} must be free in "
-            f"a vLLM pod and below 65536 (taken: {clash or [first + 1]}): move it"
+            f"kubernetes.kv_events_port {first} (its replay port {first + 1}) meets ports a vLLM "
+            f"pod uses already ({clash}: HTTP, decode's KV or UCX ports): move it"
+        )
+    if first + 1 > 65535:
+        raise ConfigError(
+            f"kubernetes.kv_events_port {first}: its replay port {first + 1} must be below 65536"
         )
     return ports
 
