@@ -34,6 +34,10 @@ MAX_BLOCK_SIZE = 1 << 12
 # a long prompt are a few hundred KiB).
 MAX_BATCH_BYTES = 64 << 20
 
+# The medium of the events a decode instance publishes for the chunks landed in its consumer
+# (``connector/landed_events.py``): blocks of a chunk's tokens, named by the chunk's key.
+LANDED_MEDIUM = "LMCACHE_PD_LANDED"
+
 # vLLM's ExternalBlockHash: bytes (sha256 hashing) or int (builtin hashing).
 BlockHash = bytes | int
 

@@ -1,4 +1,4 @@
-"""Following one instance's KV events into its ``InstanceBlocks``, losing none unseen.
+"""Following one instance's KV events into its ``InstanceCaches``, losing none unseen.
 
 vLLM numbers its event batches (``seq``, from 0 per publisher) and keeps the last ones for
 replay on a second socket. The feed applies batches in order. Every connection of the
@@ -30,7 +30,7 @@ import zmq.asyncio
 from lmcache_pd.auth import DeploymentKeys
 from lmcache_pd.kv_events import BATCHES, MAX_BATCH_BYTES
 from lmcache_pd.proxy.config import KVEventsAddress
-from lmcache_pd.proxy.prefix_index import InstanceBlocks
+from lmcache_pd.proxy.prefix_index import InstanceCaches
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class EventFeed:
         name: str,
         address: KVEventsAddress,
         keys: DeploymentKeys | None,
-        blocks: InstanceBlocks,
+        blocks: InstanceCaches,
         count: Callable[[str], None],
     ) -> None:
         self._context = context

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from lmcache_pd.auth import DeploymentKeys
 from lmcache_pd.proxy.config import KVEventsAddress
 from lmcache_pd.proxy.kv_feed import EventFeed
-from lmcache_pd.proxy.prefix_index import InstanceBlocks
+from lmcache_pd.proxy.prefix_index import InstanceCaches
 from lmcache_pd.proxy.routing import Periodic, Upstream
 
 logger = logging.getLogger(__name__)
@@ -68,20 +68,24 @@ class KVIndex:
                 url,
                 address,
                 self._keys,
-                InstanceBlocks(self._max_blocks),
+                InstanceCaches(self._max_blocks),
                 self._count,
             )
             feed.start()
             self._feeds[key] = feed
             logger.info("following kv events of %s at %s", url, address.endpoint(address.port))
 
-    def held_tokens(self, member: Upstream, keys: Callable[[int], list[bytes]]) -> int:
-        """Leading tokens of a prompt that ``member``'s prefix cache holds (0: unknown);
-        ``keys(block_size)`` gives the prompt's block keys (``kv_events.prefix_keys``)."""
+    def held_tokens(
+        self, member: Upstream, keys: Callable[[int], list[bytes]], *, landed: bool = False
+    ) -> int:
+        """Leading tokens of a prompt that ``member``'s prefix cache holds (0: unknown), or
+        with ``landed`` its landed chunks; ``keys(block_size)`` gives the prompt's block keys
+        (``kv_events.prefix_keys``)."""
         feed = self._feeds.get((member.url, member.kv_events))
-        if feed is None or not feed.blocks.block_size:
+        if feed is None:
             return 0
-        return feed.blocks.held_tokens(keys(feed.blocks.block_size))
+        blocks = feed.blocks.landed if landed else feed.blocks.prefix
+        return blocks.held_tokens(keys(blocks.block_size)) if blocks.block_size else 0
 
     async def close(self) -> None:
         for feed in self._feeds.values():
@@ -95,7 +99,7 @@ class KVIndex:
     def _count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
 
-    def by_instance(self) -> Iterator[tuple[str, InstanceBlocks]]:
+    def by_instance(self) -> Iterator[tuple[str, InstanceCaches]]:
         for (url, _), feed in self._feeds.items():
             yield url, feed.blocks
 
@@ -119,8 +123,14 @@ class _IndexMetrics(Collector):
             "Stored blocks not indexed: their parent's event was never seen",
             labels=["instance"],
         )
+        landed = GaugeMetricFamily(
+            f"{prefix}_landed_chunks",
+            "Chunks landed in a decode instance's consumer that the KV index holds",
+            labels=["instance"],
+        )
         for url, instance in self._index.by_instance():
-            blocks.add_metric([url], len(instance))
+            blocks.add_metric([url], len(instance.prefix))
+            landed.add_metric([url], len(instance.landed))
             size.add_metric([url], instance.approx_bytes)
             orphans.add_metric([url], instance.orphans)
         events = CounterMetricFamily(
@@ -131,4 +141,4 @@ class _IndexMetrics(Collector):
         )
         for what, count in sorted(self._index.counts.items()):
             events.add_metric([what], count)
-        yield from (blocks, size, orphans, events)
+        yield from (blocks, landed, size, orphans, events)

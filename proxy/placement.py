@@ -89,8 +89,12 @@ class Placer:
         if index is None or token_ids is None:
             decoder = self._decode.pick() if client.needs_decode else None
             return Plan(decoder, decoder is not None and self._sizer.is_short(client))
-        work = _work(index, token_ids, client.body.get("cache_salt"))
-        decoder = self._decode.pick(work=work) if client.needs_decode else None
+        salt = client.body.get("cache_salt")
+        work = _work(index, token_ids, salt)
+        # Decode is weighed by what it would compute or receive: chunks landed in its consumer
+        # are not pushed again.
+        receive = _work(index, token_ids, salt, landed=True)
+        decoder = self._decode.pick(work=receive) if client.needs_decode else None
         alone = decoder is not None and self._alone(decoder, work)
         return Plan(decoder, alone, work, len(token_ids))
 
@@ -111,9 +115,13 @@ class Placer:
         return least >= max(RECOMPUTE_FACTOR * own, own + threshold)
 
 
-def _work(index: KVIndex, tokens: list[int], salt: object) -> Callable[[Upstream], int]:
+def _work(
+    index: KVIndex, tokens: list[int], salt: object, *, landed: bool = False
+) -> Callable[[Upstream], int]:
     """Prompt tokens each instance would compute: those its prefix cache does not hold (the
-    prompt's keys hashed once per block size, looked up once per instance)."""
+    prompt's keys hashed once per block size, looked up once per instance); with ``landed``,
+    those neither its prefix cache nor its landed chunks hold (what it would compute or
+    receive)."""
     salt = salt if isinstance(salt, str) else None
     keys = functools.cache(lambda block_size: prefix_keys(tokens, block_size, salt))
     held: dict[Upstream, int] = {}
@@ -121,6 +129,8 @@ def _work(index: KVIndex, tokens: list[int], salt: object) -> Callable[[Upstream
     def work(member: Upstream) -> int:
         if member not in held:
             held[member] = index.held_tokens(member, keys)
+            if landed:
+                held[member] = max(held[member], index.held_tokens(member, keys, landed=True))
         return len(tokens) - held[member]
 
     return work

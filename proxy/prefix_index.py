@@ -1,9 +1,11 @@
-"""What each instance's prefix cache holds, as its KV events told the proxy.
+"""What each instance's prefix cache and landed chunks hold, as its KV events told the proxy.
 
-One ``InstanceBlocks`` per instance maps vLLM's block hashes to the proxy's prefix keys
-(``lmcache_pd.kv_events``), and counts the keys it holds. ``held_tokens`` walks a prompt's keys
-from the start and stops at the first the instance lacks: what it holds is a prefix, as vLLM
-can only reuse a prefix.
+One ``InstanceCaches`` per instance: an ``InstanceBlocks`` of vLLM's prefix cache, and one of
+the chunks a decode instance's consumer holds landed (events of medium ``LANDED_MEDIUM``, a
+block per chunk: ``connector/landed_events.py``). Each ``InstanceBlocks`` maps vLLM's block
+hashes (or chunk keys) to the proxy's prefix keys (``lmcache_pd.kv_events``), and counts the
+keys it holds. ``held_tokens`` walks a prompt's keys from the start and stops at the first the
+instance lacks: what it holds is a prefix, as vLLM can only reuse a prefix.
 
 Memory is bounded: at most ``max_blocks`` blocks per instance; past it the oldest stored go
 first (vLLM evicts least recently used blocks too, and re-announces a block it reuses, which
@@ -17,7 +19,14 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from lmcache_pd.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, prefix_key
+from lmcache_pd.kv_events import (
+    LANDED_MEDIUM,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    prefix_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -109,3 +118,36 @@ class InstanceBlocks:
             self._keys[key] = count
         else:
             del self._keys[key]
+
+
+class InstanceCaches:
+    """One instance's prefix cache and landed chunks, each indexed by its own block size."""
+
+    def __init__(self, max_blocks: int) -> None:
+        self.prefix = InstanceBlocks(max_blocks)
+        self.landed = InstanceBlocks(max_blocks)
+
+    def __len__(self) -> int:
+        return len(self.prefix) + len(self.landed)
+
+    @property
+    def approx_bytes(self) -> int:
+        return self.prefix.approx_bytes + self.landed.approx_bytes
+
+    @property
+    def orphans(self) -> int:
+        return self.prefix.orphans + self.landed.orphans
+
+    def apply(self, event: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
+        """An event of the landed medium goes to the landed chunks; vLLM's ``AllBlocksCleared``
+        (its prefix cache reset) clears the prefix cache alone."""
+        if isinstance(event, AllBlocksCleared):
+            self.prefix.clear()
+        elif event.medium == LANDED_MEDIUM:
+            self.landed.apply(event)
+        else:
+            self.prefix.apply(event)
+
+    def clear(self) -> None:
+        self.prefix.clear()
+        self.landed.clear()

@@ -23,7 +23,7 @@ from vllm.distributed.kv_events import (
 from lmcache_pd.auth import DeploymentKeys, generate_secret
 from lmcache_pd.connector.kv_event_publisher import AuthenticatedEventPublisher
 from lmcache_pd.harness.model_maker import ensure_model
-from lmcache_pd.kv_events import BATCHES, prefix_keys
+from lmcache_pd.kv_events import BATCHES, LANDED_MEDIUM, prefix_keys
 from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
 from lmcache_pd.proxy.config import KVEventsAddress
 from lmcache_pd.proxy.kv_feed import EventFeed
@@ -399,3 +399,63 @@ def test_a_prompt_prefill_would_recompute_goes_to_the_decode_holding_it_alone() 
     assert not by_warm.alone and by_warm.decode_holds() == 24
     assert not by_both.alone  # the warm one would compute as little as decode
     assert not by_silent.alone
+
+
+def test_decode_is_chosen_for_the_chunks_landed_in_it_but_not_served_alone_by_them() -> None:
+    """Two idle decode instances; one's consumer holds a prompt's first 24 tokens landed (its
+    prefix cache none). It is chosen, and the request still goes through prefill (a landed chunk
+    spares the push, not the compute); prefill is told to skip nothing (decode's prefix cache
+    holds nothing). The control: the same chunks landed on the other instance move the choice."""
+    keys = DeploymentKeys.from_secret(generate_secret())
+    held = list(range(500, 524))
+    prompt = [*held, *range(900, 914)]
+    body = {"model": "m", "prompt": prompt, "max_tokens": 4}
+    client = ClientRequest.from_json(Endpoint.COMPLETIONS, msgspec.json.encode(body), "m")
+    landed = BlockStored(
+        block_hashes=[b"c" * 16],
+        parent_block_hash=None,
+        token_ids=held,
+        block_size=24,
+        lora_id=None,
+        medium=LANDED_MEDIUM,
+        lora_name=None,
+    )
+
+    def plan_with_chunks_on(holder: int) -> tuple[Plan, str]:
+        addresses = [KVEventsAddress("127.0.0.1", free_port(), free_port()) for _ in range(3)]
+        decode = [Upstream(f"http://d{i}", Role.DECODE, kv_events=addresses[i]) for i in (0, 1)]
+        prefill = Upstream("http://p0", Role.PREFILL, kv_events=addresses[2])
+        members = [*decode, prefill]
+
+        async def run() -> list[Plan]:
+            index = KVIndex(lambda: members, keys, 1000)
+            await index.sync()
+            await until(lambda: index.counts.get("resyncs", 0) >= 3, "subscriptions connected")
+            pubs[holder].publish(batch(landed))
+            pubs[2].publish(batch(stored([1], None, list(range(4)))))  # prefill holds some
+            await until(
+                lambda: (
+                    dict((u, len(c.landed)) for u, c in index.by_instance())[decode[holder].url]
+                    == 1
+                ),
+                "the landed chunk indexed",
+            )
+            tokens = PromptTokens(None, lambda: members, {}, 1.0)
+            placer = Placer(
+                Pool(Role.DECODE, decode), PromptSizer(8, None), index, tokens, "m",
+                Pool(Role.PREFILL, [prefill]),
+            )  # fmt: skip
+            plans = [await placer.plan(client) for _ in range(2)]
+            await index.close()
+            return plans
+
+        with contextlib.ExitStack() as stack:
+            pubs = [stack.enter_context(publisher(a, keys)) for a in addresses]
+            plans = asyncio.run(run())
+        assert plans[0].decoder is plans[1].decoder  # no round-robin between the two
+        assert plans[0].decoder is not None
+        return plans[0], plans[0].decoder.url
+
+    (on_d1, url1), (_, url0) = plan_with_chunks_on(1), plan_with_chunks_on(0)
+    assert (url1, url0) == ("http://d1", "http://d0")
+    assert not on_d1.alone and on_d1.decode_holds() == 0

@@ -89,6 +89,10 @@ def index_blocks(proxy_url: str, instance: str) -> float:
     return metric_sample(proxy_url, "lmcache_pd_proxy_kv_index_blocks", instance=instance)
 
 
+def landed_chunks(proxy_url: str, instance: str) -> float:
+    return metric_sample(proxy_url, "lmcache_pd_proxy_kv_index_landed_chunks", instance=instance)
+
+
 def test_a_follow_up_turn_goes_alone_to_the_decode_holding_its_history(pools: tuple) -> None:
     launcher, config = pools
     model = config.model
@@ -113,6 +117,14 @@ def test_a_follow_up_turn_goes_alone_to_the_decode_holding_its_history(pools: tu
             10,
             "the holder's new blocks indexed",
         )
+        # The chunks pushed to it are published too (its consumer's landed chunks), the full
+        # ones of the ~1,200 pushed tokens: a later push of them would be spared.
+        wait_for(
+            lambda: landed_chunks(kv.url, holder_url) >= 4,
+            10,
+            "the holder's landed chunks indexed",
+        )
+        assert landed_chunks(kv.url, launcher.servers[other].url) == 0
 
         messages.append({"role": "user", "content": text(3, 40)})  # a short follow-up
         alone_before = metric_sample(kv.url, "lmcache_pd_proxy_served_alone_total")

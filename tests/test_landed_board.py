@@ -27,6 +27,7 @@ from lmcache_pd.transfer.landed_board import (
     BoardReader,
     BoardWriter,
 )
+from lmcache_pd.transfer.landed_keys import KeysReader, KeysWriter, keys_path
 from lmcache_pd.transfer.producer import Producer
 from tests.helpers import consumer_fields, make_chunks, producer_config, spec_for, wait_for
 
@@ -149,6 +150,25 @@ def test_closing_removes_the_board_and_a_reader_that_mapped_it_reads_nothing(
     second.close()
 
 
+# ---- the landed keys board ----
+
+
+def test_the_keys_board_reads_each_post_once_and_nothing_once_closed(tmp_path: Path) -> None:
+    writer = KeysWriter(tmp_path / "keys", max_keys=4)
+    reader = KeysReader(tmp_path / "keys")
+    assert reader.changed() == set()  # made empty
+    assert reader.changed() is None  # nothing posted since
+    keys = [bytes([i]) * 16 for i in range(6)]
+    writer.post(keys)
+    assert reader.changed() == set(keys[:4])  # never more than the buffer's pages
+    writer.post(keys[:1])
+    assert reader.changed() == {keys[0]}
+    writer.close()
+    assert reader.changed() == set()  # its consumer is gone: nothing held
+    assert reader.changed() is None  # no board any more
+    reader.close()
+
+
 # ---- the serving loop posts without a file system call ----
 
 # Audit events of the file system (open, os.rename/os.replace, os.remove, ...) raised on the
@@ -191,10 +211,15 @@ def test_the_serving_loop_posts_landings_without_touching_the_file_system(
                 producer.push(spec_for(consumer.config, "r1"), chunks)
             wait_for(lambda: reader.read() == {"r1": 3}, what="the landing posted")
             reader.close()
+            keys = KeysReader(keys_path(path))
+            landed = {key.key for key in keyer.chunk_keys(list(range(600)))}
+            wait_for(lambda: keys.changed() == landed, what="the landed keys posted")
+            keys.close()
     finally:
         _WATCHING.clear()
     assert events == []
-    assert not path.exists()  # closing the consumer removed its board
+    assert not path.exists()  # closing the consumer removed its boards
+    assert not keys_path(path).exists()
 
 
 def test_an_instances_runtime_folder_is_in_memory_where_the_host_has_dev_shm(

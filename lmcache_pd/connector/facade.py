@@ -37,6 +37,7 @@ from lmcache_pd.config import CONFIG_PATH_ENV, PDConfig, load_config
 from lmcache_pd.connector import kv_event_publisher
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
 from lmcache_pd.connector.counters import StatsRecorder
+from lmcache_pd.connector.landed_events import LandedEvents
 from lmcache_pd.connector.metadata import PDConnectorMetadata, PushProgress
 from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler, SchedulerHalf
 from lmcache_pd.connector.stats import PDConnectorStats, PDPromMetrics
@@ -45,10 +46,11 @@ from lmcache_pd.connector.worker import CacheFacts, ProducerWorker, WorkerHalf
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.tp_parts import TPLayout, route
-from lmcache_pd.transfer import landed_board
+from lmcache_pd.transfer import landed_board, landed_keys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -231,9 +233,11 @@ class LMCachePDConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._stats = StatsRecorder("scheduler")
             events = vllm_config.kv_events_config
-            if events is not None and events.enable_kv_cache_events:
+            publishes = events is not None and events.enable_kv_cache_events
+            if publishes:
                 # Before vLLM's scheduler, which makes its publisher after this connector.
                 kv_event_publisher.install(load_keys(self._config.secret_file))
+            parts = 1 if producer else parts_per_chunk(tp_layout(vllm_config), self._config)
             self._scheduler = (
                 ProducerScheduler(self._stats.add, load_keys(self._config.secret_file))
                 if producer
@@ -245,7 +249,8 @@ class LMCachePDConnector(KVConnectorBase_V1):
                     ]
                     if self._config.sync_loads
                     else [],
-                    parts_per_chunk=parts_per_chunk(tp_layout(vllm_config), self._config),
+                    parts_per_chunk=parts,
+                    landed=self._landed_events() if publishes and parts == 1 else None,
                 )
             )
         else:
@@ -275,6 +280,17 @@ class LMCachePDConnector(KVConnectorBase_V1):
         board = self._board(self._rank) if self._config.sync_loads else None
         self._worker = ConsumerWorker(
             self._config, keyer, kv_caches, self._stats, profile, self._rank, facts, board, layout
+        )
+
+    def _landed_events(self) -> LandedEvents | None:
+        """The landed chunks' events (``landed_events.py``), from rank 0's keys board, which
+        its consumer posts with its landed board (so only with ``sync_loads``)."""
+        if not self._config.sync_loads:
+            return None
+        return LandedEvents(
+            chunk_keyer(self._vllm_config, self._config, 0),
+            landed_keys.keys_path(self._board(0)),
+            self._config.num_pages,
         )
 
     def _board(self, rank: int) -> Path:
@@ -363,6 +379,11 @@ class LMCachePDConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         """Producer: pushes still running; vLLM keeps stepping (their counters flush)."""
         return self._scheduler.has_pending_push_work()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Consumer: the chunks landed or gone since the last step, as KV events that vLLM
+        publishes after its own (``landed_events.py``)."""
+        return self._scheduler.take_events()
 
     def build_connector_worker_meta(self) -> PushProgress | None:
         return self._worker.progress()

@@ -29,10 +29,13 @@ from lmcache_pd.protocol import NOTICE_KEY, DisaggSpec, KVTransferParams, KVTran
 from lmcache_pd.transfer import landed_board
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from lmcache_pd.connector.landed_events import LandedEvents
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +113,10 @@ class SchedulerHalf:
 
     def has_pending_push_work(self) -> bool:
         return False
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV events of what this half knows besides vLLM's prefix cache."""
+        return []
 
     def close(self) -> None:
         return None
@@ -250,12 +257,14 @@ class ConsumerScheduler(SchedulerHalf):
         chunk_size: int = 256,
         boards: Sequence[Path] = (),
         parts_per_chunk: int = 1,
+        landed: LandedEvents | None = None,
     ) -> None:
         """``count`` takes the name of a counter to bump (``StatsRecorder.add``); ``boards``:
         each consumer rank's ``landed_board``, on every one of which a request's chunks must
         all be posted landed for it to be loaded synchronously (none: every load
         asynchronous); ``parts_per_chunk``: what each chunk arrives as on each rank (several
-        parts from a prefill at a larger TP size, ``tp_parts.py``)."""
+        parts from a prefill at a larger TP size, ``tp_parts.py``); ``landed``: publishes the
+        chunks landed here as KV events (None: they are not published)."""
         self._count = count
         self._door = ParamsDoor(count)
         self._chunk_size = chunk_size
@@ -271,6 +280,14 @@ class ConsumerScheduler(SchedulerHalf):
         # again after a failed load or a preemption, and must hear "none": the chunks are
         # released by then.
         self._loaded: set[str] = set()
+        self._landed = landed
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return [] if self._landed is None else self._landed.take()
+
+    def close(self) -> None:
+        if self._landed is not None:
+            self._landed.close()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
         """All of the prompt past decode's own hit (``num_computed``, which vLLM ends on a block
@@ -335,6 +352,8 @@ class ConsumerScheduler(SchedulerHalf):
             return
         prompt = list(request.prompt_token_ids or [])[:-1]
         start = len(prompt) - num_external_tokens
+        if self._landed is not None:
+            self._landed.learn(prompt, request.cache_salt)
         sync = self._sync.pop(request.request_id, False)
         block_ids = list(blocks.get_block_ids()[0])
         self._loads.append(

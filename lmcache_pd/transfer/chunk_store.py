@@ -96,12 +96,19 @@ class ChunkStore:
         self._dropped = DroppedRequests(dropped_memory_s, self.limit_counts, max_dropped_requests)
         self._reserved = ReservedPages(allocator, reserve_share)
         self._shares = ProducerShares(allocator.num_pages, max_producer_share, self.limit_counts)
+        # Bumped when a chunk lands or a page is freed: what ``landed_keys`` says may differ.
+        self.keys_version = 0
 
     @property
     def used_pages(self) -> int:
         """Pages held by a request or waiting for a write (idle cached ones and those reserved
         ahead are not)."""
         return self._allocator.used_pages - len(self._cache.idle) - self._reserved.page_count
+
+    def landed_keys(self) -> list[bytes]:
+        """The keys of the chunks landed here and not freed, held or kept by the cache: what
+        a producer pushing them would be told is here already."""
+        return [key for key in self._pages.pages_of_key if self._pages.live_page(key) is not None]
 
     @property
     def cached_pages(self) -> int:
@@ -286,6 +293,7 @@ class ChunkStore:
         away); returns the chunk's bytes."""
         info = self._pages[page]
         info.checksum = checksum
+        self.keys_version += 1
         if self._cache.enabled:
             self._forget_all(self._cache.keep(page, held=bool(info.holders)))
         elif self._allocator.confirm(page):
@@ -442,6 +450,7 @@ class ChunkStore:
 
     def _forget(self, page: int) -> None:
         """``page`` is freed: it holds nothing, and counts towards nobody."""
+        self.keys_version += 1
         self._pages.forget(page)
         self._shares.count(page, frozenset())
 

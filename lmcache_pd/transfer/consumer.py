@@ -31,7 +31,7 @@ from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import ConfigError, IntegrityError, ProtocolError, VersionMismatch
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.protocol import ErrorCode, ErrorReply
-from lmcache_pd.transfer import landed_board
+from lmcache_pd.transfer import landed_board, landed_keys
 from lmcache_pd.transfer.alloc_port import AllocPort
 from lmcache_pd.transfer.allocator import PageAllocator
 from lmcache_pd.transfer.channel import Channel, NixlChannel
@@ -92,6 +92,10 @@ class Consumer:
         )
         self._board_path = board
         self._board: landed_board.BoardWriter | None = None
+        self._keys_board: landed_keys.KeysWriter | None = None
+        # The store's keys_version last posted on the keys board, and when: the service
+        # thread's alone.
+        self._keys_posted: tuple[int, float] = (-1, 0.0)
         # Chunks landed (or were found held) since the last post, and that post: the service
         # thread's alone (a post that would change nothing is not written).
         self._landed_changed = False
@@ -142,7 +146,7 @@ class Consumer:
         except BaseException:
             self._close_resources()
             raise
-        self._board = self._make_board()
+        self._board, self._keys_board = self._make_board(), self._make_keys_board()
         self._watchdog = Watchdog(
             "consumer service loop", SERVICE_STALL_S, self._count_stall, config.thread_cpus
         )
@@ -272,8 +276,9 @@ class Consumer:
             )
             return
         self._close_resources()
-        if self._board is not None:
-            self._board.close()
+        for board in (self._board, self._keys_board):
+            if board is not None:
+                board.close()
 
     def __enter__(self) -> Consumer:
         return self
@@ -313,6 +318,7 @@ class Consumer:
         self._expire()
         if self._landed_changed:
             self._post_landed()
+        self._post_landed_keys()
         if busy and not ready:
             time.sleep(BUSY_POLL_S)
 
@@ -324,6 +330,20 @@ class Consumer:
             if landed != self._last_post:
                 self._board.post(landed)  # memory writes only: no system call
                 self._last_post = landed
+
+    def _post_landed_keys(self) -> None:
+        """Post the landed chunks' keys if they may have changed since the last post, at
+        most every ``POST_INTERVAL_S`` (``landed_keys.py``)."""
+        if self._keys_board is None:
+            return
+        version, posted_at = self._keys_posted
+        now = time.monotonic()
+        if self._store.keys_version == version or now - posted_at < landed_keys.POST_INTERVAL_S:
+            return
+        with self._lock:
+            version, keys = self._store.keys_version, self._store.landed_keys()
+        self._keys_board.post(keys)  # memory writes only: no system call
+        self._keys_posted = (version, now)
 
     def _drain(
         self, socket: zmq.Socket, handler: Callable[[bytes, bytes], protocol.Message]
@@ -449,6 +469,18 @@ class Consumer:
                 self._board_path,
                 exc,
             )
+            return None
+
+    def _make_keys_board(self) -> landed_keys.KeysWriter | None:
+        """The landed chunks' keys board beside the landed board, made at start; None if
+        there is none or it cannot be made (the proxy then does not learn of them)."""
+        if self._board_path is None:
+            return None
+        path = landed_keys.keys_path(self._board_path)
+        try:
+            return landed_keys.KeysWriter(path, self.config.num_pages)
+        except OSError as exc:
+            logger.warning("cannot make the landed keys board %s: %s", path, exc)
             return None
 
     def _mark_landed(self) -> None:

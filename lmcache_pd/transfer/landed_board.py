@@ -119,9 +119,15 @@ class BoardWriter:
     def post(self, landed: dict[str, int]) -> None:
         """Replace what the board says with ``landed`` (chunks landed per unclaimed request, in
         the order they were held); memory writes only."""
-        if self._map is None:
-            return
-        self._write(self._fit(landed), 0)
+        self.post_payload(self._fit(landed))
+
+    def post_payload(self, payload: bytes) -> None:
+        """Replace what the board says with ``payload``, which must fit ``capacity`` (a board
+        of another content: ``landed_keys.py``); memory writes only."""
+        if len(payload) > self.capacity:
+            raise ValueError(f"a post of {len(payload)} bytes on a board of {self.capacity}")
+        if self._map is not None:
+            self._write(payload, 0)
 
     def close(self) -> None:
         """Mark the board closed (a reader that mapped it reads nothing from then on), unmap it
@@ -179,9 +185,19 @@ class BoardReader:
     def read(self) -> dict[str, int]:
         """The last post; nothing if there is no board (yet), the consumer closed it, or no
         whole post was seen in ``READ_TRIES`` tries."""
+        post = self.read_payload()
+        try:
+            return {} if post is None else _decode(post[1])
+        except msgspec.DecodeError:
+            return {}
+
+    def read_payload(self) -> tuple[tuple[int, int], bytes] | None:
+        """The last post as its version (generation and CRC: a board made afresh restarts its
+        generation) and its bytes, empty once the consumer closed the board; None if there is
+        no board (yet) or no whole post was seen in ``READ_TRIES`` tries."""
         board = self._map if self._map is not None else self._open()
         if board is None:
-            return {}
+            return None
         for _ in range(READ_TRIES):
             generation, length, crc, flags = _HEADER.unpack_from(board, 0)
             if generation & 1 or length > len(board) - PAYLOAD_AT:
@@ -191,12 +207,9 @@ class BoardReader:
                 continue  # a post began meanwhile
             if flags & CLOSED:
                 self.close()  # its consumer is gone: the path may hold a new board next time
-                return {}
-            try:
-                return _decode(payload)
-            except msgspec.DecodeError:
-                return {}
-        return {}
+                return (generation, crc), b""
+            return (generation, crc), payload
+        return None
 
     def close(self) -> None:
         if self._map is not None:

@@ -1,0 +1,106 @@
+"""Decode's landed chunks as KV events on vLLM's own stream, so that the proxy can send a request
+to the decode instance that holds its chunks already (and prefill pushes fewer of them).
+
+The consumer process posts the keys of the chunks landed on its rank (``landed_keys.py``); the
+scheduler sees each disaggregated request's prompt when it loads it, and so knows which tokens
+each key stands for. vLLM asks the connector for events after its own, every step
+(``take_events``); what the board says changed becomes ``BlockStored`` / ``BlockRemoved`` of
+medium ``LANDED_MEDIUM``, one block per chunk, of ``chunk_size`` tokens: a chunk is fetched
+whole, so no event names a part of one that could not be served alone. A partial last chunk is
+not published (only a prompt that ends exactly there could use it), and a chunk is published
+only once its parent is, since the proxy names a block by its parent's key and its tokens
+(``kv_events.prefix_key``). The chunks' own keys stand for vLLM's block hashes.
+
+Rank 0's chunks stand for the instance: the ranks of a load receive the same chunks from the
+same pushes and keep them by the same rule. Prefill at another TP size sends parts under other
+keys, which no prompt here is keyed by: nothing is published then. Events are hints for the
+proxy; what a push is spared is decided by the consumer from what it holds.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+
+from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.kv_events import LANDED_MEDIUM
+from lmcache_pd.transfer.landed_keys import KeysReader
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    parent: bytes | None  # the previous chunk's key; None for a prompt's first
+    tokens: array  # int64 token ids, chunk_size of them
+    salt: str | None  # the request's cache_salt on a prompt's first chunk, which its key mixes
+
+
+class LandedEvents:
+    """What one decode instance's rank-0 consumer holds landed, published as it changes."""
+
+    def __init__(self, keyer: ChunkKeyer, board: Path, max_chunks: int) -> None:
+        """``keyer``: rank 0's; ``board``: rank 0's keys board; ``max_chunks``: the most
+        prompt chunks remembered (the buffer's pages: no more can have landed)."""
+        self._keyer = keyer
+        self._reader = KeysReader(board)
+        self._max_chunks = max_chunks
+        # Chunks of the prompts loaded, least recently loaded first (a parent before its child).
+        self._chunks: OrderedDict[bytes, _Chunk] = OrderedDict()
+        self._landed: set[bytes] = set()  # as the board said last
+        self._published: set[bytes] = set()
+        self._stale = False  # learned or landed something since the last pass
+
+    def learn(self, prompt: list[int], salt: str | None) -> None:
+        """A request loads ``prompt``'s KV: remember what its full chunks' keys stand for."""
+        size = self._keyer.chunk_size
+        parent = None
+        for chunk in self._keyer.chunk_keys(prompt, salt=salt or None):
+            if chunk.end - chunk.start == size:
+                tokens = array("q", prompt[chunk.start : chunk.end])
+                first_salt = (salt or None) if chunk.start == 0 else None
+                self._chunks[chunk.key] = _Chunk(parent, tokens, first_salt)
+                self._chunks.move_to_end(chunk.key)
+            parent = chunk.key
+        while len(self._chunks) > self._max_chunks:
+            self._chunks.popitem(last=False)
+        self._stale = True
+
+    def take(self) -> list[KVCacheEvent]:
+        """The events since the last call: chunks gone, then chunks landed, parents first."""
+        landed = self._reader.changed()
+        if landed is not None:
+            self._landed, self._stale = landed, True
+        if not self._stale:
+            return []
+        self._stale = False
+        events: list[KVCacheEvent] = []
+        gone = self._published - self._landed
+        if gone:
+            self._published -= gone
+            events.append(BlockRemoved(block_hashes=list(gone), medium=LANDED_MEDIUM))
+        for key, chunk in self._chunks.items():
+            if key in self._published or key not in self._landed:
+                continue
+            if chunk.parent is not None and chunk.parent not in self._published:
+                continue
+            self._published.add(key)
+            events.append(self._stored(key, chunk))
+        return events
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def _stored(self, key: bytes, chunk: _Chunk) -> BlockStored:
+        return BlockStored(
+            block_hashes=[key],
+            parent_block_hash=chunk.parent,
+            token_ids=chunk.tokens.tolist(),
+            block_size=self._keyer.chunk_size,
+            lora_id=None,
+            medium=LANDED_MEDIUM,
+            lora_name=None,
+            extra_keys=None if chunk.salt is None else [(chunk.salt,)],
+        )

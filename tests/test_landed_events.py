@@ -1,0 +1,160 @@
+"""Decode's landed chunks published as KV events (``connector/landed_events.py``) and read by the
+proxy's index (``proxy/prefix_index.py``): the keys the consumer posts, the events the scheduler
+makes of them, their bytes as vLLM's publisher encodes them, and the proxy's lookup of a prompt
+against them. Fast lane: no process is started."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from vllm.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+)
+
+from lmcache_pd.connector.landed_events import LandedEvents
+from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.kv_events import BATCHES, LANDED_MEDIUM, prefix_keys
+from lmcache_pd.proxy.prefix_index import InstanceCaches
+from lmcache_pd.transfer.landed_keys import KeysWriter
+
+CHUNK = 16
+PROMPT = list(range(1000, 1000 + 3 * CHUNK + 5))  # three full chunks and a partial one
+
+
+@pytest.fixture
+def keyer() -> ChunkKeyer:
+    return ChunkKeyer(
+        model_name="m", world_size=1, worker_id=0, kv_dtype="float32", chunk_size=CHUNK
+    )
+
+
+@pytest.fixture
+def board(tmp_path: Path) -> Iterator[KeysWriter]:
+    writer = KeysWriter(tmp_path / "keys", max_keys=64)
+    yield writer
+    writer.close()
+
+
+@pytest.fixture
+def landed(keyer: ChunkKeyer, tmp_path: Path, board: KeysWriter) -> Iterator[LandedEvents]:
+    events = LandedEvents(keyer, tmp_path / "keys", max_chunks=64)
+    yield events
+    events.close()
+
+
+def over_the_wire(events: list[KVCacheEvent]) -> InstanceCaches:
+    """The events as vLLM's publisher encodes a batch, decoded and applied by the proxy."""
+    caches = InstanceCaches(max_blocks=100)
+    payload = msgspec.msgpack.Encoder().encode(KVEventBatch(ts=0.0, events=events))
+    for event in BATCHES.decode(payload).events:
+        caches.apply(event)
+    return caches
+
+
+def test_landed_chunks_are_published_parents_first_and_the_proxy_finds_the_prompt(
+    keyer: ChunkKeyer, board: KeysWriter, landed: LandedEvents
+) -> None:
+    chunks = keyer.chunk_keys(PROMPT)
+    board.post([chunk.key for chunk in chunks])
+    assert landed.take() == []  # landed, but no load said what the keys stand for yet
+    landed.learn(PROMPT, None)
+    events = landed.take()
+    # The partial last chunk is not published; the full ones are, a chunk after its parent.
+    assert [event.block_hashes for event in events] == [[chunk.key] for chunk in chunks[:3]]
+    assert all(isinstance(e, BlockStored) and e.medium == LANDED_MEDIUM for e in events)
+    caches = over_the_wire(events)
+    assert len(caches.prefix) == 0  # vLLM's prefix cache is not told of them
+    found = caches.landed.held_tokens(prefix_keys(PROMPT, CHUNK))
+    assert found == 3 * CHUNK
+    # Negative control: a prompt that differs in its second chunk is found for one chunk only.
+    other = PROMPT[:CHUNK] + [7] * (len(PROMPT) - CHUNK)
+    assert caches.landed.held_tokens(prefix_keys(other, CHUNK)) == CHUNK
+    assert landed.take() == []  # nothing changed since
+
+
+def test_a_chunk_whose_parent_has_not_landed_waits_for_it(
+    keyer: ChunkKeyer, board: KeysWriter, landed: LandedEvents
+) -> None:
+    chunks = keyer.chunk_keys(PROMPT)
+    landed.learn(PROMPT, None)
+    board.post([chunks[1].key, chunks[2].key])
+    assert landed.take() == []  # the proxy could not name them without the first
+    board.post([chunk.key for chunk in chunks[:3]])
+    assert [event.block_hashes for event in landed.take()] == [[c.key] for c in chunks[:3]]
+
+
+def test_chunks_freed_are_removed_and_the_proxy_forgets_them(
+    keyer: ChunkKeyer, board: KeysWriter, landed: LandedEvents
+) -> None:
+    chunks = keyer.chunk_keys(PROMPT)
+    landed.learn(PROMPT, None)
+    board.post([chunk.key for chunk in chunks[:3]])
+    stored = landed.take()
+    board.post([chunks[0].key])
+    removed = landed.take()
+    assert len(removed) == 1 and isinstance(removed[0], BlockRemoved)
+    assert set(removed[0].block_hashes) == {chunks[1].key, chunks[2].key}
+    caches = over_the_wire(stored + removed)
+    assert caches.landed.held_tokens(prefix_keys(PROMPT, CHUNK)) == CHUNK
+
+
+def test_a_salted_prompt_is_found_under_its_salt_only(
+    keyer: ChunkKeyer, board: KeysWriter, landed: LandedEvents
+) -> None:
+    chunks = keyer.chunk_keys(PROMPT, salt="tenant-a")
+    landed.learn(PROMPT, "tenant-a")
+    board.post([chunk.key for chunk in chunks])
+    caches = over_the_wire(landed.take())
+    assert caches.landed.held_tokens(prefix_keys(PROMPT, CHUNK, "tenant-a")) == 3 * CHUNK
+    assert caches.landed.held_tokens(prefix_keys(PROMPT, CHUNK, "tenant-b")) == 0
+    assert caches.landed.held_tokens(prefix_keys(PROMPT, CHUNK)) == 0
+
+
+def test_a_closed_board_removes_everything_published(
+    keyer: ChunkKeyer, board: KeysWriter, landed: LandedEvents
+) -> None:
+    """The consumer process is gone: nothing it held can spare a push any more."""
+    chunks = keyer.chunk_keys(PROMPT)
+    landed.learn(PROMPT, None)
+    board.post([chunk.key for chunk in chunks])
+    landed.take()
+    board.close()
+    removed = landed.take()
+    assert len(removed) == 1 and len(removed[0].block_hashes) == 3
+
+
+def test_the_proxy_keeps_vllms_prefix_cache_and_the_landed_chunks_apart() -> None:
+    caches = InstanceCaches(max_blocks=100)
+    tokens = list(range(CHUNK))
+    keys = prefix_keys(tokens, CHUNK)
+    caches.apply(BATCHES.decode(_batch(medium=None)).events[0])
+    caches.apply(BATCHES.decode(_batch(medium=LANDED_MEDIUM)).events[0])
+    assert caches.prefix.held_tokens(keys) == CHUNK
+    assert caches.landed.held_tokens(keys) == CHUNK
+    caches.apply(BATCHES.decode(_cleared()).events[0])  # vLLM reset its prefix cache
+    assert caches.prefix.held_tokens(keys) == 0
+    assert caches.landed.held_tokens(keys) == CHUNK
+
+
+def _batch(medium: str | None) -> bytes:
+    stored = BlockStored(
+        block_hashes=[b"h" * 16],
+        parent_block_hash=None,
+        token_ids=list(range(CHUNK)),
+        block_size=CHUNK,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
+    return msgspec.msgpack.Encoder().encode(KVEventBatch(ts=0.0, events=[stored]))
+
+
+def _cleared() -> bytes:
+    return msgspec.msgpack.Encoder().encode(KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))
