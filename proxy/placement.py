@@ -5,14 +5,16 @@ With ``routing: kv`` and a KV index that holds anything, the prompt's token ids 
 every instance's prefix cache (``kv_index.py``). Decode is the instance that would compute the
 fewest of them, against its load (``routing.py``); if what that instance would still compute is
 under ``min_disagg_tokens``, it serves the request alone, however long the prompt (a follow-up
-turn whose history it holds). It does so too when prefill has nothing to spare it: when even the
-prefill instance that holds most of the prompt would compute at least ``RECOMPUTE_FACTOR`` times
-what decode would, and ``min_disagg_tokens`` more (decode holds a history prefill lost to
-eviction or never saw: a conversation's answers, which decode generated). Else prefill runs,
-chosen the same way for its own cache, and pushes what decode lacks. A conversation stays where
-its history is without any session id. Without the index (``routing: load``, no instance
-publishes, nothing stored yet, or the tokens cannot be had) the choice is by load alone and the
-prompt's whole length decides, as before.
+turn whose history it holds). What decode holds counts its prefix cache and the chunks landed in
+its consumer, which it loads for a request it serves alone and which a push to it skips; the
+blocks prefill is told to skip count its prefix cache alone. It serves a request alone too when
+prefill has nothing to spare it: when even the prefill instance that holds most of the prompt
+would compute at least ``RECOMPUTE_FACTOR`` times what decode would, and ``min_disagg_tokens``
+more (decode holds a history prefill lost to eviction or never saw: a conversation's answers,
+which decode generated). Else prefill runs, chosen the same way for its own cache, and pushes
+what decode lacks. A conversation stays where its history is without any session id. Without
+the index (``routing: load``, no instance publishes, nothing stored yet, or the tokens cannot be
+had) the choice is by load alone and the prompt's whole length decides, as before.
 """
 
 from __future__ import annotations
@@ -90,12 +92,12 @@ class Placer:
             decoder = self._decode.pick() if client.needs_decode else None
             return Plan(decoder, decoder is not None and self._sizer.is_short(client))
         salt = client.body.get("cache_salt")
-        work = _work(index, token_ids, salt)
         # Decode is weighed by what it would compute or receive: chunks landed in its consumer
         # are not pushed again.
-        receive = _work(index, token_ids, salt, landed=True)
+        work, receive = _work(index, token_ids, salt)
         decoder = self._decode.pick(work=receive) if client.needs_decode else None
-        alone = decoder is not None and self._alone(decoder, work)
+        # Served alone, decode loads its landed chunks too (its consumer's cache).
+        alone = decoder is not None and self._alone(decoder, receive)
         return Plan(decoder, alone, work, len(token_ids))
 
     def _alone(self, decoder: Upstream, work: Callable[[Upstream], int]) -> bool:
@@ -116,21 +118,25 @@ class Placer:
 
 
 def _work(
-    index: KVIndex, tokens: list[int], salt: object, *, landed: bool = False
-) -> Callable[[Upstream], int]:
-    """Prompt tokens each instance would compute: those its prefix cache does not hold (the
-    prompt's keys hashed once per block size, looked up once per instance); with ``landed``,
-    those neither its prefix cache nor its landed chunks hold (what it would compute or
-    receive)."""
+    index: KVIndex, tokens: list[int], salt: object
+) -> tuple[Callable[[Upstream], int], Callable[[Upstream], int]]:
+    """Prompt tokens each instance would compute: those its prefix cache does not hold; and
+    those it would compute or receive: those neither its prefix cache nor its landed chunks
+    hold. The prompt's keys are hashed once per block size, looked up once per instance (and
+    kept: a plan reads them after the index may have changed)."""
     salt = salt if isinstance(salt, str) else None
     keys = functools.cache(lambda block_size: prefix_keys(tokens, block_size, salt))
     held: dict[Upstream, int] = {}
+    landed: dict[Upstream, int] = {}
 
     def work(member: Upstream) -> int:
         if member not in held:
             held[member] = index.held_tokens(member, keys)
-            if landed:
-                held[member] = max(held[member], index.held_tokens(member, keys, landed=True))
         return len(tokens) - held[member]
 
-    return work
+    def receive(member: Upstream) -> int:
+        if member not in landed:
+            landed[member] = index.held_tokens(member, keys, landed=True)
+        return min(work(member), len(tokens) - landed[member])
+
+    return work, receive

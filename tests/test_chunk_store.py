@@ -1000,3 +1000,22 @@ def test_unwritten_reserved_pages_go_back_at_their_lease_or_when_given_back(
     assert store.reserved_pages == 0 and allocator.free_pages == 8
     with pytest.raises(ProtocolError):  # a write after that is never taken for a chunk
         store.land_reserved(done, now=RESERVED_LEASE_S)
+
+
+def test_an_adopted_chunk_is_not_evicted_until_its_local_load_releases_it() -> None:
+    """Decode serving a request alone takes a hold of chunks landed for an earlier request: the
+    leading run of them that is here, none of which an allocation can evict meanwhile; released,
+    they are idle in the cache again. A key that never landed ends the run."""
+    store = make_store(num_pages=3, cache_pages=3)
+    landed_and_released(store, "earlier", b"k0", b"k1")
+    assert set(store.landed_keys()) == {b"k0", b"k1"}
+    assert store.adopt("local-1", [b"k0", b"k1", b"never", b"k0"], now=0.0) == 2
+    assert store.cached_pages == 0  # held: not idle, not evictable
+    with pytest.raises(BufferFull):  # two pages held, one free: three chunks cannot fit
+        store.allocate(alloc_request("other", b"a", b"b", b"c"), now=0.0)
+    assert store.landed(b"k0", "local-1") is not None
+    store.release("local-1", now=0.0)
+    assert store.cached_pages == 2
+    assert store.adopt("local-2", [b"never"], now=0.0) == 0
+    with pytest.raises(RequestDropped):  # a name used before is refused
+        store.adopt("local-1", [b"k0"], now=0.0)

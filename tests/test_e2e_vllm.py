@@ -95,6 +95,9 @@ PROMPTS["hostile"] = prompt(400, 36)
 # Sent under two cache salts (tenants): three chunks, the last partial.
 PROMPTS["salted"] = prompt(640, 3801)
 
+# Pushed once, then served by decode alone: two whole chunks and a partial one.
+PROMPTS["local"] = prompt(700, 3902)
+
 
 @pytest.fixture(scope="module")
 def reference(plain_vllm: PlainVLLM) -> dict[str, tuple]:
@@ -336,6 +339,35 @@ def test_a_prefix_decode_forgot_is_loaded_from_the_consumers_buffer(
     assert tokens["local_cache_hit"] == 0  # control: decode's own cache had nothing
     assert tokens["external_kv_transfer"] == len(PROMPTS["evicted-1"])
     chunks_skipped(pair, skipped, 600 // CHUNK_TOKENS)
+
+
+def test_a_request_decode_serves_alone_loads_the_chunks_landed_for_an_earlier_one(
+    pair: PDPair, reference: dict
+) -> None:
+    """The consumer's landed chunks are a second tier of decode's cache: a prompt pushed once,
+    then sent straight to decode after vLLM's own prefix cache there was emptied, loads its two
+    whole chunks from the consumer's buffer (a synchronous load, vLLM counting them transferred)
+    and computes the rest; its answer equals the plain vLLM's. The control: the same prompt
+    under a cache salt no push was made for loads nothing and computes it all."""
+    tokens = PROMPTS["local"]
+    assert_close_answer(pair.disaggregated("local", tokens), reference["local"])
+
+    def alone(salt: str | None = None) -> tuple[tuple, dict[str, float], dict[str, float]]:
+        httpx.post(f"{pair.consumer.url}/reset_prefix_cache", timeout=30.0).raise_for_status()
+        before, stats = pair.tokens_by_source(), pair.stats()
+        salted = {} if salt is None else {"cache_salt": salt}
+        got = answer(pair.consumer.complete(body(pair.model, tokens, OUTPUT_TOKENS) | salted))
+        return got, moved(before, pair.tokens_by_source()), moved(stats, pair.stats())
+
+    got, sources, stats = alone()
+    assert_close_answer(got, reference["local"], "local, alone")
+    assert sources["external_kv_transfer"] == 2 * CHUNK_TOKENS
+    assert sources["local_compute"] == len(tokens) - 2 * CHUNK_TOKENS
+    assert sources["local_cache_hit"] == 0  # decode's own cache had nothing
+    assert stats["loads_local"] == 1 and stats["sync_load_failures"] == 0
+    _, sources, stats = alone(salt="another-tenant")
+    assert sources["external_kv_transfer"] == 0 and stats["loads_local"] == 0
+    assert sources["local_compute"] == len(tokens)
 
 
 def test_a_chat_that_resends_the_conversation_loads_only_each_turns_news(

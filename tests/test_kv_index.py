@@ -401,14 +401,15 @@ def test_a_prompt_prefill_would_recompute_goes_to_the_decode_holding_it_alone() 
     assert not by_silent.alone
 
 
-def test_decode_is_chosen_for_the_chunks_landed_in_it_but_not_served_alone_by_them() -> None:
-    """Two idle decode instances; one's consumer holds a prompt's first 24 tokens landed (its
-    prefix cache none). It is chosen, and the request still goes through prefill (a landed chunk
-    spares the push, not the compute); prefill is told to skip nothing (decode's prefix cache
-    holds nothing). The control: the same chunks landed on the other instance move the choice."""
+def test_decode_is_chosen_and_served_alone_for_the_chunks_landed_in_it() -> None:
+    """Two idle decode instances; one's consumer holds a prompt's first 24 of 30 tokens landed
+    (its prefix cache none). It is chosen, and serves the request alone (it would compute 6,
+    under ``min_disagg_tokens`` 8: it loads the rest from its landed chunks); what prefill would
+    be told to skip is its prefix cache's, none. The control: the same chunks landed on the other
+    instance move the choice."""
     keys = DeploymentKeys.from_secret(generate_secret())
     held = list(range(500, 524))
-    prompt = [*held, *range(900, 914)]
+    prompt = [*held, *range(900, 906)]
     body = {"model": "m", "prompt": prompt, "max_tokens": 4}
     client = ClientRequest.from_json(Endpoint.COMPLETIONS, msgspec.json.encode(body), "m")
     landed = BlockStored(
@@ -458,4 +459,4 @@ def test_decode_is_chosen_for_the_chunks_landed_in_it_but_not_served_alone_by_th
 
     (on_d1, url1), (_, url0) = plan_with_chunks_on(1), plan_with_chunks_on(0)
     assert (url1, url0) == ("http://d1", "http://d0")
-    assert not on_d1.alone and on_d1.decode_holds() == 0
+    assert on_d1.alone and on_d1.decode_holds() == 0

@@ -18,6 +18,7 @@ from vllm.distributed.kv_events import (
     KVEventBatch,
 )
 
+from lmcache_pd.connector.landed_chunks import LandedChunks
 from lmcache_pd.connector.landed_events import LandedEvents
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.kv_events import BATCHES, LANDED_MEDIUM, prefix_keys
@@ -44,9 +45,9 @@ def board(tmp_path: Path) -> Iterator[KeysWriter]:
 
 @pytest.fixture
 def landed(keyer: ChunkKeyer, tmp_path: Path, board: KeysWriter) -> Iterator[LandedEvents]:
-    events = LandedEvents(keyer, tmp_path / "keys", max_chunks=64)
-    yield events
-    events.close()
+    chunks = LandedChunks([keyer], [tmp_path / "keys"])
+    yield LandedEvents(chunks, max_chunks=64)
+    chunks.close()
 
 
 def over_the_wire(events: list[KVCacheEvent]) -> InstanceCaches:

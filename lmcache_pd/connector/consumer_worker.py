@@ -218,7 +218,11 @@ class ConsumerWorker(WorkerHalf):
         self._stats.add("loads_sync")
         try:
             state = self._service.load_now(
-                load.disagg_req_id, not_needed, [k.key for k in pending.keys], SYNC_LOAD_WAIT_S
+                load.disagg_req_id,
+                not_needed,
+                [k.key for k in pending.keys],
+                SYNC_LOAD_WAIT_S,
+                adopt=load.local,
             )
             if state.dropped is None and len(state.landed) < len(pending.keys):
                 # Never expected: the scheduler saw them all landed and held for this request.

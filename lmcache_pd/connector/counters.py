@@ -41,6 +41,8 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "tokens_loaded": "Prompt tokens loaded from a producer instead of computed.",
         "loads_failed": "Loads reported failed to vLLM, which recomputes the prompt.",
         "loads_aborted": "Loads dropped because vLLM aborted the request.",
+        "loads_local": "Requests decode served alone that loaded chunks landed for earlier "
+        "requests (its consumer's cache) past its own prefix cache's hit, instead of computing.",
         "loads_unneeded": "Requests decode computes itself (its own prefix cache covered the "
         "prompt, or lost what prefill skipped): pushed chunks released.",
         "load_timeouts": "Loads not complete by their deadline (also in loads_failed).",

@@ -37,6 +37,7 @@ from lmcache_pd.config import CONFIG_PATH_ENV, PDConfig, load_config
 from lmcache_pd.connector import kv_event_publisher
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
 from lmcache_pd.connector.counters import StatsRecorder
+from lmcache_pd.connector.landed_chunks import LandedChunks
 from lmcache_pd.connector.landed_events import LandedEvents
 from lmcache_pd.connector.metadata import PDConnectorMetadata, PushProgress
 from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler, SchedulerHalf
@@ -238,6 +239,8 @@ class LMCachePDConnector(KVConnectorBase_V1):
                 # Before vLLM's scheduler, which makes its publisher after this connector.
                 kv_event_publisher.install(load_keys(self._config.secret_file))
             parts = 1 if producer else parts_per_chunk(tp_layout(vllm_config), self._config)
+            # Chunks landed under keys of the instance's own ranks: not parts of another TP's.
+            landed = self._landed_chunks() if not producer and parts == 1 else None
             self._scheduler = (
                 ProducerScheduler(self._stats.add, load_keys(self._config.secret_file))
                 if producer
@@ -250,7 +253,8 @@ class LMCachePDConnector(KVConnectorBase_V1):
                     if self._config.sync_loads
                     else [],
                     parts_per_chunk=parts,
-                    landed=self._landed_events() if publishes and parts == 1 else None,
+                    landed_chunks=landed,
+                    landed=self._landed_events(landed) if publishes else None,
                 )
             )
         else:
@@ -282,15 +286,19 @@ class LMCachePDConnector(KVConnectorBase_V1):
             self._config, keyer, kv_caches, self._stats, profile, self._rank, facts, board, layout
         )
 
-    def _landed_events(self) -> LandedEvents | None:
-        """The landed chunks' events (``landed_events.py``), from rank 0's keys board, which
+    def _landed_events(self, landed: LandedChunks | None) -> LandedEvents | None:
+        """Rank 0's landed chunks published as KV events (``landed_events.py``)."""
+        return None if landed is None else LandedEvents(landed, self._config.num_pages)
+
+    def _landed_chunks(self) -> LandedChunks | None:
+        """What each consumer rank holds landed (``landed_chunks.py``), from the keys boards
         its consumer posts with its landed board (so only with ``sync_loads``)."""
         if not self._config.sync_loads:
             return None
-        return LandedEvents(
-            chunk_keyer(self._vllm_config, self._config, 0),
-            landed_keys.keys_path(self._board(0)),
-            self._config.num_pages,
+        ranks = range(self._vllm_config.parallel_config.world_size)
+        return LandedChunks(
+            [chunk_keyer(self._vllm_config, self._config, rank) for rank in ranks],
+            [landed_keys.keys_path(self._board(rank)) for rank in ranks],
         )
 
     def _board(self, rank: int) -> Path:

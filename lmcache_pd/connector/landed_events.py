@@ -1,9 +1,10 @@
 """Decode's landed chunks as KV events on vLLM's own stream, so that the proxy can send a request
 to the decode instance that holds its chunks already (and prefill pushes fewer of them).
 
-The consumer process posts the keys of the chunks landed on its rank (``landed_keys.py``); the
-scheduler sees each disaggregated request's prompt when it loads it, and so knows which tokens
-each key stands for. vLLM asks the connector for events after its own, every step
+The consumer process posts the keys of the chunks landed on its rank (``landed_keys.py``, read
+through ``landed_chunks.py``); the scheduler sees each disaggregated request's prompt when it
+loads it, and so knows which tokens each key stands for. vLLM asks the connector for events
+after its own, every step
 (``take_events``); what the board says changed becomes ``BlockStored`` / ``BlockRemoved`` of
 medium ``LANDED_MEDIUM``, one block per chunk, of ``chunk_size`` tokens: a chunk is fetched
 whole, so no event names a part of one that could not be served alone. A partial last chunk is
@@ -22,13 +23,11 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
-from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.connector.landed_chunks import LandedChunks
 from lmcache_pd.kv_events import LANDED_MEDIUM
-from lmcache_pd.transfer.landed_keys import KeysReader
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +40,12 @@ class _Chunk:
 class LandedEvents:
     """What one decode instance's rank-0 consumer holds landed, published as it changes."""
 
-    def __init__(self, keyer: ChunkKeyer, board: Path, max_chunks: int) -> None:
-        """``keyer``: rank 0's; ``board``: rank 0's keys board; ``max_chunks``: the most
+    def __init__(self, landed: LandedChunks, max_chunks: int) -> None:
+        """``landed``: what the ranks hold (rank 0's is published); ``max_chunks``: the most
         prompt chunks remembered (the buffer's pages: no more can have landed)."""
-        self._keyer = keyer
-        self._reader = KeysReader(board)
+        self._landed_chunks = landed
+        self._keyer = landed.keyers[0]
+        self._version = -1  # the version of ``landed`` seen last
         self._max_chunks = max_chunks
         # Chunks of the prompts loaded, least recently loaded first (a parent before its child).
         self._chunks: OrderedDict[bytes, _Chunk] = OrderedDict()
@@ -70,9 +70,10 @@ class LandedEvents:
 
     def take(self) -> list[KVCacheEvent]:
         """The events since the last call: chunks gone, then chunks landed, parents first."""
-        landed = self._reader.changed()
-        if landed is not None:
-            self._landed, self._stale = landed, True
+        self._landed_chunks.refresh()
+        if self._landed_chunks.version != self._version:
+            self._version = self._landed_chunks.version
+            self._landed, self._stale = self._landed_chunks.on_rank(0), True
         if not self._stale:
             return []
         self._stale = False
@@ -89,9 +90,6 @@ class LandedEvents:
             self._published.add(key)
             events.append(self._stored(key, chunk))
         return events
-
-    def close(self) -> None:
-        self._reader.close()
 
     def _stored(self, key: bytes, chunk: _Chunk) -> BlockStored:
         return BlockStored(

@@ -40,7 +40,9 @@ class LoadRequest:
     ``sync``: its chunks had all landed on every rank when vLLM scheduled it, so it is loaded
     before this step's forward pass, which computes its last token (vLLM's synchronous load),
     instead of in a step of its own. ``cache_salt``: the request's, part of its chunk keys, so
-    that it never loads a chunk pushed for a request of another salt."""
+    that it never loads a chunk pushed for a request of another salt. ``local``: decode serves
+    the request alone and loads ``prompt`` (its tokens up to the end of the chunks it found
+    landed) from chunks pushed for earlier requests, held under ``disagg_req_id`` for the load."""
 
     req_id: str
     disagg_req_id: str
@@ -49,6 +51,7 @@ class LoadRequest:
     start: int
     sync: bool = False
     cache_salt: str | None = None
+    local: bool = False
 
 
 @dataclass

@@ -7,7 +7,9 @@ for first-token notices (``first_token.py``), which it sends without blocking.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from lmcache_pd.connector.landed_chunks import LandedChunks
     from lmcache_pd.connector.landed_events import LandedEvents
 
 logger = logging.getLogger(__name__)
@@ -257,14 +260,17 @@ class ConsumerScheduler(SchedulerHalf):
         chunk_size: int = 256,
         boards: Sequence[Path] = (),
         parts_per_chunk: int = 1,
+        landed_chunks: LandedChunks | None = None,
         landed: LandedEvents | None = None,
     ) -> None:
         """``count`` takes the name of a counter to bump (``StatsRecorder.add``); ``boards``:
         each consumer rank's ``landed_board``, on every one of which a request's chunks must
         all be posted landed for it to be loaded synchronously (none: every load
         asynchronous); ``parts_per_chunk``: what each chunk arrives as on each rank (several
-        parts from a prefill at a larger TP size, ``tp_parts.py``); ``landed``: publishes the
-        chunks landed here as KV events (None: they are not published)."""
+        parts from a prefill at a larger TP size, ``tp_parts.py``); ``landed_chunks``: what the
+        consumer ranks hold landed, which requests served alone load past decode's own prefix
+        cache hit (None: they do not); ``landed``: publishes those chunks as KV events (None:
+        they are not published)."""
         self._count = count
         self._door = ParamsDoor(count)
         self._chunk_size = chunk_size
@@ -280,14 +286,20 @@ class ConsumerScheduler(SchedulerHalf):
         # again after a failed load or a preemption, and must hear "none": the chunks are
         # released by then.
         self._loaded: set[str] = set()
+        self._landed_chunks = landed_chunks
         self._landed = landed
+        # Per request served alone with chunks landed here past its prefix-cache hit, where
+        # their run ends (the answer of get_num_new_matched_tokens, used once its blocks are).
+        self._local: dict[str, int] = {}
+        # Names of local loads' holds on the consumers: unique across this scheduler's life.
+        self._local_ids = (f"local-{secrets.token_hex(4)}-{n}" for n in itertools.count())
 
     def take_events(self) -> list[KVCacheEvent]:
         return [] if self._landed is None else self._landed.take()
 
     def close(self) -> None:
-        if self._landed is not None:
-            self._landed.close()
+        if self._landed_chunks is not None:
+            self._landed_chunks.close()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
         """All of the prompt past decode's own hit (``num_computed``, which vLLM ends on a block
@@ -295,7 +307,7 @@ class ConsumerScheduler(SchedulerHalf):
         ends inside a chunk is fine: only that chunk's later blocks are loaded."""
         spec = self._door.of(request).disagg_spec
         if spec is None:
-            return 0, False
+            return self._local_hit(request, num_computed), False
         if request.request_id in self._loaded:
             # Its chunks were released when it loaded (or failed to): compute the prompt.
             if request.num_preemptions > 0:
@@ -327,6 +339,19 @@ class ConsumerScheduler(SchedulerHalf):
         self._sync[request.request_id] = sync
         return external, not sync
 
+    def _local_hit(self, request: Request, num_computed: int) -> int:
+        """Tokens past ``num_computed`` that a request served alone loads from chunks landed on
+        every rank for earlier requests (0: none); always a synchronous load (they are here)."""
+        if self._landed_chunks is None or request.request_id in self._loaded:
+            return 0
+        prompt = list(request.prompt_token_ids or [])[:-1]  # its last token is computed here
+        end = self._landed_chunks.landed_run(prompt, request.cache_salt, num_computed)
+        if end <= num_computed:
+            self._local.pop(request.request_id, None)
+            return 0
+        self._local[request.request_id] = end
+        return end - num_computed
+
     def _all_landed(self, spec: DisaggSpec, kv_tokens: int) -> bool:
         """Whether every rank posted every chunk the producer pushes of its prompt
         (``kv_tokens``: all of decode's prompt but its last token, the producer's first output;
@@ -342,7 +367,10 @@ class ConsumerScheduler(SchedulerHalf):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         spec = self._door.of(request).disagg_spec
-        if spec is None or request.request_id in self._loaded:
+        if spec is None:
+            self._load_local(request, blocks, num_external_tokens)
+            return
+        if request.request_id in self._loaded:
             return
         self._loaded.add(request.request_id)
         if num_external_tokens <= 0:
@@ -368,6 +396,28 @@ class ConsumerScheduler(SchedulerHalf):
             )
         )
 
+    def _load_local(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Load a request served alone from the chunks ``_local_hit`` found landed."""
+        end = self._local.pop(request.request_id, None)
+        if end is None or num_external_tokens <= 0 or request.request_id in self._loaded:
+            return
+        self._loaded.add(request.request_id)
+        self._count("loads_local")
+        self._loads.append(
+            LoadRequest(
+                request.request_id,
+                next(self._local_ids),
+                list(request.prompt_token_ids or [])[:end],
+                list(blocks.get_block_ids()[0]),
+                end - num_external_tokens,
+                sync=True,
+                cache_salt=request.cache_salt,
+                local=True,
+            )
+        )
+
     def build_connector_meta(self, output: SchedulerOutput) -> PDConnectorMetadata:
         meta = PDConnectorMetadata(
             loads=self._loads, finished=set(output.finished_req_ids), unneeded=self._unneeded
@@ -379,4 +429,5 @@ class ConsumerScheduler(SchedulerHalf):
         self._door.forget(request.request_id)
         self._loaded.discard(request.request_id)
         self._sync.pop(request.request_id, None)
+        self._local.pop(request.request_id, None)
         return None

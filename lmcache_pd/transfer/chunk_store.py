@@ -21,7 +21,7 @@ name another's.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from lmcache_pd.errors import AllocationError, BufferFull, ProtocolError, RequestDropped
@@ -373,6 +373,32 @@ class ChunkStore:
             for page in hold.pages:  # a decode's now: no longer its producer's
                 self._recount(page)
         return None
+
+    def adopt(self, req_id: str, keys: Sequence[bytes], now: float) -> int:
+        """Decode serves ``req_id`` alone and loads the leading ``keys`` it finds landed here
+        (chunks pushed for earlier requests): ``req_id`` holds their pages, claimed, until it
+        is released, so that none is evicted or rewritten while it reads them. Returns how many
+        of ``keys`` it holds, from the first, up to the first that has not landed.
+
+        Raises ``RequestDropped`` for a request already let go (an id used before)."""
+        reason = self._dropped.get(req_id)
+        if reason is not None:
+            raise RequestDropped(f"req {req_id} was let go here ({reason})", reason)
+        self._check_holds(req_id)
+        pages = []
+        for key in keys:
+            page = self._pages.live_page(key)
+            if page is None:
+                break
+            pages.append(page)
+        if not pages:
+            return 0
+        hold = self._holds.hold(req_id, now, ONE_PRODUCER)
+        self._holds.claim(req_id, now, frozenset())
+        for page in pages:
+            self._add_holder(hold, req_id, page)
+        self.cache_counts.local_hits += len(pages)
+        return len(pages)
 
     def dropped_reason(self, req_id: str) -> str | None:
         """Why ``req_id`` was let go, or None while it is not."""

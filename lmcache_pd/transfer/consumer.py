@@ -225,6 +225,12 @@ class Consumer:
         with self._lock:
             return self._store.claim(req_id, time.monotonic(), not_needed)
 
+    def adopt(self, req_id: str, keys: Sequence[bytes]) -> int:
+        """Decode serves ``req_id`` alone and will load the leading ``keys`` landed here: it
+        holds them, claimed, until released (see ``ChunkStore.adopt``); returns how many."""
+        with self._lock:
+            return self._store.adopt(req_id, keys, time.monotonic())
+
     def dropped_reason(self, req_id: str) -> str | None:
         """Why ``req_id`` was let go (abandoned by its producer, lapsed...), else None."""
         with self._lock:

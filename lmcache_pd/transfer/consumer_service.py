@@ -115,6 +115,9 @@ class LoadNow(msgspec.Struct, frozen=True, tag=True, array_like=True):
     req_id: str
     not_needed: list[bytes]
     keys: list[bytes]
+    # Decode serves the request alone: its keys are chunks landed for earlier requests, which
+    # it takes a hold of (``Consumer.adopt``) instead of claiming a hold a push made.
+    adopt: bool = False
 
 
 class Stop(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -241,11 +244,18 @@ class ConsumerService:
         return reply
 
     def load_now(
-        self, req_id: str, not_needed: frozenset[bytes], keys: list[bytes], timeout_s: float
+        self,
+        req_id: str,
+        not_needed: frozenset[bytes],
+        keys: list[bytes],
+        timeout_s: float,
+        *,
+        adopt: bool = False,
     ) -> LoadState:
-        """Claim ``req_id`` and say where ``keys`` landed, within ``timeout_s``. Raises
-        ``PeerTimeout`` past it (a late answer is dropped then) or ``ConsumerServiceDown``."""
-        self._send(LoadNow(req_id, sorted(not_needed), keys))
+        """Claim ``req_id`` (or with ``adopt``, hold the chunks landed for earlier requests)
+        and say where ``keys`` landed, within ``timeout_s``. Raises ``PeerTimeout`` past it (a
+        late answer is dropped then) or ``ConsumerServiceDown``."""
+        self._send(LoadNow(req_id, sorted(not_needed), keys, adopt))
         deadline = time.monotonic() + timeout_s
         while True:
             answer = self._receive(max(0.0, deadline - time.monotonic()), Answer, "load now")
@@ -388,7 +398,10 @@ def _answer(consumer: Consumer, connection: Connection, command: Command) -> Non
         elif isinstance(command, Release):
             consumer.release(command.req_id)
         elif isinstance(command, LoadNow):
-            dropped = consumer.claim(command.req_id, frozenset(command.not_needed))
+            if command.adopt:
+                dropped = None if consumer.adopt(command.req_id, command.keys) else "not landed"
+            else:
+                dropped = consumer.claim(command.req_id, frozenset(command.not_needed))
             landed: list[LandedChunk] = []
             if dropped is None:
                 dropped, landed = consumer.load_progress(command.req_id, command.keys)

@@ -69,6 +69,9 @@ class CacheCounts:
     evictions: int = _exported("Cached chunks nobody held, evicted for room.")
     bytes_not_resent: int = _exported("Bytes of chunks not written again (cache hits).")
     not_needed: int = _exported("Chunks decode's own prefix cache had: not written.")
+    local_hits: int = _exported(
+        "Chunks landed for earlier requests that a request decode served alone loaded."
+    )
 
 
 @dataclass(slots=True)
