@@ -224,13 +224,17 @@ class CudaTokenKV:
             copy.order_model()
         return copy, [None] * len(chunks)
 
-    def adopt(self, buffer: torch.Tensor) -> None:
-        """Page-lock a host receive buffer (a memfd mapping torch did not allocate), so that
-        copies from it run without blocking; unlocked in ``close``. Loads from it are staged
-        on the GPU: the room for that is checked now (``gpu_memory.py``)."""
+    def adopt(self, buffer: torch.Tensor, *, loads: bool = True) -> None:
+        """Page-lock a host buffer torch did not pin (a receive buffer's memfd mapping, the
+        producer's staging), so that copies with it run without blocking; unlocked in
+        ``close``. Locked here rather than allocated pinned: torch's pinned allocator rounds a
+        size up to a power of two, and a staging buffer (pages and a probe area) just past one
+        would take twice its memory. Loads from it are staged on the GPU: with ``loads``, the
+        room for that is checked now (``gpu_memory.py``)."""
         if buffer.device.type != "cpu" or buffer.is_pinned():
             return
-        ensure_room(self.device, STAGING_LAUNCH_BYTES, "staging host chunks for loads")
+        if loads:
+            ensure_room(self.device, STAGING_LAUNCH_BYTES, "staging host chunks for loads")
         nbytes = buffer.numel() * buffer.element_size()
         error = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
         if int(error) != 0:

@@ -135,8 +135,9 @@ class PagedKV(Protocol):
         """``scatter`` of several chunks of one request (a load) at once: one copy, done when
         all are (on a GPU, one launch), and each chunk's digest where taken in the pass."""
 
-    def adopt(self, buffer: torch.Tensor) -> None:
-        """Chunks will be read from or written to ``buffer``: make copies with it fast."""
+    def adopt(self, buffer: torch.Tensor, *, loads: bool = True) -> None:
+        """Chunks will be read from or written to ``buffer``: make copies with it fast;
+        ``loads``: chunks in it will be loaded into this cache (not only gathered into it)."""
 
     def close(self) -> None: ...
 
@@ -210,7 +211,7 @@ class BlockKV(ChunkByChunk):
         blocks = self._blocks(block_ids, max(chunk_start, start), chunk_end)
         return Copied(self._cache.scatter(chunk, blocks, hashed=hashed))
 
-    def adopt(self, buffer: torch.Tensor) -> None:
+    def adopt(self, buffer: torch.Tensor, *, loads: bool = True) -> None:
         return None
 
     def close(self) -> None:
@@ -280,7 +281,7 @@ class TokenKV(ChunkByChunk):
         self._cache.scatter(chunk, slots, skip=first - chunk_start)
         return COPIED
 
-    def adopt(self, buffer: torch.Tensor) -> None:
+    def adopt(self, buffer: torch.Tensor, *, loads: bool = True) -> None:
         return None
 
     def close(self) -> None:

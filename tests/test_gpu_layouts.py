@@ -507,6 +507,15 @@ def test_on_a_gpu_chunks_move_by_triton_on_the_copy_stream(
     assert not any(layer[:, untouched].any() for layer in host_target.values())
     totals = producer_stats.totals()
     assert totals["peers_fallback_transport"] == 0 and totals["transport_self_test_failures"] == 0
+    if buffer_device == "cpu":
+        # Host staging page-locked by the cache at its own size (torch's pinned allocator would
+        # round its pages and probe area up to twice the pages), unlocked when it closes.
+        staging = pair.producer._staging.buffer
+        assert staging.is_pinned()
+        pairs.remove(pair)
+        pair.producer.close()
+        pair.consumer.close()
+        assert not staging.is_pinned()
 
 
 def test_an_mla_latent_cache_moves_as_whole_blocks_of_its_own_format() -> None:

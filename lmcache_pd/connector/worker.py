@@ -88,13 +88,13 @@ def rank_profile(profile: KVProfile | None, cache: PagedKV, config: PDConfig) ->
 
 def staging_for(config: PDConfig, cache: PagedKV) -> Staging:
     """The producer's staging pages: in the cache's GPU memory with ``buffer_device: cuda``,
-    pinned CPU memory for any other GPU cache (copied into from the GPU without blocking),
-    plain CPU memory for a CPU one."""
+    CPU memory the cache page-locks for any other GPU cache (copied into from the GPU without
+    blocking; ``PagedKV.adopt``, unlocked when the cache closes), plain CPU memory for a CPU
+    one."""
     device = cache.device if config.buffer_device == "cuda" else torch.device("cpu")
-    pinned = config.buffer_device == "cpu" and cache.device.type == "cuda"
-    return Staging(
-        num_pages=config.num_pages, page_bytes=config.page_bytes, device=device, pinned=pinned
-    )
+    staging = Staging(num_pages=config.num_pages, page_bytes=config.page_bytes, device=device)
+    cache.adopt(staging.buffer, loads=False)
+    return staging
 
 
 class WorkerHalf:

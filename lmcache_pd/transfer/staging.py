@@ -31,18 +31,16 @@ class Staging:
         num_pages: int,
         page_bytes: int,
         device: torch.device | str = "cpu",
-        pinned: bool = False,
     ) -> None:
-        """``device``: CPU memory (NIXL's DRAM) or a GPU's (VRAM, ``buffer_device: cuda``).
-        ``pinned``: page-locked CPU memory, which a GPU copies into without blocking (a CUDA
-        cache's host staging)."""
+        """``device``: CPU memory (NIXL's DRAM; a CUDA cache page-locks it, ``PagedKV.adopt``)
+        or a GPU's (VRAM, ``buffer_device: cuda``)."""
         self.page_bytes = page_bytes
         self._pages_bytes = num_pages * page_bytes
         size = self._pages_bytes + protocol.PROBE_AREA_BYTES
         if torch.device(device).type == "cuda":
             ensure_room(torch.device(device), size, "the producer's GPU staging")
         # Zeroed now so that every page is faulted in here, not on the first transfers.
-        self.buffer = torch.zeros(size, dtype=torch.uint8, device=device, pin_memory=pinned)
+        self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
         self._pages = PageAllocator(num_pages=num_pages, page_bytes=page_bytes, lease_s=None)
         self._free_slots = list(range(protocol.PROBE_SLOTS))
         self._lock = threading.Lock()
