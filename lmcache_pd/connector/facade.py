@@ -253,7 +253,11 @@ class LMCachePDConnector(KVConnectorBase_V1):
                     if self._config.sync_loads
                     else [],
                     parts_per_chunk=parts,
-                    landed_chunks=landed,
+                    # A local load that fails must recompute, never fail a request that
+                    # asked for no transfer (vLLM's default policy fails it).
+                    landed_chunks=landed
+                    if vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
+                    else None,
                     landed=self._landed_events(landed) if publishes else None,
                 )
             )

@@ -91,6 +91,9 @@ class LandedEvents:
             events.append(self._stored(key, chunk))
         return events
 
+    def close(self) -> None:
+        self._landed_chunks.close()
+
     def _stored(self, key: bytes, chunk: _Chunk) -> BlockStored:
         return BlockStored(
             block_hashes=[key],

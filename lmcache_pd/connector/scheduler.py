@@ -300,6 +300,8 @@ class ConsumerScheduler(SchedulerHalf):
     def close(self) -> None:
         if self._landed_chunks is not None:
             self._landed_chunks.close()
+        if self._landed is not None:
+            self._landed.close()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
         """All of the prompt past decode's own hit (``num_computed``, which vLLM ends on a block
