@@ -28,7 +28,14 @@ from lmcache_pd.affinity import unpin_this_thread
 from lmcache_pd.auth import load_keys, unseal, warn_if_open
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig
-from lmcache_pd.errors import ConfigError, IntegrityError, ProtocolError, VersionMismatch
+from lmcache_pd.errors import (
+    AllocationError,
+    ConfigError,
+    IntegrityError,
+    ProtocolError,
+    RequestDropped,
+    VersionMismatch,
+)
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.protocol import ErrorCode, ErrorReply
 from lmcache_pd.transfer import landed_board, landed_keys
@@ -225,11 +232,17 @@ class Consumer:
         with self._lock:
             return self._store.claim(req_id, time.monotonic(), not_needed)
 
-    def adopt(self, req_id: str, keys: Sequence[bytes]) -> int:
+    def adopt(self, req_id: str, keys: Sequence[bytes]) -> str | None:
         """Decode serves ``req_id`` alone and will load the leading ``keys`` landed here: it
-        holds them, claimed, until released (see ``ChunkStore.adopt``); returns how many."""
-        with self._lock:
-            return self._store.adopt(req_id, keys, time.monotonic())
+        holds them, claimed, until released (see ``ChunkStore.adopt``). Returns why it holds
+        none (decode then computes those tokens), else None."""
+        try:
+            with self._lock:
+                held = self._store.adopt(req_id, keys, time.monotonic())
+        except (AllocationError, RequestDropped) as exc:  # too many holds here, or a reused id
+            logger.info("req %s: landed chunks not held for a local load: %s", req_id, exc)
+            return str(exc)
+        return None if held else "not landed"
 
     def dropped_reason(self, req_id: str) -> str | None:
         """Why ``req_id`` was let go (abandoned by its producer, lapsed...), else None."""

@@ -399,7 +399,7 @@ def _answer(consumer: Consumer, connection: Connection, command: Command) -> Non
             consumer.release(command.req_id)
         elif isinstance(command, LoadNow):
             if command.adopt:
-                dropped = None if consumer.adopt(command.req_id, command.keys) else "not landed"
+                dropped = consumer.adopt(command.req_id, command.keys)
             else:
                 dropped = consumer.claim(command.req_id, frozenset(command.not_needed))
             landed: list[LandedChunk] = []
