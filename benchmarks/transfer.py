@@ -10,9 +10,10 @@ on free ports, and a producer here gathers each request's chunks from a paged so
 of up to 128 KiB at scattered ids, as vLLM's) into pages of its registered staging buffer, then
 sends them, as the connector does:
 
-- ours: the gather taking each chunk's checksum in the same pass (``CpuKVCache.gather(hashed=
-  True)``), then ``Producer.push`` with those checksums, fresh keys and req_id each run;
-- ours_nochecksum: a plain gather, then ``Producer.push`` with integrity off;
+- ours: ``Producer.push`` with fresh keys and req_id each run, whose ``fill`` is the gather
+  taking each chunk's checksum in the same pass (``CpuKVCache.gather(hashed=True)``): the
+  consumer is asked for pages while it runs, as in the connector;
+- ours_nochecksum: the same with a plain gather and integrity off;
 - raw NIXL: a plain gather, then ``post_write`` + ``wait_for_transfer`` of the same pages, no
   protocol, no notification, into the consumer's pages in turn (as a receive buffer hands them
   out: a page written again and again stays in this core's 2 MiB cache, and a one-chunk WRITE
@@ -143,17 +144,24 @@ def push_once(
     source: Source,
     verify: bool = False,
 ) -> tuple[float, float]:
-    """Seconds of gathering the chunks (hashed when ``config`` checks integrity) and of pushing
-    them under fresh keys; the consumer then frees them."""
+    """Seconds of gathering the chunks (hashed when ``config`` checks integrity) and of the
+    rest of pushing them under fresh keys; the consumer then frees them. The gather is the
+    push's ``fill``, as the connector's is: the consumer is asked for pages while it runs."""
     # Producer reads its config per push; swapping it lets both checksum modes share one
     # staging buffer, one agent and one handshake, so they differ only in the checksums.
     producer.config = config
     spec = msgspec.structs.replace(spec, req_id=f"bench-{uuid.uuid4().hex}")
-    gather_s, checksums = source.gather(hashed=config.integrity_checksums)
+    gathered: list[tuple[float, list[int]]] = []
+
+    def fill() -> list[int] | None:
+        gathered.append(source.gather(hashed=config.integrity_checksums))
+        return gathered[0][1] or None
+
     chunks = [(uuid.uuid4().bytes, page) for page in source.pages]
     started = time.perf_counter()
-    result = producer.push(spec, chunks, checksums or None)
-    elapsed = time.perf_counter() - started
+    result = producer.push(spec, chunks, fill=fill)
+    ((gather_s, checksums),) = gathered
+    elapsed = time.perf_counter() - started - gather_s
     if result.chunks_sent != len(chunks):
         raise RuntimeError(f"{spec.req_id}: only {result.chunks_sent} of {len(chunks)} sent")
     if verify:  # the benchmark must measure bytes that really land where they should

@@ -7,9 +7,10 @@ KV moved as parts (``lmcache_pd/tp_parts.py``), against bare NIXL moving the sam
 - fan-in: two producers (prefill ranks of one head each, NIXL agents of their own) each send
   their head of every chunk to one consumer (a decode rank of two heads).
 
-Methods, as in ``benchmarks/transfer.py`` (whose helpers this uses): "ours" is the hashed gather
-of each part then ``Producer.push`` with its checksums; "raw NIXL" the plain gather then one bare
-WRITE per destination of the same pages, no protocol. Both move every part once, one after
+Methods, as in ``benchmarks/transfer.py`` (whose helpers this uses): "ours" is
+``Producer.push`` of each part, whose ``fill`` is the hashed gather of that part (the consumer
+is asked for pages meanwhile); "raw NIXL" the plain gather then one bare WRITE per destination
+of the same pages, no protocol. Both move every part once, one after
 another (the connector pushes to two consumers from two sender threads at once; timed one after
 the other here, so that the ratio is of the same work). Methods interleaved run by run; medians.
 

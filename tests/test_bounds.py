@@ -575,7 +575,7 @@ class Pushes:
         for (key, tensor), page in zip(chunks, pages.__enter__(), strict=True):
             data = tensor.view(-1).view(torch.uint8)
             staged.append((key, page[: data.numel()].copy_(data)))
-        self.pool.submit(PushJob(request, staged, None, pages, time.time()))
+        self.pool.submit(PushJob(request, staged, pages, time.time()))
         return request
 
     def settle(self) -> None:

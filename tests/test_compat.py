@@ -209,7 +209,7 @@ def test_push_to_an_incompatible_consumer_is_abandoned_so_decode_recomputes_at_o
         for req_id in ("first", "second"):
             request = Saving(spec_for(consumer.config, req_id), keys, len(tokens))
             chunks = make_chunks(keys, seed=1)
-            pool.submit(PushJob(request, chunks, None, contextlib.nullcontext(), time.time()))
+            pool.submit(PushJob(request, chunks, contextlib.nullcontext(), time.time()))
             wait_for(lambda r=req_id: consumer.dropped_reason(r) == "incompatible", 5, req_id)
         totals = stats.totals()
         assert totals["handshakes_refused"] == 1  # the second push did not shake hands again
@@ -263,3 +263,16 @@ def test_layers_whose_caches_are_not_moved_are_refused_naming_them() -> None:
         "and MLA layers' KV is moved: decode recomputes)"
     ]
     assert incompatibilities(FULL, windowed)[0].startswith("unsupported_layers: producer None")
+
+
+@pytest.mark.processes  # importing vLLM starts one
+def test_a_decode_whose_failed_loads_fail_their_requests_is_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM's default ``kv_load_failure_policy`` fails a request whose load failed: said at
+    start-up, naming the setting; the control, ``recompute``, says nothing."""
+    from lmcache_pd.connector.facade import loads_recompute
+
+    assert loads_recompute("recompute") and not caplog.records
+    assert not loads_recompute("fail")
+    assert '"kv_load_failure_policy": "recompute"' in caplog.text

@@ -788,7 +788,7 @@ def test_each_kind_of_push_failure_has_the_decode_recompute_at_once(
     error: Exception,
     reason: str,
 ) -> None:
-    def push_fails(self: Producer, spec: DisaggSpec, chunks, checksums) -> None:
+    def push_fails(self: Producer, spec: DisaggSpec, chunks, checksums=None, *, fill) -> None:
         raise error
 
     monkeypatch.setattr(Producer, "push", push_fails)
@@ -803,15 +803,52 @@ def test_each_kind_of_push_failure_has_the_decode_recompute_at_once(
 
 
 @pytest.mark.processes
+def test_a_copy_out_that_fails_after_its_job_was_handed_over_writes_nothing(
+    workers: Workers, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sender asks for pages while the model-runner thread gathers the chunks: a gather
+    that fails then fails the push (nothing written, decode told at once), gives the staging
+    pages back, and the next request pushes as before (the control)."""
+    cache = workers.producer._cache
+    staging = workers.producer._staging
+    free = staging.free_pages
+    real = type(cache).gather
+
+    def gather_fails(self, block_ids, start, end, out, *, hashed=False):
+        raise RuntimeError("a copy-out bug")
+
+    monkeypatch.setattr(type(cache), "gather", gather_fails)
+    prompt = list(range(64))
+    broken = msgspec.structs.replace(workers.spec, req_id="d-copy-fails")
+    workers.consumer.start_load_kv(load("c-copy-fails", "d-copy-fails", prompt, [1, 2]))
+    started = time.monotonic()
+    workers.producer.wait_for_save(save("p-copy-fails", broken, prompt, [7, 3], 64))
+    assert finish(workers.consumer) == ({"c-copy-fails"}, {"c-copy-fails"})  # recompute now
+    assert time.monotonic() - started < 1.0  # not the 2 s load deadline
+    assert "req d-copy-fails: copying its KV out failed" in caplog.text
+    wait_for(lambda: workers.producer.progress().outstanding == 0, what="the failed job to end")
+    assert staging.free_pages == free
+    totals = workers.producer_stats.totals()
+    # Failed after the sender asked for pages, or dropped before (the request abandoned).
+    failed = totals.get("push_failures", 0) + totals.get("jobs_dropped", 0)
+    assert (failed, totals.get("pushes", 0)) == (1, 0)
+    monkeypatch.setattr(type(cache), "gather", real)
+    workers.producer.wait_for_save(save("p", workers.spec, prompt, [12, 20], 64))
+    workers.consumer.start_load_kv(load("c", "d-1", prompt, [3, 4]))
+    assert finish(workers.consumer) == ({"c"}, set())
+    assert workers.producer_stats.totals()["pushes"] == 1
+
+
+@pytest.mark.processes
 def test_a_sender_survives_an_unexpected_error_and_serves_on(
     workers: Workers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real = Producer.push
 
-    def push_once_broken(self: Producer, spec: DisaggSpec, chunks, checksums):
+    def push_once_broken(self: Producer, spec: DisaggSpec, chunks, checksums=None, *, fill):
         if spec.req_id == "d-broken":
             raise RuntimeError("a bug")
-        return real(self, spec, chunks, checksums)
+        return real(self, spec, chunks, checksums, fill=fill)
 
     monkeypatch.setattr(Producer, "push", push_once_broken)
     prompt = list(range(64))

@@ -208,6 +208,54 @@ def test_chunks_already_held_are_not_sent_again(
         consumer.process.call("release", req_id=req_id)
 
 
+def test_the_consumer_is_asked_for_pages_while_the_chunks_are_filled(
+    consumer: Consumer, producer: Producer, keyer: ChunkKeyer
+) -> None:
+    """``fill`` runs after the AllocRequest went out: the consumer has it while the chunks are
+    still being copied (the round trip overlaps the copy). A fill that fails writes nothing:
+    its pages go back at once, not at their lease, and the next push on the same socket lands
+    (the answer to the withdrawn request is not read as the next one's)."""
+    tokens = list(range(11_000, 11_000 + 2 * CHUNK_SIZE))
+    chunks = make_chunks(keyer.chunk_keys(tokens), seed=11)
+    before = consumer.process.stats()
+
+    def fill() -> list[int]:
+        # Fails the test unless the consumer has the request before the chunks are "copied".
+        consumer.process.wait_until(
+            lambda s: s["alloc_requests"] > before["alloc_requests"], 2, "the AllocRequest"
+        )
+        return local_checksums(chunks)
+
+    result = producer.push(consumer.spec("r-fill-overlap"), chunks, fill=fill)
+    assert result.chunks_sent == 2
+    wait_landed(consumer, tokens)
+    landed = consumer.process.call("checksums", keys=[key.hex() for key, _ in chunks])
+    assert landed == local_checksums(chunks)
+    consumer.process.call("release", req_id="r-fill-overlap")
+
+    def broken() -> list[int]:
+        raise TransferError("copying the chunks into staging failed: a test")
+
+    failed = list(range(12_000, 12_000 + 3 * CHUNK_SIZE))
+    started = time.monotonic()
+    with pytest.raises(TransferError, match="a test"):
+        producer.push(
+            consumer.spec("r-fill-fails"), make_chunks(keyer.chunk_keys(failed), 12), fill=broken
+        )
+    after = consumer.process.wait_until(
+        lambda s: s["used_pages"] == 0, 1.0, "the withdrawn pages back before their lease"
+    )
+    assert time.monotonic() - started < consumer.fields["alloc_lease_s"]
+    assert after["allocations_cancelled"] == before["allocations_cancelled"] + 1
+    assert consumer.process.call("lookup", tokens=failed) == 0
+    # The control: the same producer's next push lands, its own answer read.
+    again = list(range(13_000, 13_000 + CHUNK_SIZE + 3))
+    chunks = make_chunks(keyer.chunk_keys(again), seed=13)
+    assert producer.push(consumer.spec("r-after-withdraw"), chunks).chunks_sent == 2
+    wait_landed(consumer, again)
+    consumer.process.call("release", req_id="r-after-withdraw")
+
+
 def test_a_small_push_writes_into_pages_reserved_ahead_without_asking(
     consumer: Consumer, keyer: ChunkKeyer
 ) -> None:

@@ -217,6 +217,22 @@ def physical_order(vllm_config: VllmConfig) -> str | None:
     return "NHD" if order.index(3) < order.index(2) else "HND"
 
 
+def loads_recompute(policy: str) -> bool:
+    """Whether vLLM recomputes the tokens of a KV load that fails (``kv_load_failure_policy``);
+    a decode instance whose policy fails the request instead (vLLM's default) is warned of at
+    start-up, where an operator reads it."""
+    if policy == "recompute":
+        return True
+    logger.warning(
+        "kv_load_failure_policy is %r: a KV load that fails (a push lost, a chunk that fails "
+        "its checksum) fails its request instead of recomputing it, and requests decode serves "
+        'alone do not load landed chunks; set "kv_load_failure_policy": "recompute" in '
+        "--kv-transfer-config",
+        policy,
+    )
+    return False
+
+
 class LMCachePDConnector(KVConnectorBase_V1):
     """Producer pushes prompt KV to the consumer its request names; consumer loads it."""
 
@@ -241,6 +257,9 @@ class LMCachePDConnector(KVConnectorBase_V1):
             parts = 1 if producer else parts_per_chunk(tp_layout(vllm_config), self._config)
             # Chunks landed under keys of the instance's own ranks: not parts of another TP's.
             landed = self._landed_chunks() if not producer and parts == 1 else None
+            recomputes = producer or loads_recompute(
+                vllm_config.kv_transfer_config.kv_load_failure_policy
+            )
             self._scheduler = (
                 ProducerScheduler(self._stats.add, load_keys(self._config.secret_file))
                 if producer
@@ -255,9 +274,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
                     parts_per_chunk=parts,
                     # A local load that fails must recompute, never fail a request that
                     # asked for no transfer (vLLM's default policy fails it).
-                    landed_chunks=landed
-                    if vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
-                    else None,
+                    landed_chunks=landed if recomputes else None,
                     landed=self._landed_events(landed) if publishes else None,
                 )
             )

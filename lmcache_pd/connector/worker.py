@@ -40,7 +40,7 @@ from lmcache_pd.tp_parts import TPLayout, part_keyer, rank_heads, route
 from lmcache_pd.trace import TraceFile
 from lmcache_pd.transfer.producer import Producer
 from lmcache_pd.transfer.sender import SenderPool
-from lmcache_pd.transfer.sender_jobs import AbandonJob, PushJob, Saving
+from lmcache_pd.transfer.sender_jobs import AbandonJob, Filling, PushJob, Saving
 from lmcache_pd.transfer.staging import Staging
 
 logger = logging.getLogger(__name__)
@@ -272,8 +272,9 @@ class ProducerWorker(WorkerHalf):
         return targets
 
     def _push_ready(self, request: Saving, cache: PagedKV, computed_end: int) -> None:
-        """Gather the chunks of ``request`` computed by ``computed_end`` and not pushed yet
-        into staging pages, and hand them to the consumer rank's sender."""
+        """Hand the chunks of ``request`` computed by ``computed_end`` and not pushed yet to the
+        consumer rank's sender, then gather them into their staging pages: the sender asks the
+        consumer for pages while they are copied."""
         final = computed_end >= request.prompt_tokens
         ready = computed_end - (0 if final else computed_end % self._keyer.chunk_size)
         chunks = [c for c in request.keys if request.pushed_upto <= c.start and c.end <= ready]
@@ -287,24 +288,28 @@ class ProducerWorker(WorkerHalf):
             self._abandon(request, AbandonReason.STAGING_FULL, str(exc))
             return
         request.pushed_upto = ready
-        staged, digests = [], []
+        staged = [
+            (chunk.key, page[: cache.chunk_nbytes(chunk.end - chunk.start)])
+            for chunk, page in zip(chunks, pages, strict=True)
+        ]
+        filling = Filling()
+        # From here the sender owns the pages (it gives them back, whatever happens).
+        if not self._senders.submit(PushJob(request, staged, pages_context, time.time(), filling)):
+            return
+        digests: list[int | None] = []
         copy: Copy = COPIED
         try:
-            for chunk, page in zip(chunks, pages, strict=True):
-                data = page[: cache.chunk_nbytes(chunk.end - chunk.start)]
+            for chunk, (_, data) in zip(chunks, staged, strict=True):
                 copy = cache.gather(
                     request.block_ids, chunk.start, chunk.end, data, hashed=self._hashed
                 )
                 digests.append(copy.digest)
-                staged.append((chunk.key, data))
-        except BaseException:
-            pages_context.__exit__(None, None, None)
+        except BaseException as exc:
+            filling.failed(repr(exc))
             raise
         # Checksums taken in the copy's pass; a cache that cannot has the producer take them.
-        checksums = (
-            [d for d in digests if d is not None] if self._hashed and None not in digests else None
-        )
-        self._senders.submit(PushJob(request, staged, checksums, pages_context, time.time(), copy))
+        hashed = self._hashed and None not in digests
+        filling.done([d for d in digests if d is not None] if hashed else None, copy)
 
     def _abandon(self, request: Saving, reason: AbandonReason, detail: str) -> None:
         """No more of this request is pushed; its sender tells the consumer (off this thread)."""

@@ -254,8 +254,10 @@ class PeerSender:
             self._trace.write(record | {"start": started, "end": time.time()})
             return
         try:
-            job.ready.wait(time.monotonic() + DEVICE_COPY_TIMEOUT_S)
-            result = producer.push(spec, job.chunks, job.checksums)
+            # The chunks may still be on their way into staging: the consumer is asked for
+            # pages meanwhile, and they go out once there.
+            copied_by = time.monotonic() + DEVICE_COPY_TIMEOUT_S
+            result = producer.push(spec, job.chunks, fill=lambda: job.filling.wait(copied_by))
         except RequestDropped as exc:
             job.request.abandoned.set()
             job.request.consumer_told = True  # it let the request go itself

@@ -1,8 +1,11 @@
 """One consumer rank as a producer keeps it after the handshake: the peer, the pages it reserved
-for us ahead, and what a push does with it: allocate, write, cancel.
+for us ahead, and what a push does with it: ask for pages, allocate, write, cancel.
 
 One request is out on the alloc socket at a time, each reply read before the next request is
 sent, by a deadline; a reservation asked for during a write is read before any other request.
+An AllocRequest may be sent before the chunks are copied into staging (``ask_pages``), its
+answer read once they are (``allocate``), or, if they never are, read and given back
+(``withdraw``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from lmcache_pd.protocol import DisaggSpec
 from lmcache_pd.transfer.channel import wait_for_transfer
 from lmcache_pd.transfer.handshake import Peer
 from lmcache_pd.transfer.reservations import Reservations
-from lmcache_pd.transfer.sockets import ask, error_from_reply
+from lmcache_pd.transfer.sockets import ask, error_from_reply, receive, send
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,14 @@ class Write:
     alloc_id: int | None
 
 
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """An AllocRequest sent, its answer not read yet, and by when pages must be granted."""
+
+    request: protocol.AllocRequest
+    deadline: float
+
+
 class PeerState:
     """A consumer rank we shook hands with; used by the producer's owner thread only."""
 
@@ -51,17 +62,26 @@ class PeerState:
         self._alloc_timeout_s = config.alloc_timeout_s
         self._max_alloc_retries = config.max_alloc_retries
 
-    def allocate(self, spec: DisaggSpec, specs: list[protocol.ChunkSpec]) -> protocol.AllocResponse:
-        """Pages for ``specs``, retrying a full buffer up to ``max_alloc_retries`` times."""
+    def ask_pages(self, spec: DisaggSpec, specs: list[protocol.ChunkSpec]) -> Asked:
+        """Send the AllocRequest for ``specs`` now; its answer is read by ``allocate`` (or
+        ``withdraw``) before anything else is sent on the alloc socket."""
         request = protocol.AllocRequest(
             version=protocol.PROTOCOL_VERSION, req_id=spec.req_id, chunks=specs
         )
-        socket = self.peer.alloc_socket
-        deadline = time.monotonic() + self._alloc_timeout_s
+        asked = Asked(request, time.monotonic() + self._alloc_timeout_s)
+        send(self.peer.alloc_socket, request, spec.req_id)
+        return asked
+
+    def allocate(self, spec: DisaggSpec, asked: Asked) -> protocol.AllocResponse:
+        """The pages ``asked`` for, asking again for a full buffer up to ``max_alloc_retries``
+        times, all by the deadline set when it was sent."""
+        socket, request, deadline = self.peer.alloc_socket, asked.request, asked.deadline
         for attempt in range(self._max_alloc_retries + 1):
-            reply = ask(socket, request, protocol.ALLOC_REPLIES, deadline, spec.req_id)
+            if attempt:
+                send(socket, request, spec.req_id)
+            reply = receive(socket, "AllocRequest", protocol.ALLOC_REPLIES, deadline, spec.req_id)
             if isinstance(reply, protocol.AllocResponse):
-                self._check_allocation(spec, reply, len(specs))
+                self._check_allocation(spec, reply, len(request.chunks))
                 return reply
             error = error_from_reply(spec.req_id, reply)
             wait_s = reply.retry_after_s
@@ -76,6 +96,21 @@ class PeerState:
             logger.info("req %s: consumer buffer full, retry in %.3f s", spec.req_id, wait_s)
             time.sleep(wait_s)
         raise AssertionError("unreachable: the last attempt raises")
+
+    def withdraw(self, spec: DisaggSpec, asked: Asked) -> None:
+        """Nothing will be written for ``asked`` (its chunks could not be copied): read its
+        answer and give back any pages it brought. ``PeerTimeout`` if none comes by its
+        deadline: the caller forgets the peer, so that a late answer is never read as
+        another's."""
+        reply = receive(
+            self.peer.alloc_socket,
+            "AllocRequest",
+            protocol.ALLOC_REPLIES,
+            asked.deadline,
+            spec.req_id,
+        )
+        if isinstance(reply, protocol.AllocResponse) and reply.agent_name == self.peer.name:
+            self.cancel(spec, reply.alloc_id)
 
     def write(self, spec: DisaggSpec, write: Write, deadline: float) -> None:
         """One WRITE of ``write``'s chunks with its notification, done by ``deadline`` (a

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +48,8 @@ from lmcache_pd.transfer.staging import Staging
 logger = logging.getLogger(__name__)
 
 Chunk = tuple[bytes, torch.Tensor]
+# Puts a push's chunks in place (or waits until they are) and returns their checksums.
+Fill = Callable[[], Sequence[int] | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +118,8 @@ class Producer:
         spec: DisaggSpec,
         chunks: Sequence[Chunk],
         checksums: Sequence[int] | None = None,
+        *,
+        fill: Fill | None = None,
     ) -> PushResult:
         """Write ``chunks`` (key, contiguous tensor where the staging buffer is) to ``spec``'s
         consumer.
@@ -124,33 +128,31 @@ class Producer:
         staging first (room for them is taken before the consumer is asked for any).
         ``checksums``: each chunk's, where the caller took them while copying the chunk into
         staging (``CpuKVCache.gather(hashed=True)``); without them, and with integrity on, they
-        are taken here, a pass of their own over the chunks. Raises
-        ``PeerTimeout``, ``TransferError``, ``AllocationError`` (``BufferFull`` after
-        ``max_alloc_retries``), ``PeerError`` or ``ProtocolError``.
+        are taken here, a pass of their own over the chunks. ``fill``: called once, after the
+        consumer is asked for pages and before any byte of the chunks is read; it puts the
+        bytes in place (or waits until they are) and returns their checksums, which replace
+        ``checksums``: the allocation's round trip overlaps it. Raises ``PeerTimeout``,
+        ``TransferError``, ``AllocationError`` (``BufferFull`` after ``max_alloc_retries``),
+        ``PeerError`` or ``ProtocolError``.
         """
         if not chunks:
             raise ValueError(f"req {spec.req_id}: nothing to push")
         started = time.monotonic()
         sources = [self._as_bytes(spec.req_id, tensor) for _, tensor in chunks]
-        if checksums is not None and len(checksums) != len(chunks):
-            raise ValueError(f"req {spec.req_id}: {len(checksums)} checksums, {len(chunks)} chunks")
-        if not self.config.integrity_checksums:
-            checksums = None
-        elif checksums is None:
-            checksums = [checksum(data) for data in sources]
         sizes = [data.numel() for data in sources]
         specs = [
             protocol.ChunkSpec(key, size) for (key, _), size in zip(chunks, sizes, strict=True)
         ]
+        filled = _Filled(self, spec.req_id, sources, checksums, fill)
         outside = [i for i, data in enumerate(sources) if not self._staging.holds(data, sizes[i])]
         with self.staged(len(outside)) as spare:
             copies = dict(zip(outside, spare, strict=True))
             try:
-                to_write, reserved = self._push_once(spec, specs, sources, sizes, copies, checksums)
+                to_write, reserved = self._push_once(spec, specs, sources, copies, filled)
             except PeerRestarted as exc:
                 # Our handshake is with its former self: shake hands again and retry once.
                 logger.warning("req %s: %s; shaking hands again", spec.req_id, exc)
-                to_write, reserved = self._push_once(spec, specs, sources, sizes, copies, checksums)
+                to_write, reserved = self._push_once(spec, specs, sources, copies, filled)
         result = PushResult(
             req_id=spec.req_id,
             chunks_sent=len(to_write),
@@ -173,19 +175,26 @@ class Producer:
         spec: DisaggSpec,
         specs: list[protocol.ChunkSpec],
         sources: list[torch.Tensor],
-        sizes: list[int],
         copies: dict[int, torch.Tensor],
-        checksums: Sequence[int] | None,
+        filled: _Filled,
     ) -> tuple[list[int], bool]:
         """Handshake if needed, allocate (or take pages reserved ahead), write; returns the
-        indices of the chunks written and whether reserved pages took them."""
+        indices of the chunks written and whether reserved pages took them. The AllocRequest
+        goes out before the chunks are filled, its answer is read after."""
         peer = self.connect(spec)
         state = self._peers[PeerAddress.of(spec)]
+        sizes = [chunk.nbytes for chunk in specs]
         try:
             reserved = state.reservations.take(spec.req_id, len(specs))
             if reserved is None:
                 deadline = time.monotonic() + peer.write_budget_s
-                response = state.allocate(spec, specs)
+                asked = state.ask_pages(spec, specs)
+                try:
+                    checksums = filled.checksums()
+                except BaseException:
+                    state.withdraw(spec, asked)  # PeerTimeout: the peer is forgotten below
+                    raise
+                response = state.allocate(spec, asked)
                 to_write = [i for i, page in enumerate(response.pages) if page is not None]
                 pages = [page for page in response.pages if page is not None]
                 sums = None if checksums is None else [checksums[i] for i in to_write]
@@ -201,6 +210,7 @@ class Producer:
                 # back RESERVED_LEASE_S after it handed them out.
                 budget_s = min(peer.write_budget_s, protocol.RESERVED_WRITE_S)
                 deadline = reserved.asked_at + budget_s
+                checksums = filled.checksums()
                 to_write, pages = list(range(len(specs))), reserved.pages
                 done = protocol.ReservedWriteDone(
                     version=protocol.PROTOCOL_VERSION,
@@ -359,3 +369,42 @@ class Producer:
         state = self._peers.pop(PeerAddress.of(spec), None)
         if state is not None:
             state.close()
+
+
+class _Filled:
+    """A push's chunks as ``fill`` makes them, once, and their checksums: the caller's, or
+    taken here with integrity on (a pass of their own); None with integrity off."""
+
+    def __init__(
+        self,
+        producer: Producer,
+        req_id: str,
+        sources: list[torch.Tensor],
+        checksums: Sequence[int] | None,
+        fill: Fill | None,
+    ) -> None:
+        self._producer = producer
+        self._req_id = req_id
+        self._sources = sources
+        self._fill = fill
+        self._checksums = checksums
+        self._done = fill is None
+        if self._done:
+            self._check()
+
+    def checksums(self) -> Sequence[int] | None:
+        if not self._done:
+            self._done = True
+            self._checksums = self._fill()
+            self._check()
+        if not self._producer.config.integrity_checksums:
+            return None
+        if self._checksums is None:
+            self._checksums = [checksum(data) for data in self._sources]
+        return self._checksums
+
+    def _check(self) -> None:
+        if self._checksums is not None and len(self._checksums) != len(self._sources):
+            raise ValueError(
+                f"req {self._req_id}: {len(self._checksums)} checksums, {len(self._sources)} chunks"
+            )

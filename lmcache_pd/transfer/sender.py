@@ -55,7 +55,9 @@ class SenderPool:
         for address in warm_peers:
             self._senders[address] = self._start(address, warm=True)
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job) -> bool:
+        """Queue ``job`` on its consumer rank's sender; False if there is none and none can be
+        started (the job is given up: its request abandoned, its pages given back)."""
         address = PeerAddress.of(job.request.spec)
         sender = self._senders.get(address)
         if sender is None:
@@ -70,9 +72,10 @@ class SenderPool:
                 )
                 if isinstance(job, PushJob):
                     job.pages.__exit__(None, None, None)
-                return
+                return False
             sender = self._senders[address] = self._start(address, warm=False)
         sender.submit(job)
+        return True
 
     @property
     def outstanding(self) -> int:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from lmcache_pd.errors import TransferError
 from lmcache_pd.kernels.paged_kv import COPIED, Copy
 from lmcache_pd.keys import ChunkKey
 from lmcache_pd.protocol import AbandonReason, DisaggSpec
@@ -30,19 +32,61 @@ class Saving:
     consumer_told: bool = False
 
 
+class Filling:
+    """The copy of a push job's chunks into its staging pages, which the model-runner thread
+    makes after handing the job over: the sender asks the consumer for pages meanwhile, so that
+    the allocation's round trip overlaps the copy, and waits for it (``wait``) before a byte
+    goes out.
+
+    Set once by the model-runner thread (``done`` or ``failed``), read by the sender after the
+    event. The pages may go back to the pool (a dropped job) while the copy still runs: only
+    the model-runner thread takes pages, after its copy, and a GPU's copies run in order."""
+
+    def __init__(self) -> None:
+        self._set = threading.Event()
+        self._copy: Copy = COPIED
+        self._checksums: list[int] | None = None
+        self._error = ""
+
+    @classmethod
+    def filled(cls, checksums: list[int] | None = None, copy: Copy = COPIED) -> Filling:
+        """A job whose chunks were in their pages before it was handed over."""
+        filling = cls()
+        filling.done(checksums, copy)
+        return filling
+
+    def done(self, checksums: list[int] | None, copy: Copy = COPIED) -> None:
+        """The copy is made (or queued: ``copy``, the last of a GPU's); ``checksums`` were
+        taken in its pass (None: integrity off, or the cache cannot)."""
+        self._copy, self._checksums = copy, checksums
+        self._set.set()
+
+    def failed(self, detail: str) -> None:
+        """The copy failed: the push fails, nothing is written."""
+        self._error = detail or "copy failed"
+        self._set.set()
+
+    def wait(self, deadline: float) -> list[int] | None:
+        """The chunks' checksums once they are in their pages; ``TransferError`` if the copy
+        failed or is not done by ``deadline`` (``time.monotonic()``)."""
+        if not self._set.wait(max(0.0, deadline - time.monotonic())):
+            raise TransferError("the chunks were not copied into staging in time")
+        if self._error:
+            raise TransferError(f"copying the chunks into staging failed: {self._error}")
+        self._copy.wait(deadline)
+        return self._checksums
+
+
 @dataclass(slots=True)
 class PushJob:
-    """Chunks of one request gathered into staging pages, to push and then give back;
-    ``checksums`` were taken by the gather (None: integrity off)."""
+    """Chunks of one request to copy into their staging pages (``filling``), push and then give
+    back."""
 
     request: Saving
     chunks: list[tuple[bytes, torch.Tensor]]
-    checksums: list[int] | None
     pages: contextlib.AbstractContextManager
     staged_at: float  # wall clock, for the trace
-    # The copy into the pages (the last of them: a GPU's copies run in order on one stream);
-    # the bytes go out once it is done.
-    ready: Copy = COPIED
+    filling: Filling = field(default_factory=Filling.filled)
 
 
 @dataclass(frozen=True, slots=True)
