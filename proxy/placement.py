@@ -2,8 +2,10 @@
 prefill instances are weighed.
 
 With ``routing: kv`` and a KV index that holds anything, the prompt's token ids are looked up in
-every instance's prefix cache (``kv_index.py``). Decode is the instance that would compute the
-fewest of them, against its load (``routing.py``); if what that instance would still compute is
+every instance's prefix cache (``kv_index.py``). Decode is the instance that would cost least
+against its load (``routing.py``): a decode costs the tokens it lacks, if it computed them alone,
+or, through prefill, what the best prefill lacks plus what decode lacks at ``RECEIVE_DISCOUNT``
+(received, not computed), whichever is less; if what the chosen instance would still compute is
 under ``min_disagg_tokens``, it serves the request alone, however long the prompt (a follow-up
 turn whose history it holds). What decode holds counts its prefix cache and the chunks landed in
 its consumer, which it loads for a request it serves alone and which a push to it skips; the
@@ -34,6 +36,15 @@ from lmcache_pd.proxy.routing import Pool, Upstream
 # compute this many times the tokens decode would (and min_disagg_tokens more): disaggregation
 # would then cost more compute than it spares decode, and more time to the first token.
 RECOMPUTE_FACTOR = 2
+# What a prompt token decode lacks weighs when prefill would push it rather than decode compute
+# it: 1/16 of a computed token. Measured here on the tiny model, pushing a token's KV takes
+# ~1/100 of computing it (a 2.3k-token first turn: ~400 ms to its first token, 9.4 MB pushed,
+# ~3 ms at the 3 GB/s of benchmarks/transfer.py; results/multi_turn-1p2d-small-cache-rate1.json).
+# So a decode that holds only a shared prefix (a system prompt) wins a new conversation by
+# little, and loses it to one with fewer requests running: a hot prefix does not pile every
+# conversation onto its holder at light load. A history decode would serve alone, or prefill
+# has lost, still keeps its conversation where it is.
+RECEIVE_DISCOUNT = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +106,17 @@ class Placer:
         # Decode is weighed by what it would compute or receive: chunks landed in its consumer
         # are not pushed again.
         work, receive = _work(index, token_ids, salt)
-        decoder = self._decode.pick(work=receive) if client.needs_decode else None
+        prefill_least = self._prefill_least(work)
+
+        def cost(member: Upstream) -> int:
+            # Alone it computes what it lacks; through prefill it receives that, far cheaper
+            # than computing it, while prefill computes what prefill lacks.
+            alone = receive(member)
+            if prefill_least is None:
+                return alone
+            return min(alone, prefill_least + alone // RECEIVE_DISCOUNT)
+
+        decoder = self._decode.pick(work=cost) if client.needs_decode else None
         # Served alone, decode loads its landed chunks too (its consumer's cache).
         alone = decoder is not None and self._alone(decoder, receive)
         return Plan(decoder, alone, work, len(token_ids))
@@ -108,13 +129,17 @@ class Placer:
         threshold, own = self._sizer.min_tokens, work(decoder)
         if own < threshold:
             return True
-        # Only instances whose caches the index follows: of the others nothing is known.
+        least = self._prefill_least(work)
+        if threshold <= 0 or least is None:
+            return False
+        return least >= max(RECOMPUTE_FACTOR * own, own + threshold)
+
+    def _prefill_least(self, work: Callable[[Upstream], int]) -> int | None:
+        """The fewest prompt tokens a healthy prefill instance that publishes its cache would
+        compute; None if there is none (of the others nothing is known)."""
         members = [] if self._prefill is None else self._prefill.members
         prefill = [m for m in members if m.healthy and m.kv_events is not None]
-        if threshold <= 0 or not prefill:
-            return False
-        least = min(work(member) for member in prefill)
-        return least >= max(RECOMPUTE_FACTOR * own, own + threshold)
+        return min((work(member) for member in prefill), default=None)
 
 
 def _work(

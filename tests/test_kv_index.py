@@ -401,6 +401,61 @@ def test_a_prompt_prefill_would_recompute_goes_to_the_decode_holding_it_alone() 
     assert not by_silent.alone
 
 
+def test_a_shared_prefix_alone_does_not_pile_new_conversations_onto_its_holder() -> None:
+    """Decode ``a`` and the prefill hold a 200-token shared prefix (a system prompt), decode
+    ``b`` nothing. A new conversation (the prefix and 40 new tokens) goes through prefill either
+    way, so ``a``'s holding spares only a push: ``a`` gets it while no busier than ``b``, and
+    ``b`` once ``a`` has one more request running (a prompt token received weighs
+    1/``RECEIVE_DISCOUNT`` of one computed). The controls: a follow-up ``a`` would serve alone
+    (it holds all but 4 of 364 tokens; prefill lost all but the shared 200) stays on ``a`` with
+    two more running; and
+    with the old weighing (every lacking token as if computed) ``a`` kept the new conversation
+    (fails with ``RECEIVE_DISCOUNT`` 1: tried)."""
+    keys = DeploymentKeys.from_secret(generate_secret())
+    addresses = [KVEventsAddress("127.0.0.1", free_port(), free_port()) for _ in range(3)]
+    a, b = (Upstream(f"http://d{i}", Role.DECODE, kv_events=addresses[i]) for i in (0, 1))
+    prefill = Upstream("http://p0", Role.PREFILL, kv_events=addresses[2])
+    members = [a, b, prefill]
+    shared = list(range(1000, 1200))  # 50 blocks of 4
+    history = [*shared, *range(2000, 2160)]  # a's conversation so far: 90 blocks
+
+    def request(tokens: list[int]) -> ClientRequest:
+        body = {"model": "m", "prompt": tokens, "max_tokens": 4}
+        return ClientRequest.from_json(Endpoint.COMPLETIONS, msgspec.json.encode(body), "m")
+
+    async def run() -> list[Plan]:
+        index = KVIndex(lambda: members, keys, 1000)
+        await index.sync()
+        await until(lambda: index.counts.get("resyncs", 0) >= 3, "every subscription connected")
+        pubs[0].publish(batch(stored(list(range(1, 91)), None, history)))
+        pubs[2].publish(batch(stored(list(range(1, 51)), None, shared)))
+        held = {a.url: 90, b.url: 0, prefill.url: 50}
+        await until(
+            lambda: {url: len(blocks) for url, blocks in index.by_instance()} == held,
+            "a's and prefill's blocks indexed",
+        )
+        tokens = PromptTokens(None, lambda: members, {}, 1.0)
+        placer = Placer(
+            Pool(Role.DECODE, [a, b]), PromptSizer(8, None), index, tokens, "m",
+            Pool(Role.PREFILL, [prefill]),
+        )  # fmt: skip
+        new_chat = request([*shared, *range(5000, 5040)])
+        plans = [await placer.plan(new_chat), await placer.plan(new_chat)]  # both idle
+        a.outstanding = 1
+        plans.append(await placer.plan(new_chat))
+        a.outstanding = 2
+        plans.append(await placer.plan(request([*history, 7, 8, 9, 10])))
+        await index.close()
+        return plans
+
+    with contextlib.ExitStack() as stack:
+        pubs = [stack.enter_context(publisher(address, keys)) for address in addresses]
+        idle, again, busier, follow_up = asyncio.run(run())
+    assert (idle.decoder, again.decoder) == (a, a) and not idle.alone  # no round-robin
+    assert busier.decoder is b and not busier.alone
+    assert follow_up.decoder is a and follow_up.alone
+
+
 def test_decode_is_chosen_and_served_alone_for_the_chunks_landed_in_it() -> None:
     """Two idle decode instances; one's consumer holds a prompt's first 24 of 30 tokens landed
     (its prefix cache none). It is chosen, and serves the request alone (it would compute 6,
