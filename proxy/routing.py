@@ -107,8 +107,9 @@ class Pool:
         self, exclude: Upstream | None = None, work: Callable[[Upstream], int] | None = None
     ) -> Upstream:
         """The healthy instance of least cost among those within the load bound, ``work`` being
-        the prompt tokens each would compute (without it: of fewest outstanding requests); ties
-        go round-robin."""
+        the prompt tokens each would compute (without it: of fewest outstanding requests); costs
+        within ``TOKENS_PER_OUTSTANDING`` of the least are equal, and equals go least
+        outstanding, then round-robin."""
         count = len(self.members)
         rotated = self.members[self._cursor :] + self.members[: self._cursor]
         healthy = [member for member in rotated if member.healthy and member is not exclude]
@@ -119,8 +120,12 @@ class Pool:
         else:
             least = min(member.outstanding for member in healthy)
             bound = max(IMBALANCE * least, least + IMBALANCE_SLACK)
-            allowed = [member for member in healthy if member.outstanding <= bound]
-            chosen = min(allowed, key=lambda member: (cost(member, work), member.outstanding))
+            costs = {m: cost(m, work) for m in healthy if m.outstanding <= bound}
+            best = min(costs.values())
+            # Costs apart by less than one outstanding request weighs are equal: what one
+            # instance holds more would spare less than a request's share of a step.
+            equal = [m for m, c in costs.items() if c < best + TOKENS_PER_OUTSTANDING]
+            chosen = min(equal, key=lambda member: member.outstanding)  # first of equals wins
         self._cursor = (self.members.index(chosen) + 1) % count
         return chosen
 

@@ -281,13 +281,13 @@ async def until(condition: Callable[[], bool], what: str, timeout_s: float = 5.0
 
 
 def test_placement_sends_a_prompt_decode_mostly_holds_to_decode_alone() -> None:
-    """Two decode instances publishing over real sockets; one holds 24 of a prompt's 30 tokens.
+    """Two decode instances publishing over real sockets; one holds 240 of a prompt's 246.
     With ``min_disagg_tokens`` 8, the prompt goes to it alone; one it holds less of goes
     through prefill; and with no index (``routing: load``) the holder is not preferred."""
     keys = DeploymentKeys.from_secret(generate_secret())
     addresses = [KVEventsAddress("127.0.0.1", free_port(), free_port()) for _ in range(2)]
     members = [Upstream(f"http://d{i}", Role.DECODE, kv_events=a) for i, a in enumerate(addresses)]
-    held = list(range(500, 524))  # six blocks of 4
+    held = list(range(500, 740))  # 60 blocks of 4: more than a running request weighs
 
     def request(tokens: list[int]) -> ClientRequest:
         body = {"model": "m", "prompt": tokens, "max_tokens": 4}
@@ -298,7 +298,7 @@ def test_placement_sends_a_prompt_decode_mostly_holds_to_decode_alone() -> None:
         await index.sync()
         # Each subscription's first connection asks a replay: both connected, then indexed.
         await until(lambda: index.counts.get("resyncs", 0) >= 2, "both subscriptions connected")
-        pubs[1].publish(batch(stored(list(range(1, 7)), None, held)))
+        pubs[1].publish(batch(stored(list(range(1, 61)), None, held)))
         await until(lambda: not index.empty, "the holder's blocks indexed")
         placer_tokens = PromptTokens(None, lambda: members, {}, 1.0)  # token ids: no call
         placer = Placer(Pool(Role.DECODE, members), PromptSizer(8, None), index, placer_tokens)
@@ -315,10 +315,10 @@ def test_placement_sends_a_prompt_decode_mostly_holds_to_decode_alone() -> None:
         pubs = [stack.enter_context(publisher(a, keys)) for a in addresses]
         alone, through_prefill, by_load = asyncio.run(run())
     assert alone.decoder is members[1] and alone.alone
-    assert alone.trace() == {"prompt_tokens": 30, "decode_held_tokens": 24}
-    assert alone.decode_holds() == 24  # what the DisaggSpec tells prefill it need not push
+    assert alone.trace() == {"prompt_tokens": 246, "decode_held_tokens": 240}
+    assert alone.decode_holds() == 240  # what the DisaggSpec tells prefill it need not push
     assert not through_prefill.alone
-    assert by_load.decoder is members[0] and not by_load.alone  # 30 tokens: not short
+    assert by_load.decoder is members[0] and not by_load.alone  # 246 tokens: not short
     assert by_load.decode_holds() == 0  # unknown: prefill pushes every chunk
 
 
@@ -404,20 +404,20 @@ def test_a_prompt_prefill_would_recompute_goes_to_the_decode_holding_it_alone() 
 def test_a_shared_prefix_alone_does_not_pile_new_conversations_onto_its_holder() -> None:
     """Decode ``a`` and the prefill hold a 200-token shared prefix (a system prompt), decode
     ``b`` nothing. A new conversation (the prefix and 40 new tokens) goes through prefill either
-    way, so ``a``'s holding spares only a push: ``a`` gets it while no busier than ``b``, and
-    ``b`` once ``a`` has one more request running (a prompt token received weighs
-    1/``RECEIVE_DISCOUNT`` of one computed). The controls: a follow-up ``a`` would serve alone
-    (it holds all but 4 of 364 tokens; prefill lost all but the shared 200) stays on ``a`` with
-    two more running; and
-    with the old weighing (every lacking token as if computed) ``a`` kept the new conversation
-    (fails with ``RECEIVE_DISCOUNT`` 1: tried)."""
+    way, so ``a``'s holding spares only a push (a prompt token received weighs
+    1/``RECEIVE_DISCOUNT`` of one computed), less than a running request weighs: idle, the two
+    are equals and take turns; ``b`` gets it once ``a`` has one more request running. The
+    controls: a follow-up ``a`` would serve alone (it holds all but 4 of 804 tokens; prefill
+    lost all but the shared 200) stays on ``a`` with two more running; and with the old
+    weighing (every lacking token as if computed) ``a`` kept every new conversation (fails
+    with ``RECEIVE_DISCOUNT`` 1: tried)."""
     keys = DeploymentKeys.from_secret(generate_secret())
     addresses = [KVEventsAddress("127.0.0.1", free_port(), free_port()) for _ in range(3)]
     a, b = (Upstream(f"http://d{i}", Role.DECODE, kv_events=addresses[i]) for i in (0, 1))
     prefill = Upstream("http://p0", Role.PREFILL, kv_events=addresses[2])
     members = [a, b, prefill]
     shared = list(range(1000, 1200))  # 50 blocks of 4
-    history = [*shared, *range(2000, 2160)]  # a's conversation so far: 90 blocks
+    history = [*shared, *range(2000, 2600)]  # a's conversation so far: 200 blocks
 
     def request(tokens: list[int]) -> ClientRequest:
         body = {"model": "m", "prompt": tokens, "max_tokens": 4}
@@ -427,9 +427,9 @@ def test_a_shared_prefix_alone_does_not_pile_new_conversations_onto_its_holder()
         index = KVIndex(lambda: members, keys, 1000)
         await index.sync()
         await until(lambda: index.counts.get("resyncs", 0) >= 3, "every subscription connected")
-        pubs[0].publish(batch(stored(list(range(1, 91)), None, history)))
+        pubs[0].publish(batch(stored(list(range(1, 201)), None, history)))
         pubs[2].publish(batch(stored(list(range(1, 51)), None, shared)))
-        held = {a.url: 90, b.url: 0, prefill.url: 50}
+        held = {a.url: 200, b.url: 0, prefill.url: 50}
         await until(
             lambda: {url: len(blocks) for url, blocks in index.by_instance()} == held,
             "a's and prefill's blocks indexed",
@@ -451,19 +451,19 @@ def test_a_shared_prefix_alone_does_not_pile_new_conversations_onto_its_holder()
     with contextlib.ExitStack() as stack:
         pubs = [stack.enter_context(publisher(address, keys)) for address in addresses]
         idle, again, busier, follow_up = asyncio.run(run())
-    assert (idle.decoder, again.decoder) == (a, a) and not idle.alone  # no round-robin
+    assert (idle.decoder, again.decoder) == (a, b) and not idle.alone  # equals: round-robin
     assert busier.decoder is b and not busier.alone
     assert follow_up.decoder is a and follow_up.alone
 
 
 def test_decode_is_chosen_and_served_alone_for_the_chunks_landed_in_it() -> None:
-    """Two idle decode instances; one's consumer holds a prompt's first 24 of 30 tokens landed
+    """Two idle decode instances; one's consumer holds a prompt's first 240 of 246 tokens landed
     (its prefix cache none). It is chosen, and serves the request alone (it would compute 6,
     under ``min_disagg_tokens`` 8: it loads the rest from its landed chunks); what prefill would
     be told to skip is its prefix cache's, none. The control: the same chunks landed on the other
     instance move the choice."""
     keys = DeploymentKeys.from_secret(generate_secret())
-    held = list(range(500, 524))
+    held = list(range(500, 740))  # one chunk of 240 tokens
     prompt = [*held, *range(900, 906)]
     body = {"model": "m", "prompt": prompt, "max_tokens": 4}
     client = ClientRequest.from_json(Endpoint.COMPLETIONS, msgspec.json.encode(body), "m")
@@ -471,7 +471,7 @@ def test_decode_is_chosen_and_served_alone_for_the_chunks_landed_in_it() -> None
         block_hashes=[b"c" * 16],
         parent_block_hash=None,
         token_ids=held,
-        block_size=24,
+        block_size=240,
         lora_id=None,
         medium=LANDED_MEDIUM,
         lora_name=None,
