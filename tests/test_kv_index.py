@@ -280,6 +280,12 @@ async def until(condition: Callable[[], bool], what: str, timeout_s: float = 5.0
         await asyncio.sleep(0.01)
 
 
+def completion(tokens: list[int]) -> ClientRequest:
+    """A client's completions request for ``tokens``, as the proxy parses it."""
+    body = {"model": "m", "prompt": tokens, "max_tokens": 4}
+    return ClientRequest.from_json(Endpoint.COMPLETIONS, msgspec.json.encode(body), "m")
+
+
 def test_placement_sends_a_prompt_decode_mostly_holds_to_decode_alone() -> None:
     """Two decode instances publishing over real sockets; one holds 240 of a prompt's 246.
     With ``min_disagg_tokens`` 8, the prompt goes to it alone; one it holds less of goes
@@ -288,10 +294,6 @@ def test_placement_sends_a_prompt_decode_mostly_holds_to_decode_alone() -> None:
     addresses = [KVEventsAddress("127.0.0.1", free_port(), free_port()) for _ in range(2)]
     members = [Upstream(f"http://d{i}", Role.DECODE, kv_events=a) for i, a in enumerate(addresses)]
     held = list(range(500, 740))  # 60 blocks of 4: more than a running request weighs
-
-    def request(tokens: list[int]) -> ClientRequest:
-        body = {"model": "m", "prompt": tokens, "max_tokens": 4}
-        return ClientRequest.from_json(Endpoint.COMPLETIONS, msgspec.json.encode(body), "m")
 
     async def run() -> list[Plan]:
         index = KVIndex(lambda: members, keys, 1000)
@@ -304,9 +306,9 @@ def test_placement_sends_a_prompt_decode_mostly_holds_to_decode_alone() -> None:
         placer = Placer(Pool(Role.DECODE, members), PromptSizer(8, None), index, placer_tokens)
         by_load = Placer(Pool(Role.DECODE, members), PromptSizer(8, None))
         plans = [
-            await placer.plan(request([*held, 1, 2, 3, 4, 5, 6])),
-            await placer.plan(request([*held[:8], *range(900, 922)])),
-            await by_load.plan(request([*held, 1, 2, 3, 4, 5, 6])),
+            await placer.plan(completion([*held, 1, 2, 3, 4, 5, 6])),
+            await placer.plan(completion([*held[:8], *range(900, 922)])),
+            await by_load.plan(completion([*held, 1, 2, 3, 4, 5, 6])),
         ]
         await index.close()
         return plans
@@ -366,8 +368,7 @@ def test_a_prompt_prefill_would_recompute_goes_to_the_decode_holding_it_alone() 
     silent = Upstream("http://p9", Role.PREFILL)
     held = list(range(500, 524))  # six blocks of 4
     prompt = [*held, *range(900, 914)]
-    body = {"model": "m", "prompt": prompt, "max_tokens": 4}
-    client = ClientRequest.from_json(Endpoint.COMPLETIONS, msgspec.json.encode(body), "m")
+    client = completion(prompt)
 
     async def run() -> list[Plan]:
         members = [decode, cold, warm]
@@ -419,10 +420,6 @@ def test_a_shared_prefix_alone_does_not_pile_new_conversations_onto_its_holder()
     shared = list(range(1000, 1200))  # 50 blocks of 4
     history = [*shared, *range(2000, 2600)]  # a's conversation so far: 200 blocks
 
-    def request(tokens: list[int]) -> ClientRequest:
-        body = {"model": "m", "prompt": tokens, "max_tokens": 4}
-        return ClientRequest.from_json(Endpoint.COMPLETIONS, msgspec.json.encode(body), "m")
-
     async def run() -> list[Plan]:
         index = KVIndex(lambda: members, keys, 1000)
         await index.sync()
@@ -439,12 +436,12 @@ def test_a_shared_prefix_alone_does_not_pile_new_conversations_onto_its_holder()
             Pool(Role.DECODE, [a, b]), PromptSizer(8, None), index, tokens, "m",
             Pool(Role.PREFILL, [prefill]),
         )  # fmt: skip
-        new_chat = request([*shared, *range(5000, 5040)])
+        new_chat = completion([*shared, *range(5000, 5040)])
         plans = [await placer.plan(new_chat), await placer.plan(new_chat)]  # both idle
         a.outstanding = 1
         plans.append(await placer.plan(new_chat))
         a.outstanding = 2
-        plans.append(await placer.plan(request([*history, 7, 8, 9, 10])))
+        plans.append(await placer.plan(completion([*history, 7, 8, 9, 10])))
         await index.close()
         return plans
 
@@ -465,8 +462,7 @@ def test_decode_is_chosen_and_served_alone_for_the_chunks_landed_in_it() -> None
     keys = DeploymentKeys.from_secret(generate_secret())
     held = list(range(500, 740))  # one chunk of 240 tokens
     prompt = [*held, *range(900, 906)]
-    body = {"model": "m", "prompt": prompt, "max_tokens": 4}
-    client = ClientRequest.from_json(Endpoint.COMPLETIONS, msgspec.json.encode(body), "m")
+    client = completion(prompt)
     landed = BlockStored(
         block_hashes=[b"c" * 16],
         parent_block_hash=None,
