@@ -372,8 +372,9 @@ class Producer:
 
 
 class _Filled:
-    """A push's chunks as ``fill`` makes them, once, and their checksums: the caller's, or
-    taken here with integrity on (a pass of their own); None with integrity off."""
+    """A push's chunks as ``fill`` makes them, once (a fill that failed is asked again, and
+    fails again, on a retry), and their checksums: the caller's, or taken here with integrity
+    on (a pass of their own); None with integrity off."""
 
     def __init__(
         self,
@@ -394,8 +395,8 @@ class _Filled:
 
     def checksums(self) -> Sequence[int] | None:
         if not self._done:
-            self._done = True
             self._checksums = self._fill()
+            self._done = True
             self._check()
         if not self._producer.config.integrity_checksums:
             return None
