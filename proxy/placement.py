@@ -118,21 +118,20 @@ class Placer:
 
         decoder = self._decode.pick(work=cost) if client.needs_decode else None
         # Served alone, decode loads its landed chunks too (its consumer's cache).
-        alone = decoder is not None and self._alone(decoder, receive)
+        alone = decoder is not None and self._alone(receive(decoder), prefill_least)
         return Plan(decoder, alone, work, len(token_ids))
 
-    def _alone(self, decoder: Upstream, work: Callable[[Upstream], int]) -> bool:
-        """Whether ``decoder`` serves the request alone: it would compute fewer than
-        ``min_disagg_tokens`` (0: never alone), or every healthy prefill instance that publishes
-        its cache would compute ``RECOMPUTE_FACTOR`` times as many and ``min_disagg_tokens``
-        more."""
-        threshold, own = self._sizer.min_tokens, work(decoder)
+    def _alone(self, own: int, prefill_least: int | None) -> bool:
+        """Whether decode, which would compute ``own`` prompt tokens, serves the request alone:
+        they are fewer than ``min_disagg_tokens`` (0: never alone), or every healthy prefill
+        instance that publishes its cache would compute (``prefill_least`` at the fewest)
+        ``RECOMPUTE_FACTOR`` times as many and ``min_disagg_tokens`` more."""
+        threshold = self._sizer.min_tokens
         if own < threshold:
             return True
-        least = self._prefill_least(work)
-        if threshold <= 0 or least is None:
+        if threshold <= 0 or prefill_least is None:
             return False
-        return least >= max(RECOMPUTE_FACTOR * own, own + threshold)
+        return prefill_least >= max(RECOMPUTE_FACTOR * own, own + threshold)
 
     def _prefill_least(self, work: Callable[[Upstream], int]) -> int | None:
         """The fewest prompt tokens a healthy prefill instance that publishes its cache would

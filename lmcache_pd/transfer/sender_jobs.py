@@ -39,8 +39,9 @@ class Filling:
     goes out.
 
     Set once by the model-runner thread (``done`` or ``failed``), read by the sender after the
-    event. The pages may go back to the pool (a dropped job) while the copy still runs: only
-    the model-runner thread takes pages, after its copy, and a GPU's copies run in order."""
+    event. The pages may go back to the pool (a dropped job) while the copy still runs: in the
+    connector only the model-runner thread takes pages (its chunks lie in staging, so a push
+    copies none in), after its copy, and a GPU's copies run in order."""
 
     def __init__(self) -> None:
         self._set = threading.Event()
