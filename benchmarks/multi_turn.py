@@ -9,7 +9,9 @@ user message (``--user-tokens``, 150; the first
 turn's carries a document, ``--document-tokens``, 1500: a chat about a file, whose turn 4 prompt
 is ~2.9k tokens, within the tiny model's 4096, so that prefill compute dominates TTFT). They
 arrive ``--concurrency`` chats at a time (each chat's turns in sequence) or at ``--rate`` chats
-per second (Poisson). Every turn is a streamed ``/v1/chat/completions`` at temperature 0 through
+per second (Poisson), each user pausing ``--think-s`` seconds on average (exponential, as
+vLLM's multi-turn client pauses between a client's requests) between an answer and the next
+turn, or not at all. Every turn is a streamed ``/v1/chat/completions`` at temperature 0 through
 the official ``openai`` client.
 
 Why: with more than one instance per role, where a turn goes decides whether its history is
@@ -503,6 +505,7 @@ def one_run(
     concurrency: int | None,
     rate: float | None,
     arrivals_seed: int,
+    think_s: float | None = None,
 ) -> tuple[list[TurnResult], float]:
     """Every conversation of one run through the proxy at ``url``; the turns and the wall time."""
     started = time.monotonic()
@@ -516,6 +519,7 @@ def one_run(
             concurrency=concurrency,
             rate=rate,
             arrivals_seed=arrivals_seed,
+            think_s=think_s,
         )
     )
     return results, time.monotonic() - started
@@ -541,6 +545,10 @@ def main(
     concurrency: Annotated[int, typer.Option(min=1, help="chats at a time")] = 4,
     rate: Annotated[
         float | None, typer.Option(min=0.001, help="chats started per second (not concurrency)")
+    ] = None,
+    think_s: Annotated[
+        float | None,
+        typer.Option(min=0.001, help="mean pause between an answer and the next turn (s)"),
     ] = None,
     seed: int = 0,
     resamples: Annotated[int, typer.Option(min=100)] = 4000,
@@ -611,6 +619,7 @@ def main(
                             None if rate is not None else concurrency,
                             rate,
                             seed * 1000 + run,
+                            think_s,
                         )
                         after = snapshot(launcher, base.model)
                         traces = (workdir / "pools").glob("prefill-*.trace.jsonl")
@@ -667,7 +676,10 @@ def main(
                 "document_tokens": document_tokens,
                 "answer_tokens": answer_tokens,
             },
-            "arrival": {"rate": rate} if rate is not None else {"concurrency": concurrency},
+            "arrival": {
+                **({"rate": rate} if rate is not None else {"concurrency": concurrency}),
+                "think_s": think_s,
+            },
             "seed": seed,
             "run_order": "interleaved: every policy once per run index, in --policies order",
             "workdir": str(workdir),

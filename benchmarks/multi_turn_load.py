@@ -10,12 +10,13 @@ starting anything.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import re
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -264,13 +265,16 @@ async def converse(
     answer_tokens: int,
     run_started: float,
     answer_token_ids: Sequence[int] | None = None,
+    think: Callable[[], float] | None = None,
 ) -> list[TurnResult]:
     """A conversation's turns one after the other, each resending the whole conversation with
     the previous answer as its text; a failed turn ends it (its later turns are counted as
-    failed)."""
+    failed). ``think()``: seconds the user waits after an answer before the next turn."""
     results: list[TurnResult] = []
     answers: list[str] = []
     for turn in range(1, len(conversation.users) + 1):
+        if turn > 1 and think is not None and len(answers) == turn - 1:
+            await asyncio.sleep(think())
         result = TurnResult(conversation.name, turn, time.perf_counter() - run_started)
         results.append(result)
         if len(answers) < turn - 1:
@@ -294,6 +298,7 @@ async def drive(
     concurrency: int | None,
     rate: float | None,
     arrivals_seed: int,
+    think_s: float | None = None,
 ) -> list[TurnResult]:
     """Every conversation, ``concurrency`` at a time (each one's turns in sequence) or started
     at Poisson arrivals of ``rate`` per second (exactly one of the two; the arrival times come
@@ -301,7 +306,10 @@ async def drive(
     are made of ``answer_token_ids`` only: the tiny model's free answers are arbitrary tokens
     whose text tokenizes otherwise (often many times longer) when sent back, which a real
     model's prose does not; single-token words sent back tokenize exactly as generated, so the
-    next turn's prompt extends the tokens the instance that answered holds, as it would."""
+    next turn's prompt extends the tokens the instance that answered holds, as it would.
+    ``think_s``: the mean of a user's pause between an answer and the next turn (exponential,
+    as vLLM's multi-turn client pauses between a client's requests; drawn from ``arrivals_seed``
+    and the conversation, so that two policies' runs of one index pause alike); None: none."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give either a concurrency or a rate")
     run_started = time.perf_counter()
@@ -309,25 +317,29 @@ async def drive(
         base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT_S
     ) as client:
 
-        async def one(conversation: Conversation) -> list[TurnResult]:
+        async def one(index: int, conversation: Conversation) -> list[TurnResult]:
+            think = None
+            if think_s is not None:
+                pauses = random.Random(f"think:{arrivals_seed}:{index}")
+                think = functools.partial(pauses.expovariate, 1 / think_s)
             return await converse(
-                client, model, conversation, answer_tokens, run_started, answer_token_ids
+                client, model, conversation, answer_tokens, run_started, answer_token_ids, think
             )
 
         if concurrency is not None:
             slots = asyncio.Semaphore(concurrency)
 
-            async def bounded(conversation: Conversation) -> list[TurnResult]:
+            async def bounded(index: int, conversation: Conversation) -> list[TurnResult]:
                 async with slots:
-                    return await one(conversation)
+                    return await one(index, conversation)
 
-            done = await asyncio.gather(*(bounded(c) for c in conversations))
+            done = await asyncio.gather(*(bounded(*c) for c in enumerate(conversations)))
         else:
             assert rate is not None
             arrivals = random.Random(arrivals_seed)
             tasks = []
-            for conversation in conversations:
-                tasks.append(asyncio.create_task(one(conversation)))
+            for index, conversation in enumerate(conversations):
+                tasks.append(asyncio.create_task(one(index, conversation)))
                 await asyncio.sleep(arrivals.expovariate(rate))
             done = await asyncio.gather(*tasks)
     return [result for results in done for result in results]

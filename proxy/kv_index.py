@@ -1,7 +1,8 @@
 """The proxy's KV index: one event feed per instance that publishes, kept equal to the pools.
 
 ``held_tokens(member, keys)`` says how many leading tokens of a prompt an instance's
-prefix cache holds, as far as its events told. The feeds follow the pools: an instance that
+prefix cache holds, as far as its events told; ``landed_after`` how far its landed chunks
+carry on from there. The feeds follow the pools: an instance that
 joins (a cluster engine added it, or it came back on a new address) gets a feed, and one that
 leaves loses its feed and its entries. Everything here runs on the proxy's event loop.
 """
@@ -75,17 +76,24 @@ class KVIndex:
             self._feeds[key] = feed
             logger.info("following kv events of %s at %s", url, address.endpoint(address.port))
 
-    def held_tokens(
-        self, member: Upstream, keys: Callable[[int], list[bytes]], *, landed: bool = False
-    ) -> int:
-        """Leading tokens of a prompt that ``member``'s prefix cache holds (0: unknown), or
-        with ``landed`` its landed chunks; ``keys(block_size)`` gives the prompt's block keys
-        (``kv_events.prefix_keys``)."""
+    def held_tokens(self, member: Upstream, keys: Callable[[int], list[bytes]]) -> int:
+        """Leading tokens of a prompt that ``member``'s prefix cache holds (0: unknown);
+        ``keys(block_size)`` gives the prompt's block keys (``kv_events.prefix_keys``)."""
         feed = self._feeds.get((member.url, member.kv_events))
         if feed is None:
             return 0
-        blocks = feed.blocks.landed if landed else feed.blocks.prefix
+        blocks = feed.blocks.prefix
         return blocks.held_tokens(keys(blocks.block_size)) if blocks.block_size else 0
+
+    def landed_after(self, member: Upstream, keys: Callable[[int], list[bytes]], start: int) -> int:
+        """Where the run of a prompt's chunks landed in ``member``'s consumer ends, from the
+        chunk that holds token ``start`` on (``start`` if none): what a decode instance whose
+        prefix cache holds ``start`` tokens would load past them, served alone."""
+        feed = self._feeds.get((member.url, member.kv_events))
+        if feed is None:
+            return start
+        chunks = feed.blocks.landed
+        return chunks.held_after(keys(chunks.block_size), start) if chunks.block_size else start
 
     async def close(self) -> None:
         for feed in self._feeds.values():

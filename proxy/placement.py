@@ -145,9 +145,9 @@ def _work(
     index: KVIndex, tokens: list[int], salt: object
 ) -> tuple[Callable[[Upstream], int], Callable[[Upstream], int]]:
     """Prompt tokens each instance would compute: those its prefix cache does not hold; and
-    those it would compute or receive: those neither its prefix cache nor its landed chunks
-    hold. The prompt's keys are hashed once per block size, looked up once per instance (and
-    kept: a plan reads them after the index may have changed)."""
+    those it would compute or receive: those neither its prefix cache nor the run of landed
+    chunks that goes on from it hold. The prompt's keys are hashed once per block size, looked
+    up once per instance (and kept: a plan reads them after the index may have changed)."""
     salt = salt if isinstance(salt, str) else None
     keys = functools.cache(lambda block_size: prefix_keys(tokens, block_size, salt))
     held: dict[Upstream, int] = {}
@@ -159,8 +159,9 @@ def _work(
         return len(tokens) - held[member]
 
     def receive(member: Upstream) -> int:
+        # Past its prefix cache, decode loads the run of landed chunks that goes on from there.
         if member not in landed:
-            landed[member] = index.held_tokens(member, keys, landed=True)
-        return min(work(member), len(tokens) - landed[member])
+            landed[member] = index.landed_after(member, keys, len(tokens) - work(member))
+        return len(tokens) - landed[member]
 
     return work, receive

@@ -453,25 +453,32 @@ def test_a_shared_prefix_alone_does_not_pile_new_conversations_onto_its_holder()
     assert follow_up.decoder is a and follow_up.alone
 
 
-def test_decode_is_chosen_and_served_alone_for_the_chunks_landed_in_it() -> None:
-    """Two idle decode instances; one's consumer holds a prompt's first 240 of 246 tokens landed
-    (its prefix cache none). It is chosen, and serves the request alone (it would compute 6,
+@pytest.mark.parametrize("past_a_prefix", [False, True], ids=["from_the_start", "past_a_prefix"])
+def test_decode_is_chosen_and_served_alone_for_the_chunks_landed_in_it(past_a_prefix: bool) -> None:
+    """Two idle decode instances; one's consumer holds a chunk of 240 tokens of a prompt landed,
+    and the rest is 6 tokens. It is chosen, and serves the request alone (it would compute 6,
     under ``min_disagg_tokens`` 8: it loads the rest from its landed chunks); what prefill would
-    be told to skip is its prefix cache's, none. The control: the same chunks landed on the other
-    instance move the choice."""
+    be told to skip is its prefix cache's. From the start: the chunk is the prompt's first, and
+    no prefix cache holds any of it. Past a prefix: the chunk is the second, landed without its
+    parent (a push skipped the first, which both decode instances' prefix caches hold). The
+    control: the same chunk landed on the other instance moves the choice."""
     keys = DeploymentKeys.from_secret(generate_secret())
-    held = list(range(500, 740))  # one chunk of 240 tokens
-    prompt = [*held, *range(900, 906)]
-    client = completion(prompt)
+    size = 240
+    first = list(range(500, 500 + size))
+    prompt = [*first, *range(900, 900 + size + 6)] if past_a_prefix else [*first, *range(6)]
+    chunk_keys = prefix_keys(prompt, size)
+    index_of_chunk = 1 if past_a_prefix else 0
     landed = BlockStored(
-        block_hashes=[b"c" * 16],
-        parent_block_hash=None,
-        token_ids=held,
-        block_size=240,
+        block_hashes=[chunk_keys[index_of_chunk]],
+        parent_block_hash=chunk_keys[0] if past_a_prefix else None,
+        token_ids=prompt[index_of_chunk * size : (index_of_chunk + 1) * size],
+        block_size=size,
         lora_id=None,
         medium=LANDED_MEDIUM,
         lora_name=None,
     )
+    held_prefix = stored(list(range(size // BLOCK)), None, first)
+    client = completion(prompt)
 
     def plan_with_chunks_on(holder: int) -> tuple[Plan, str]:
         addresses = [KVEventsAddress("127.0.0.1", free_port(), free_port()) for _ in range(3)]
@@ -483,12 +490,20 @@ def test_decode_is_chosen_and_served_alone_for_the_chunks_landed_in_it() -> None
             index = KVIndex(lambda: members, keys, 1000)
             await index.sync()
             await until(lambda: index.counts.get("resyncs", 0) >= 3, "subscriptions connected")
+            if past_a_prefix:
+                for pub in pubs[:2]:
+                    pub.publish(batch(held_prefix))
             pubs[holder].publish(batch(landed))
             pubs[2].publish(batch(stored([1], None, list(range(4)))))  # prefill holds some
             await until(
                 lambda: (
                     dict((u, len(c.landed)) for u, c in index.by_instance())[decode[holder].url]
                     == 1
+                    and all(
+                        len(c.prefix) == past_a_prefix * size // BLOCK
+                        for u, c in index.by_instance()
+                        if u != prefill.url
+                    )
                 ),
                 "the landed chunk indexed",
             )
@@ -510,4 +525,4 @@ def test_decode_is_chosen_and_served_alone_for_the_chunks_landed_in_it() -> None
 
     (on_d1, url1), (_, url0) = plan_with_chunks_on(1), plan_with_chunks_on(0)
     assert (url1, url0) == ("http://d1", "http://d0")
-    assert on_d1.alone and on_d1.decode_holds() == 0
+    assert on_d1.alone and on_d1.decode_holds() == (size if past_a_prefix else 0)

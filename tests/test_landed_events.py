@@ -67,8 +67,9 @@ def test_landed_chunks_are_published_parents_first_and_the_proxy_finds_the_promp
     assert landed.take() == []  # landed, but no load said what the keys stand for yet
     landed.learn(PROMPT, None)
     events = landed.take()
-    # The partial last chunk is not published; the full ones are, a chunk after its parent.
-    assert [event.block_hashes for event in events] == [[chunk.key] for chunk in chunks[:3]]
+    # The partial last chunk is not published; the full ones are, parents first, each under
+    # the key the proxy gives it.
+    assert [event.block_hashes for event in events] == [[k] for k in prefix_keys(PROMPT, CHUNK)]
     assert all(isinstance(e, BlockStored) and e.medium == LANDED_MEDIUM for e in events)
     caches = over_the_wire(events)
     assert len(caches.prefix) == 0  # vLLM's prefix cache is not told of them
@@ -80,15 +81,39 @@ def test_landed_chunks_are_published_parents_first_and_the_proxy_finds_the_promp
     assert landed.take() == []  # nothing changed since
 
 
-def test_a_chunk_whose_parent_has_not_landed_waits_for_it(
+def test_chunks_after_a_prefix_that_never_landed_are_found_past_it(
     keyer: ChunkKeyer, board: KeysWriter, landed: LandedEvents
 ) -> None:
+    """A push skipped the first chunk (decode's prefix cache held it): the two after it landed
+    alone, and the proxy finds them past that prefix, not from the prompt's start."""
     chunks = keyer.chunk_keys(PROMPT)
     landed.learn(PROMPT, None)
     board.post([chunks[1].key, chunks[2].key])
-    assert landed.take() == []  # the proxy could not name them without the first
-    board.post([chunk.key for chunk in chunks[:3]])
-    assert [event.block_hashes for event in landed.take()] == [[c.key] for c in chunks[:3]]
+    caches = over_the_wire(landed.take())
+    keys = prefix_keys(PROMPT, CHUNK)
+    assert caches.landed.held_tokens(keys) == 0  # not a prefix on their own
+    assert caches.landed.held_after(keys, CHUNK) == 3 * CHUNK
+    assert caches.landed.held_after(keys, CHUNK + 5) == 3 * CHUNK  # from the chunk holding it
+    # Controls: a prefix cache ending before them reaches none; a prompt whose first chunk
+    # differs has other keys for the same tokens after it.
+    assert caches.landed.held_after(keys, CHUNK - 1) == CHUNK - 1
+    other = [7] * CHUNK + PROMPT[CHUNK:]
+    assert caches.landed.held_after(prefix_keys(other, CHUNK), CHUNK) == CHUNK
+
+
+def test_the_proxy_refuses_a_landed_chunk_under_a_key_its_tokens_do_not_make() -> None:
+    """Keys named by the publisher are checked: a chunk claimed under another prompt's key
+    (a stale or lying instance) is refused, and the feed counts the batch malformed."""
+    tokens = list(range(CHUNK))
+    wrong = prefix_keys([7] * CHUNK, CHUNK)[0]
+    caches = InstanceCaches(max_blocks=100)
+    with pytest.raises(ValueError, match="key its tokens do not make"):
+        caches.apply(_stored([wrong], None, tokens))
+    with pytest.raises(ValueError, match="parent is not a chunk key"):
+        caches.apply(_stored(prefix_keys(tokens, CHUNK), 12345, tokens))
+    assert caches.landed.held_tokens(prefix_keys(tokens, CHUNK)) == 0
+    caches.apply(_stored(prefix_keys(tokens, CHUNK), None, tokens))  # the control
+    assert caches.landed.held_tokens(prefix_keys(tokens, CHUNK)) == CHUNK
 
 
 def test_chunks_freed_are_removed_and_the_proxy_forgets_them(
@@ -101,7 +126,7 @@ def test_chunks_freed_are_removed_and_the_proxy_forgets_them(
     board.post([chunks[0].key])
     removed = landed.take()
     assert len(removed) == 1 and isinstance(removed[0], BlockRemoved)
-    assert set(removed[0].block_hashes) == {chunks[1].key, chunks[2].key}
+    assert set(removed[0].block_hashes) == set(prefix_keys(PROMPT, CHUNK)[1:3])
     caches = over_the_wire(stored + removed)
     assert caches.landed.held_tokens(prefix_keys(PROMPT, CHUNK)) == CHUNK
 
@@ -144,9 +169,24 @@ def test_the_proxy_keeps_vllms_prefix_cache_and_the_landed_chunks_apart() -> Non
     assert caches.landed.held_tokens(keys) == CHUNK
 
 
+def _stored(block_hashes: list[bytes], parent: object, tokens: list[int]) -> object:
+    """A landed chunk's event as the proxy decodes it."""
+    stored = BlockStored(
+        block_hashes=block_hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=CHUNK,
+        lora_id=None,
+        medium=LANDED_MEDIUM,
+        lora_name=None,
+    )
+    payload = msgspec.msgpack.Encoder().encode(KVEventBatch(ts=0.0, events=[stored]))
+    return BATCHES.decode(payload).events[0]
+
+
 def _batch(medium: str | None) -> bytes:
     stored = BlockStored(
-        block_hashes=[b"h" * 16],
+        block_hashes=prefix_keys(list(range(CHUNK)), CHUNK),  # a landed chunk's is its key
         parent_block_hash=None,
         token_ids=list(range(CHUNK)),
         block_size=CHUNK,

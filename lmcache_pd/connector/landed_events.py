@@ -8,9 +8,10 @@ after its own, every step
 (``take_events``); what the board says changed becomes ``BlockStored`` / ``BlockRemoved`` of
 medium ``LANDED_MEDIUM``, one block per chunk, of ``chunk_size`` tokens: a chunk is fetched
 whole, so no event names a part of one that could not be served alone. A partial last chunk is
-not published (only a prompt that ends exactly there could use it), and a chunk is published
-only once its parent is, since the proxy names a block by its parent's key and its tokens
-(``kv_events.prefix_key``). The chunks' own keys stand for vLLM's block hashes.
+not published (only a prompt that ends exactly there could use it). Each chunk goes under the
+key the proxy gives it (``kv_events.prefix_key`` chained over chunks, which the proxy checks),
+with its parent's as the parent: the proxy can name a chunk whose parent never landed, as the
+chunks after a prefix a push skipped (decode's prefix cache held it) never have one.
 
 Rank 0's chunks stand for the instance: the ranks of a load receive the same chunks from the
 same pushes and keep them by the same rule. Prefill at another TP size sends parts under other
@@ -27,12 +28,13 @@ from dataclasses import dataclass
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 from lmcache_pd.connector.landed_chunks import LandedChunks
-from lmcache_pd.kv_events import LANDED_MEDIUM
+from lmcache_pd.kv_events import LANDED_MEDIUM, prefix_keys
 
 
 @dataclass(frozen=True, slots=True)
 class _Chunk:
-    parent: bytes | None  # the previous chunk's key; None for a prompt's first
+    key: bytes  # as the proxy names it: prefix_key over the prompt's chunks up to this one
+    parent: bytes | None  # the previous chunk's, alike; None for a prompt's first
     tokens: array  # int64 token ids, chunk_size of them
     salt: str | None  # the request's cache_salt on a prompt's first chunk, which its key mixes
 
@@ -50,20 +52,22 @@ class LandedEvents:
         # Chunks of the prompts loaded, least recently loaded first (a parent before its child).
         self._chunks: OrderedDict[bytes, _Chunk] = OrderedDict()
         self._landed: set[bytes] = set()  # as the board said last
-        self._published: set[bytes] = set()
+        # The chunks published, by their consumer key, and the key the proxy knows each by.
+        self._published: dict[bytes, bytes] = {}
         self._stale = False  # learned or landed something since the last pass
 
     def learn(self, prompt: list[int], salt: str | None) -> None:
         """A request loads ``prompt``'s KV: remember what its full chunks' keys stand for."""
         size = self._keyer.chunk_size
-        parent = None
-        for chunk in self._keyer.chunk_keys(prompt, salt=salt or None):
-            if chunk.end - chunk.start == size:
-                tokens = array("q", prompt[chunk.start : chunk.end])
-                first_salt = (salt or None) if chunk.start == 0 else None
-                self._chunks[chunk.key] = _Chunk(parent, tokens, first_salt)
-                self._chunks.move_to_end(chunk.key)
-            parent = chunk.key
+        salt = salt or None
+        named = prefix_keys(prompt, size, salt)  # the full chunks' keys as the proxy makes them
+        chunks = self._keyer.chunk_keys(prompt, salt=salt)
+        for index, (chunk, key) in enumerate(zip(chunks, named, strict=False)):
+            tokens = array("q", prompt[chunk.start : chunk.end])
+            parent = named[index - 1] if index else None
+            first_salt = salt if index == 0 else None
+            self._chunks[chunk.key] = _Chunk(key, parent, tokens, first_salt)
+            self._chunks.move_to_end(chunk.key)
         while len(self._chunks) > self._max_chunks:
             self._chunks.popitem(last=False)
         self._stale = True
@@ -78,25 +82,23 @@ class LandedEvents:
             return []
         self._stale = False
         events: list[KVCacheEvent] = []
-        gone = self._published - self._landed
+        gone = self._published.keys() - self._landed
         if gone:
-            self._published -= gone
-            events.append(BlockRemoved(block_hashes=list(gone), medium=LANDED_MEDIUM))
+            names = [self._published.pop(key) for key in gone]
+            events.append(BlockRemoved(block_hashes=names, medium=LANDED_MEDIUM))
         for key, chunk in self._chunks.items():
             if key in self._published or key not in self._landed:
                 continue
-            if chunk.parent is not None and chunk.parent not in self._published:
-                continue
-            self._published.add(key)
-            events.append(self._stored(key, chunk))
+            self._published[key] = chunk.key
+            events.append(self._stored(chunk))
         return events
 
     def close(self) -> None:
         self._landed_chunks.close()
 
-    def _stored(self, key: bytes, chunk: _Chunk) -> BlockStored:
+    def _stored(self, chunk: _Chunk) -> BlockStored:
         return BlockStored(
-            block_hashes=[key],
+            block_hashes=[chunk.key],
             parent_block_hash=chunk.parent,
             token_ids=chunk.tokens.tolist(),
             block_size=self._keyer.chunk_size,
