@@ -213,8 +213,8 @@ def test_the_consumer_is_asked_for_pages_while_the_chunks_are_filled(
 ) -> None:
     """``fill`` runs after the AllocRequest went out: the consumer has it while the chunks are
     still being copied (the round trip overlaps the copy). A fill that fails writes nothing:
-    its pages go back at once, not at their lease, and the next push on the same socket lands
-    (the answer to the withdrawn request is not read as the next one's)."""
+    its pages go back at once, not at their lease, the peer is kept, and the next push on the
+    same socket lands (the answer to the withdrawn request is not read as the next one's)."""
     tokens = list(range(11_000, 11_000 + 2 * CHUNK_SIZE))
     chunks = make_chunks(keyer.chunk_keys(tokens), seed=11)
     before = consumer.process.stats()
@@ -248,7 +248,9 @@ def test_the_consumer_is_asked_for_pages_while_the_chunks_are_filled(
     assert time.monotonic() - started < consumer.fields["alloc_lease_s"]
     assert after["allocations_cancelled"] == before["allocations_cancelled"] + 1
     assert consumer.process.call("lookup", tokens=failed) == 0
-    # The control: the same producer's next push lands, its own answer read.
+    # Our copy failed, not the peer: no handshake again. The control: the same producer's next
+    # push, on the same socket, lands, its own answer read.
+    assert producer.connected(consumer.spec("r-after-withdraw"))
     again = list(range(13_000, 13_000 + CHUNK_SIZE + 3))
     chunks = make_chunks(keyer.chunk_keys(again), seed=13)
     assert producer.push(consumer.spec("r-after-withdraw"), chunks).chunks_sent == 2

@@ -237,6 +237,10 @@ class Producer:
             logger.warning("req %s: not pushed to %s: %s", spec.req_id, peer.name, exc)
             raise
         except PDError as exc:
+            if filled.failed is exc:
+                # Our own copy failed, its pages given back: the peer is as it was.
+                logger.warning("req %s: not pushed to %s: %s", spec.req_id, peer.name, exc)
+                raise
             # The peer may be gone or restarted: handshake afresh next time.
             logger.warning("req %s: push to %s failed: %s", spec.req_id, peer.name, exc)
             self._forget_peer(spec)
@@ -390,12 +394,17 @@ class _Filled:
         self._fill = fill
         self._checksums = checksums
         self._done = fill is None
+        self.failed: BaseException | None = None  # what the fill raised, if it did
         if self._done:
             self._check()
 
     def checksums(self) -> Sequence[int] | None:
         if not self._done:
-            self._checksums = self._fill()
+            try:
+                self._checksums = self._fill()
+            except BaseException as exc:
+                self.failed = exc
+                raise
             self._done = True
             self._check()
         if not self._producer.config.integrity_checksums:
