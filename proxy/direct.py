@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -38,9 +39,12 @@ async def serve_alone(
     member: Upstream,
     started: float,
     trace: dict[str, Any],
+    computed: Callable[[], None],
 ) -> tuple[web.StreamResponse, Outcome]:
     """Answer ``client`` from ``member`` alone. ``started`` is the request's arrival
-    (``perf_counter``); ``trace`` gets the decode instance and its first event's time."""
+    (``perf_counter``); ``trace`` gets the decode instance and its first event's time;
+    ``computed`` is called at the first event (the prompt is computed: routing stops counting
+    it as queued on ``member``)."""
     trace |= {"route": "alone", "decode": member.url, "decode_sent": time.time()}
     response: web.StreamResponse | None = None
     try:
@@ -55,6 +59,7 @@ async def serve_alone(
         async for events in flow.alone(member, client, req_id):
             now = time.perf_counter()
             if response is None:
+                computed()
                 trace["first_sent"] = time.time()
                 metrics.ttft.observe(now - started)
                 response = web.StreamResponse(headers=SSE_HEADERS)

@@ -116,9 +116,17 @@ class Orchestrator:
         trace |= plan.trace()
         if decoder is not None and plan.alone:
             self._metrics.served_alone.inc()
-            with decoder.busy(plan.work_at(decoder)):
+            with decoder.busy(plan.alone_computes) as computed:
                 return await serve_alone(
-                    http, self._flow, self._metrics, client, req_id, decoder, started, trace
+                    http,
+                    self._flow,
+                    self._metrics,
+                    client,
+                    req_id,
+                    decoder,
+                    started,
+                    trace,
+                    computed,
                 )
         spec = None
         if decoder is not None:

@@ -56,6 +56,9 @@ class Plan:
     # Prompt tokens an instance would compute (None: unknown, pick by load).
     work: Callable[[Upstream], int] | None = None
     prompt_tokens: int | None = None
+    # Prompt tokens ``decoder`` computes serving it alone: what neither its prefix cache nor
+    # its landed chunks hold (0: unknown, or not alone).
+    alone_computes: int = 0
 
     def work_at(self, member: Upstream) -> int:
         return 0 if self.work is None else self.work(member)
@@ -118,8 +121,9 @@ class Placer:
 
         decoder = self._decode.pick(work=cost) if client.needs_decode else None
         # Served alone, decode loads its landed chunks too (its consumer's cache).
-        alone = decoder is not None and self._alone(receive(decoder), prefill_least)
-        return Plan(decoder, alone, work, len(token_ids))
+        computes = 0 if decoder is None else receive(decoder)
+        alone = decoder is not None and self._alone(computes, prefill_least)
+        return Plan(decoder, alone, work, len(token_ids), computes if alone else 0)
 
     def _alone(self, own: int, prefill_least: int | None) -> bool:
         """Whether decode, which would compute ``own`` prompt tokens, serves the request alone:

@@ -4,10 +4,10 @@ requests mark instances down and up.
 Without a measure of the work (``routing: load``, or nothing known of the prompt): least
 outstanding requests, round-robin among equals. With one (``placement.py``: the prompt tokens an
 instance would have to compute, given what its cache holds), the instance of least cost (that
-work, plus the prompt tokens queued on it, plus a weight per outstanding request) among those
-whose load stays within a bound of the least loaded one, so that a hot prefix spreads once its
-instance is busy; ties go as without one. This is llm-d's precise-prefix and load scorers in one
-sum, in tokens.
+work, plus the prompt tokens queued on it until their first token, plus a weight per outstanding
+request) among those whose load stays within a bound of the least loaded one, so that a hot
+prefix spreads once its instance is busy; ties go as without one. This is llm-d's precise-prefix
+and load scorers in one sum, in tokens.
 
 Everything here runs on the proxy's one event loop, so counters need no locks.
 """
@@ -59,16 +59,25 @@ class Upstream:
     healthy: bool = True
 
     @contextlib.contextmanager
-    def busy(self, tokens: int = 0) -> Iterator[None]:
-        """Counts one outstanding request, computing ``tokens`` prompt tokens here, for as long
-        as the block runs."""
+    def busy(self, tokens: int = 0) -> Iterator[Callable[[], None]]:
+        """Counts one outstanding request for as long as the block runs, and ``tokens`` prompt
+        tokens it computes here until the callable it yields is called (its first token came:
+        the prompt is computed, and a streaming answer must not keep weighing as a queued
+        prompt) or the block ends."""
         self.outstanding += 1
         self.queued_tokens += tokens
+        queued = tokens
+
+        def computed() -> None:
+            nonlocal queued
+            self.queued_tokens -= queued
+            queued = 0
+
         try:
-            yield
+            yield computed
         finally:
             self.outstanding -= 1
-            self.queued_tokens -= tokens
+            computed()
 
     def mark(self, healthy: bool, why: str) -> None:
         """Record a health change, logging only transitions so a dead instance is one line."""

@@ -265,6 +265,22 @@ def test_load_weighs_against_held_tokens() -> None:
     assert Pool(Role.DECODE, [a, b]).pick(work=work) is b
 
 
+def test_a_request_weighs_its_prompt_as_queued_only_until_its_first_token() -> None:
+    """Prompt tokens an instance computes count against it while they are computed; an answer
+    that is streaming counts as one outstanding request, no more (a holder of a conversation
+    must not lose it for a prompt it finished computing)."""
+    a = upstream("a")
+    with a.busy(500) as computed:
+        assert (a.outstanding, a.queued_tokens) == (1, 500)
+        computed()
+        computed()  # said twice: taken off once
+        assert (a.outstanding, a.queued_tokens) == (1, 0)
+    assert (a.outstanding, a.queued_tokens) == (0, 0)
+    with a.busy(300):  # never said: taken off at the end
+        assert a.queued_tokens == 300
+    assert (a.outstanding, a.queued_tokens) == (0, 0)
+
+
 def test_without_a_work_measure_the_pick_is_least_outstanding_round_robin() -> None:
     a, b = upstream("a"), upstream("b")
     pool = Pool(Role.DECODE, [a, b])
@@ -319,7 +335,8 @@ def test_placement_sends_a_prompt_decode_mostly_holds_to_decode_alone() -> None:
     assert alone.decoder is members[1] and alone.alone
     assert alone.trace() == {"prompt_tokens": 246, "decode_held_tokens": 240}
     assert alone.decode_holds() == 240  # what the DisaggSpec tells prefill it need not push
-    assert not through_prefill.alone
+    assert alone.alone_computes == 6  # what weighs on it as queued until its first token
+    assert not through_prefill.alone and through_prefill.alone_computes == 0
     assert by_load.decoder is members[0] and not by_load.alone  # 246 tokens: not short
     assert by_load.decode_holds() == 0  # unknown: prefill pushes every chunk
 
@@ -526,3 +543,4 @@ def test_decode_is_chosen_and_served_alone_for_the_chunks_landed_in_it(past_a_pr
     (on_d1, url1), (_, url0) = plan_with_chunks_on(1), plan_with_chunks_on(0)
     assert (url1, url0) == ("http://d1", "http://d0")
     assert on_d1.alone and on_d1.decode_holds() == (size if past_a_prefix else 0)
+    assert on_d1.alone_computes == 6  # the landed chunk is loaded, not computed
