@@ -18,9 +18,11 @@ import zmq
 from vllm.v1.request import RequestStatus
 
 from lmcache_pd.config import load_config
+from lmcache_pd.connector.computed_prompts import ComputedPrompts
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
 from lmcache_pd.connector.counters import StatsRecorder
 from lmcache_pd.connector.metadata import (
+    KeepRequest,
     LoadRequest,
     PDConnectorMetadata,
     SaveRequest,
@@ -257,6 +259,33 @@ def test_a_request_decode_needs_no_kv_for_has_its_chunks_released_at_once() -> N
     plain = request("plain", [1, 2, 3], None)  # control: no spec, nothing to release
     scheduler.update_state_after_alloc(plain, None, 0)
     assert scheduler.build_connector_meta(step()).unneeded == set()
+
+
+def test_decode_keeps_the_chunks_of_a_prompt_it_computed_once_the_prompt_is_computed() -> None:
+    """A request decode serves alone, its prompt computed over two steps past a one-block hit:
+    the step that computes its last token lists its whole chunks for the worker to keep, from
+    the chunk its hit ends in, with every block it has by then. Controls: a disaggregated
+    request (its KV was pushed), one shorter than a chunk, and one that ends before its prompt
+    is computed are not kept."""
+    scheduler = ConsumerScheduler(computed=ComputedPrompts(CHUNK))
+    prompt = list(range(1000, 1200))
+    alone = request("a", prompt, None, cache_salt="s")
+    pushed = request("p", list(range(200)), {"disagg_spec": SPEC})
+    short = request("s", list(range(CHUNK - 1)), None)
+    ended = request("e", list(range(300, 500)), None)
+    for req in (alone, pushed, short, ended):
+        scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    new = [("a", [0, 1, 2, 3], BLOCK), ("p", [9], 199), ("s", [8], 0), ("e", [20, 21], 0)]
+    first = scheduler.build_connector_meta(
+        step(new=new, scheduled={"a": 100, "p": 1, "s": CHUNK - 1, "e": 100})
+    )
+    assert first.keeps == []  # "a" computed 132 of 200 tokens; "s" has no whole chunk
+    scheduler.request_finished(ended)
+    second = scheduler.build_connector_meta(
+        step(cached=[("a", [4, 5, 6], 132), ("e", [], 100)], scheduled={"a": 68, "e": 100})
+    )
+    assert second.keeps == [KeepRequest("a", prompt[:192], [0, 1, 2, 3, 4, 5, 6], 0, "s")]
+    assert scheduler.build_connector_meta(step(cached=[("a", [], 200)])).keeps == []
 
 
 def test_both_scheduler_halves_pass_the_requests_cache_salt_to_their_worker() -> None:
@@ -961,6 +990,38 @@ def test_a_synchronous_load_is_done_before_the_forward_pass(
     assert totals.get("sync_load_failures", 0) == int(corrupted)
     assert totals.get("tokens_loaded", 0) == (0 if corrupted else 150 - BLOCK)
     wait_for(lambda: workers.consumer_used_pages() == 0, what="pages back")
+
+
+@pytest.mark.processes
+def test_chunks_decode_computed_are_kept_and_loaded_by_a_later_request(workers: Workers) -> None:
+    """The worker keeps a prompt's three chunks from the blocks decode computed them in; a
+    later request served alone loads them (synchronously, as landed chunks) into blocks of its
+    own, byte for byte. Keeping them again writes nothing. Control: with the kept pages'
+    bytes altered the load fails its checksums (the keep recorded them) and its blocks are
+    reported for vLLM to recompute."""
+    prompt = list(range(7000, 7000 + 3 * CHUNK))
+    computed, loaded = [11, 4, 17, 8, 25, 2], [30, 31, 32, 33, 34, 35]
+    for name in workers.target:  # what decode computed into its blocks
+        workers.target[name][computed] = torch.randn(workers.target[name][computed].shape)
+    keep = KeepRequest("a", prompt, computed, 0)
+    workers.consumer.wait_for_save(PDConnectorMetadata(keeps=[keep]))
+    wait_for(lambda: workers.consumer_total("consumer_chunks_kept") == 3, what="chunks kept")
+    workers.consumer.wait_for_save(PDConnectorMetadata(keeps=[keep]))  # here already
+    assert workers.consumer_service_count("chunks_kept") == 3
+    assert workers.consumer_stats.totals().get("keeps_failed", 0) == 0
+
+    def local_load(req_id: str, disagg_req_id: str) -> set[int]:
+        load = LoadRequest(req_id, disagg_req_id, prompt, loaded, 0, sync=True, local=True)
+        workers.consumer.start_load_kv(PDConnectorMetadata(loads=[load]))
+        return workers.consumer.load_errors()
+
+    assert local_load("b", "local-1") == set()
+    for name in workers.target:
+        assert torch.equal(workers.target[name][computed], workers.target[name][loaded])
+    service = workers.consumer._service
+    service.buffer[: -PROBE_AREA_BYTES : service.page_bytes] ^= 1
+    assert local_load("c", "local-2") == set(loaded)
+    assert workers.consumer_stats.totals()["sync_load_failures"] == 1
 
 
 @pytest.mark.processes

@@ -29,7 +29,9 @@ spends a pass over the bytes.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -42,7 +44,7 @@ from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig, replace
 from lmcache_pd.connector.chunk_checks import ChunkChecks
 from lmcache_pd.connector.counters import CONSUMER_PREFIX, StatsRecorder
-from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata
+from lmcache_pd.connector.metadata import KeepRequest, LoadRequest, PDConnectorMetadata
 from lmcache_pd.connector.worker import (
     UNKNOWN,
     CacheFacts,
@@ -54,7 +56,7 @@ from lmcache_pd.errors import IntegrityError, PeerTimeout, TransferError
 from lmcache_pd.kernels.chunk_bytes import ChunkBytes
 from lmcache_pd.kernels.paged_kv import COPIED, Copy, PagedKV, head_slice
 from lmcache_pd.keys import ChunkKey, ChunkKeyer
-from lmcache_pd.protocol import DEVICE_COPY_TIMEOUT_S
+from lmcache_pd.protocol import DEVICE_COPY_TIMEOUT_S, ChunkSpec
 from lmcache_pd.tp_parts import TPLayout, part_keyer, rank_heads, route
 from lmcache_pd.trace import TraceFile
 from lmcache_pd.transfer.consumer_service import (
@@ -171,6 +173,10 @@ class ConsumerWorker(WorkerHalf):
         self._consumer_counts: dict[str, int] = {}
         self._service_down = False
         self._load_errors: set[int] = set()
+        # Chunks decode computes are kept from a CPU cache of this rank's own keys only (a GPU
+        # cache's copy out is asynchronous; parts of another TP size are not whole chunks).
+        self._keeps = len(self._sources) == 1 and self._cache.device.type == "cpu"
+        self._keep_ids = (f"kept-{secrets.token_hex(4)}-{n}" for n in itertools.count())
 
     def start_load_kv(self, meta: PDConnectorMetadata) -> None:
         deadline = time.monotonic() + self._config.load_timeout_s
@@ -240,6 +246,53 @@ class ConsumerWorker(WorkerHalf):
             block_size = self._cache.block_size
             first, end = load.start // block_size, -(-len(load.prompt) // block_size)
             self._load_errors.update(load.block_ids[first:end])
+
+    def wait_for_save(self, meta: PDConnectorMetadata) -> None:
+        """Copy the chunks decode computed for requests it served alone into the consumer's
+        cache (``computed_prompts.py``), after the forward pass that computed them. Never
+        raises: it runs on vLLM's model thread, and a chunk not kept is only computed again."""
+        if not self._keeps:
+            return
+        for keep in meta.keeps:
+            try:
+                self._keep(keep)
+            except (PeerTimeout, ConsumerServiceDown) as exc:
+                self._stats.add("keeps_failed")
+                logger.info("req %s: computed chunks not kept: %s", keep.req_id, exc)
+            except Exception:
+                self._stats.add("thread_errors")
+                logger.exception("req %s: keeping computed chunks failed", keep.req_id)
+
+    def _keep(self, keep: KeepRequest) -> None:
+        """Pages for the chunks not in the consumer's buffer yet, each filled from the request's
+        blocks and hashed in the same pass, then landed there as pushed chunks are."""
+        keyer, cache = self._sources[0]
+        chunks = [
+            chunk
+            for chunk in keyer.chunk_keys(keep.prompt, salt=keep.cache_salt)
+            if chunk.start >= keep.start
+        ]
+        specs = [ChunkSpec(c.key, cache.chunk_nbytes(c.end - c.start)) for c in chunks]
+        name = next(self._keep_ids)
+        reply = self._service.keep_room(name, specs, SYNC_LOAD_WAIT_S)
+        if reply.refused is not None:
+            self._stats.add("keeps_failed")
+            logger.info("req %s: computed chunks not kept: %s", keep.req_id, reply.refused)
+            return
+        page_bytes = self._service.page_bytes
+        digests: list[int | None] = []
+        try:
+            for chunk, spec, page in zip(chunks, specs, reply.pages, strict=True):
+                if page is None:  # here already
+                    continue
+                out = self._service.buffer[page * page_bytes : page * page_bytes + spec.nbytes]
+                copy = cache.gather(keep.block_ids, chunk.start, chunk.end, out, hashed=True)
+                digests.append(copy.digest)
+        except BaseException:
+            self._release(name)
+            raise
+        checksums = None if None in digests else [d for d in digests if d is not None]
+        self._send(self._service.kept, name, reply.alloc_id, checksums)
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

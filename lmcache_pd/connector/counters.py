@@ -43,6 +43,8 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "loads_aborted": "Loads dropped because vLLM aborted the request.",
         "loads_local": "Requests decode served alone that loaded chunks landed for earlier "
         "requests (its consumer's cache) past its own prefix cache's hit, instead of computing.",
+        "keeps_failed": "Requests decode served alone whose computed chunks were not kept in "
+        "its consumer's cache (no room, or its process did not answer in time).",
         "loads_unneeded": "Requests decode computes itself (its own prefix cache covered the "
         "prompt, or lost what prefill skipped): pushed chunks released.",
         "load_timeouts": "Loads not complete by their deadline (also in loads_failed).",

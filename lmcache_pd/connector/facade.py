@@ -35,6 +35,7 @@ from lmcache_pd.auth import load_keys
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import CONFIG_PATH_ENV, PDConfig, load_config
 from lmcache_pd.connector import kv_event_publisher
+from lmcache_pd.connector.computed_prompts import ComputedPrompts
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
 from lmcache_pd.connector.counters import StatsRecorder
 from lmcache_pd.connector.landed_chunks import LandedChunks
@@ -276,6 +277,10 @@ class LMCachePDConnector(KVConnectorBase_V1):
                     # asked for no transfer (vLLM's default policy fails it).
                     landed_chunks=landed if recomputes else None,
                     landed=self._landed_events(landed) if publishes else None,
+                    # Kept where later requests load them: the second tier, cached chunks.
+                    computed=ComputedPrompts(self._config.chunk_size)
+                    if landed is not None and recomputes and self._config.cache_share > 0
+                    else None,
                 )
             )
         else:

@@ -54,15 +54,30 @@ class LoadRequest:
     local: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class KeepRequest:
+    """Consumer: decode computed the KV of ``prompt`` (whole chunks, from ``start``, a chunk
+    boundary) into ``block_ids`` for a request it serves alone; copy those chunks into its
+    consumer's cache, beside the chunks pushed to it, so that a later request continuing the
+    prompt loads them once vLLM has evicted the blocks (``landed_chunks.py``)."""
+
+    req_id: str
+    prompt: list[int]
+    block_ids: list[int]
+    start: int
+    cache_salt: str | None = None
+
+
 @dataclass
 class PDConnectorMetadata:
-    """One step's saves (producer) or loads (consumer), the requests that finished, the
-    producer's requests that finished before their prompt was computed (aborted), and the
+    """One step's saves (producer) or loads and keeps (consumer), the requests that finished,
+    the producer's requests that finished before their prompt was computed (aborted), and the
     consumer's disaggregated requests that load nothing (``unneeded``, by ``disagg_req_id``:
     decode's own prefix cache had all of the prompt it would load)."""
 
     saves: list[SaveRequest] = field(default_factory=list)
     loads: list[LoadRequest] = field(default_factory=list)
+    keeps: list[KeepRequest] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)
     aborted: set[str] = field(default_factory=set)
     unneeded: set[str] = field(default_factory=set)

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from lmcache_pd.connector.computed_prompts import ComputedPrompts
     from lmcache_pd.connector.landed_chunks import LandedChunks
     from lmcache_pd.connector.landed_events import LandedEvents
 
@@ -262,6 +263,7 @@ class ConsumerScheduler(SchedulerHalf):
         parts_per_chunk: int = 1,
         landed_chunks: LandedChunks | None = None,
         landed: LandedEvents | None = None,
+        computed: ComputedPrompts | None = None,
     ) -> None:
         """``count`` takes the name of a counter to bump (``StatsRecorder.add``); ``boards``:
         each consumer rank's ``landed_board``, on every one of which a request's chunks must
@@ -270,7 +272,8 @@ class ConsumerScheduler(SchedulerHalf):
         parts from a prefill at a larger TP size, ``tp_parts.py``); ``landed_chunks``: what the
         consumer ranks hold landed, which requests served alone load past decode's own prefix
         cache hit (None: they do not); ``landed``: publishes those chunks as KV events (None:
-        they are not published)."""
+        they are not published); ``computed``: the prompts of requests served alone, whose
+        chunks the worker keeps in the consumer's cache once computed (None: it does not)."""
         self._count = count
         self._door = ParamsDoor(count)
         self._chunk_size = chunk_size
@@ -288,6 +291,7 @@ class ConsumerScheduler(SchedulerHalf):
         self._loaded: set[str] = set()
         self._landed_chunks = landed_chunks
         self._landed = landed
+        self._computed = computed
         # Per request served alone with chunks landed here past its prefix-cache hit, where
         # their run ends (the answer of get_num_new_matched_tokens, used once its blocks are).
         self._local: dict[str, int] = {}
@@ -371,6 +375,10 @@ class ConsumerScheduler(SchedulerHalf):
         spec = self._door.of(request).disagg_spec
         if spec is None:
             self._load_local(request, blocks, num_external_tokens)
+            if self._computed is not None:
+                self._computed.track(
+                    request.request_id, list(request.prompt_token_ids or []), request.cache_salt
+                )
             return
         if request.request_id in self._loaded:
             return
@@ -425,6 +433,11 @@ class ConsumerScheduler(SchedulerHalf):
             loads=self._loads, finished=set(output.finished_req_ids), unneeded=self._unneeded
         )
         self._loads, self._unneeded = [], set()
+        if self._computed is not None:
+            meta.keeps = self._computed.keeps(output)
+            if self._landed is not None:
+                for keep in meta.keeps:  # published once they land, under the proxy's keys
+                    self._landed.learn(keep.prompt, keep.cache_salt)
         return meta
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
@@ -432,4 +445,6 @@ class ConsumerScheduler(SchedulerHalf):
         self._loaded.discard(request.request_id)
         self._sync.pop(request.request_id, None)
         self._local.pop(request.request_id, None)
+        if self._computed is not None:
+            self._computed.forget(request.request_id)
         return None

@@ -42,7 +42,7 @@ from lmcache_pd.transfer import landed_board, landed_keys
 from lmcache_pd.transfer.alloc_port import AllocPort
 from lmcache_pd.transfer.allocator import PageAllocator
 from lmcache_pd.transfer.channel import Channel, NixlChannel
-from lmcache_pd.transfer.chunk_store import ChunkStore
+from lmcache_pd.transfer.chunk_store import Allocation, ChunkStore
 from lmcache_pd.transfer.consumer_stats import ConsumerStats
 from lmcache_pd.transfer.init_port import InitPort
 from lmcache_pd.transfer.receive_buffer import LandedChunk, landed_bytes, receive_buffer_bytes
@@ -243,6 +243,32 @@ class Consumer:
             logger.info("req %s: landed chunks not held for a local load: %s", req_id, exc)
             return str(exc)
         return None if held else "not landed"
+
+    def keep_room(self, req_id: str, chunks: Sequence[protocol.ChunkSpec]) -> Allocation:
+        """Decode computed ``chunks`` itself and keeps them here, as if pushed: pages for
+        those not here already, held for ``req_id`` (a name of its own) until ``kept``.
+        Raises ``AllocationError`` (no room now) or ``RequestDropped`` (a reused name)."""
+        with self._lock:
+            return self._store.allocate(
+                protocol.AllocRequest(protocol.PROTOCOL_VERSION, req_id, list(chunks)),
+                time.monotonic(),
+            )
+
+    def kept(self, req_id: str, alloc_id: int, checksums: list[int] | None) -> None:
+        """The chunks ``keep_room`` gave pages to are written: they land, and stay as cached
+        chunks no request holds (none if the allocation lapsed meanwhile)."""
+        lapsed = None
+        with self._lock:
+            try:
+                landed, _ = self._store.confirm(
+                    protocol.WriteDone(protocol.PROTOCOL_VERSION, req_id, alloc_id, checksums)
+                )
+            except ProtocolError as exc:
+                landed, lapsed = 0, exc
+            self._store.release(req_id, time.monotonic())
+            self.stats.chunks_kept += landed
+        if lapsed is not None:
+            logger.warning("%s: computed chunks not kept: %s", req_id, lapsed)
 
     def dropped_reason(self, req_id: str) -> str | None:
         """Why ``req_id`` was let go (abandoned by its producer, lapsed...), else None."""

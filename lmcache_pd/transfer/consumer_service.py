@@ -46,10 +46,10 @@ import torch
 from lmcache_pd.affinity import unpin_this_thread
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig
-from lmcache_pd.errors import PDError, PeerTimeout
+from lmcache_pd.errors import AllocationError, PDError, PeerTimeout, RequestDropped
 from lmcache_pd.kernels.gpu_memory import ensure_room
 from lmcache_pd.keys import ChunkKeyer
-from lmcache_pd.protocol import PROCESS_EXIT_TIMEOUT_S
+from lmcache_pd.protocol import PROCESS_EXIT_TIMEOUT_S, ChunkSpec
 from lmcache_pd.transfer import cuda_ipc
 from lmcache_pd.transfer.consumer import Consumer
 from lmcache_pd.transfer.cuda_ipc import CudaBufferHandle
@@ -120,11 +120,26 @@ class LoadNow(msgspec.Struct, frozen=True, tag=True, array_like=True):
     adopt: bool = False
 
 
+class Keep(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Pages for chunks decode computed itself (``Consumer.keep_room``), held for ``req_id``."""
+
+    req_id: str
+    chunks: list[ChunkSpec]
+
+
+class Kept(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The chunks of ``Keep`` ``req_id`` are written in their pages (``Consumer.kept``)."""
+
+    req_id: str
+    alloc_id: int
+    checksums: list[int] | None
+
+
 class Stop(msgspec.Struct, frozen=True, tag=True, array_like=True):
     pass
 
 
-Command = Claim | Release | Progress | LoadNow | Stop
+Command = Claim | Release | Progress | LoadNow | Keep | Kept | Stop
 
 
 class LoadState(msgspec.Struct, frozen=True, array_like=True):
@@ -145,7 +160,16 @@ class LoadNowReply(msgspec.Struct, frozen=True, tag=True, array_like=True):
     state: LoadState
 
 
-Answer = ProgressReply | LoadNowReply
+class KeepReply(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Where to write each chunk of a ``Keep`` (None: here already), or why there is no room."""
+
+    req_id: str
+    alloc_id: int
+    pages: list[int | None]
+    refused: str | None = None
+
+
+Answer = ProgressReply | LoadNowReply | KeepReply
 
 
 class ConsumerServiceDown(PDError):
@@ -263,12 +287,28 @@ class ConsumerService:
                 return answer.state
             self._take(answer)
 
+    def keep_room(self, req_id: str, chunks: list[ChunkSpec], timeout_s: float) -> KeepReply:
+        """Pages for chunks decode computed itself, within ``timeout_s`` (``Keep``). Raises
+        ``PeerTimeout`` past it (a late answer is dropped, its pages lapse unwritten) or
+        ``ConsumerServiceDown``."""
+        self._send(Keep(req_id, chunks))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            answer = self._receive(max(0.0, deadline - time.monotonic()), Answer, "keep")
+            if isinstance(answer, KeepReply) and answer.req_id == req_id:
+                return answer
+            self._take(answer)
+
+    def kept(self, req_id: str, alloc_id: int, checksums: list[int] | None) -> None:
+        """The chunks of ``keep_room`` are written (``Kept``)."""
+        self._send(Kept(req_id, alloc_id, checksums))
+
     def _answer_ready(self, wait_s: float) -> bool:
         return self._down is not None or self._connection.poll(wait_s)
 
     def _take(self, answer: Answer) -> None:
-        """Keep a progress answer for ``progress``; a LoadNow answer that comes after its wait
-        ended is dropped (that load failed by then)."""
+        """Keep a progress answer for ``progress``; a LoadNow or Keep answer that comes after
+        its wait ended is dropped (that load failed, or those chunks were not kept, by then)."""
         if isinstance(answer, ProgressReply):
             self._answered, self._awaiting = answer, False
             self.stats = answer.stats
@@ -392,11 +432,16 @@ def _answer(consumer: Consumer, connection: Connection, command: Command) -> Non
     """Carry out one command; a question is answered even if carrying it out failed (with no
     loads, or the load let go), since the worker waits for the answer."""
     loads: list[LoadState] = []
+    if isinstance(command, Keep):
+        connection.send_bytes(msgspec.msgpack.encode(_keep_room(consumer, command)))
+        return
     try:
         if isinstance(command, Claim):
             consumer.claim(command.req_id, frozenset(command.not_needed))
         elif isinstance(command, Release):
             consumer.release(command.req_id)
+        elif isinstance(command, Kept):
+            consumer.kept(command.req_id, command.alloc_id, command.checksums)
         elif isinstance(command, LoadNow):
             if command.adopt:
                 dropped = consumer.adopt(command.req_id, command.keys)
@@ -420,6 +465,19 @@ def _answer(consumer: Consumer, connection: Connection, command: Command) -> Non
     elif isinstance(command, LoadNow):
         state = loads[0] if loads else LoadState(command.req_id, 0, "internal error", [])
         connection.send_bytes(msgspec.msgpack.encode(LoadNowReply(state)))
+
+
+def _keep_room(consumer: Consumer, command: Keep) -> KeepReply:
+    """The answer to a ``Keep``: pages, or why none (no room now: decode keeps nothing)."""
+    try:
+        allocation = consumer.keep_room(command.req_id, command.chunks)
+    except (AllocationError, RequestDropped) as exc:
+        return KeepReply(command.req_id, 0, [], str(exc))
+    except Exception:  # the service must outlive any one bad command
+        consumer.count_internal_error()
+        logger.exception("consumer service: Keep failed, serving on")
+        return KeepReply(command.req_id, 0, [], "internal error")
+    return KeepReply(command.req_id, allocation.alloc_id, allocation.pages)
 
 
 if __name__ == "__main__":

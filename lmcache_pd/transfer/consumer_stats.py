@@ -58,6 +58,9 @@ class ConsumerStats:
     integrity_failures: int = 0
     handshakes_refused: int = _exported("Producer handshakes refused for incompatible KV.")
     self_tests_landed: int = 0
+    chunks_kept: int = _exported(
+        "Chunks decode computed itself (a request it served alone) kept in this cache."
+    )
 
 
 @dataclass(slots=True)
