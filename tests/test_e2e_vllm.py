@@ -32,6 +32,7 @@ from lmcache_pd.errors import PeerTimeout
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
 from lmcache_pd.protocol import DisaggSpec
 from lmcache_pd.transfer import landed_board
+from lmcache_pd.transfer.landed_keys import POST_INTERVAL_S
 from lmcache_pd.transfer.producer import Producer
 from tests.helpers import free_port, make_keyer, wait_for
 from tests.vllm_support import (
@@ -348,7 +349,9 @@ def test_a_request_decode_serves_alone_loads_the_chunks_landed_for_an_earlier_on
     then sent straight to decode after vLLM's own prefix cache there was emptied, loads its two
     whole chunks from the consumer's buffer (a synchronous load, vLLM counting them transferred)
     and computes the rest; its answer equals the plain vLLM's. The control: the same prompt
-    under a cache salt no push was made for loads nothing and computes it all."""
+    under a cache salt no push was made for loads nothing and computes it all. What decode
+    computed there it kept (``computed_prompts.py``): that salted request again, its prefix
+    cache emptied, loads the two chunks and answers as plain vLLM."""
     tokens = PROMPTS["local"]
     assert_close_answer(pair.disaggregated("local", tokens), reference["local"])
 
@@ -365,9 +368,19 @@ def test_a_request_decode_serves_alone_loads_the_chunks_landed_for_an_earlier_on
     assert sources["local_compute"] == len(tokens) - 2 * CHUNK_TOKENS
     assert sources["local_cache_hit"] == 0  # decode's own cache had nothing
     assert stats["loads_local"] == 1 and stats["sync_load_failures"] == 0
+    kept = pair.stats_after_a_step()["consumer_chunks_kept"]
     _, sources, stats = alone(salt="another-tenant")
     assert sources["external_kv_transfer"] == 0 and stats["loads_local"] == 0
     assert sources["local_compute"] == len(tokens)
+    wait_for(
+        lambda: pair.stats_after_a_step()["consumer_chunks_kept"] == kept + 2,
+        what="the chunks decode computed kept",
+    )
+    time.sleep(2 * POST_INTERVAL_S)  # the keys board the scheduler reads is posted that often
+    got, sources, stats = alone(salt="another-tenant")
+    assert_close_answer(got, reference["local"], "local, alone, kept")
+    assert sources["external_kv_transfer"] == 2 * CHUNK_TOKENS
+    assert stats["loads_local"] == 1 and stats["sync_load_failures"] == 0
 
 
 def test_a_chat_that_resends_the_conversation_loads_only_each_turns_news(
