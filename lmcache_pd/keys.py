@@ -133,3 +133,23 @@ class ChunkKeyer:
                 f"({self.chunk_size})"
             )
         return skip
+
+
+def from_held(keys: Sequence[ChunkKey], held: int) -> list[ChunkKey]:
+    """``keys`` with the chunk ``held`` falls inside (not on its start) cut to its tail: tokens
+    ``held .. end``, under a key of its own, the chunk's key personalised with ``held``. Decode
+    holds the chunk's head in its own prefix cache already, so prefill pushes, and decode loads,
+    the tail alone; both sides cut the same chunk from the DisaggSpec's ``decode_holds``. A
+    tail's key never names the whole chunk, nor another offset's tail."""
+    cut: list[ChunkKey] = []
+    for chunk in keys:
+        if chunk.start < held < chunk.end:
+            key = hashlib.blake2b(
+                held.to_bytes(8, "little"),
+                digest_size=KEY_BYTES,
+                key=chunk.key,
+                person=b"chunk tail",
+            ).digest()
+            chunk = ChunkKey(held, chunk.end, key)
+        cut.append(chunk)
+    return cut

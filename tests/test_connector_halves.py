@@ -1076,6 +1076,60 @@ def test_decode_holding_fewer_tokens_than_prefill_skipped_computes_the_prompt(
     board.close()
 
 
+@pytest.mark.parametrize("held", [3 * BLOCK, 3 * BLOCK + 4], ids=["on_a_block", "inside_one"])
+@pytest.mark.processes
+def test_of_the_chunk_decode_holds_the_head_of_prefill_pushes_the_tail(
+    workers: Workers, held: int
+) -> None:
+    """Decode holds 96 tokens (3 blocks of 32): of the chunk 64-128 it holds the first half,
+    so prefill pushes its second half alone (under a key of its own), then the last chunk; decode
+    loads them into its blocks past what it holds, byte for byte, and no block it holds is
+    written. The control: a hold that ends inside a block (100) cannot be cut there, and the
+    whole chunk goes, as before: a block more pushed, the same blocks loaded."""
+    prompt = list(range(9000, 9150))
+    src_blocks, dst_blocks = [7, 3, 12, 20, 5], [1, 30, 2, 9, 11]
+    spec = msgspec.structs.replace(workers.spec, decode_holds=held)
+    workers.producer.wait_for_save(save("p", spec, prompt, src_blocks, 150))
+    start = 3 * BLOCK  # decode's own hit, on a block
+    load = LoadRequest("c", "d-1", prompt, dst_blocks, start, held=held)
+    workers.consumer.start_load_kv(PDConnectorMetadata(loads=[load]))
+    assert finish(workers.consumer) == ({"c"}, set())
+    for name in workers.source:
+        assert torch.equal(
+            workers.source[name][src_blocks[3:]], workers.target[name][dst_blocks[3:]]
+        )
+        assert not workers.target[name][dst_blocks[:3]].any()  # held by decode: not written
+    block_bytes = workers.source["layer.0"][0].nbytes * len(workers.source)
+    pushed = 2 if held == 3 * BLOCK else 3  # blocks: the tail and the last; or the whole chunk
+    assert workers.producer_stats.totals()["bytes_pushed"] == pushed * block_bytes
+
+
+def test_a_decode_that_lost_the_head_of_a_chunk_whose_tail_was_pushed_computes_the_prompt(
+    tmp_path: Path,
+) -> None:
+    """The proxy saw decode hold 96 tokens (3 blocks of 32, inside the second chunk of 64):
+    prefill pushes that chunk's tail. A decode still holding 96 loads past them; one holding
+    64 now lacks the chunk's head, which never comes: it computes the prompt, counted. Without
+    a block size (a hold counted in whole chunks), 64 would do."""
+    spec = DisaggSpec.from_dict({**SPEC, "decode_holds": 3 * BLOCK})
+    params = {"disagg_spec": msgspec.to_builtins(spec)}
+    counted: list[str] = []
+    scheduler = ConsumerScheduler(counted.append, chunk_size=CHUNK, block_size=BLOCK)
+    assert scheduler.get_num_new_matched_tokens(request("c", list(range(201)), params), 96) == (
+        104,
+        True,
+    )
+    assert counted == []
+    lost = request("lost", list(range(201)), params)
+    assert scheduler.get_num_new_matched_tokens(lost, 64) == (0, False)
+    assert counted == ["held_prefix_lost"]
+    whole = ConsumerScheduler(chunk_size=CHUNK)
+    assert whole.get_num_new_matched_tokens(request("w", list(range(201)), params), 64) == (
+        136,
+        True,
+    )
+
+
 @pytest.mark.processes
 def test_prefill_pushes_no_chunk_inside_what_decode_holds(workers: Workers) -> None:
     """A spec saying decode holds 150 tokens: of 3 chunks (64, 64, 22) only the last is

@@ -98,6 +98,9 @@ PROMPTS["salted"] = prompt(640, 3801)
 
 # Pushed once, then served by decode alone: two whole chunks and a partial one.
 PROMPTS["local"] = prompt(700, 3902)
+# A follow-up whose first 384 tokens (3 blocks, half of its second chunk) decode holds.
+PROMPTS["tail-1"] = prompt(400, 3903)
+PROMPTS["tail-2"] = PROMPTS["tail-1"] + prompt(300, 3904)
 
 
 @pytest.fixture(scope="module")
@@ -201,12 +204,14 @@ class PDPair:
         tokens: list[int],
         landed_first: bool = False,
         cache_salt: str | None = None,
+        decode_holds: int = 0,
     ) -> tuple[list[str], list[float]]:
         """Prefill on the producer (one token), then decode on the consumer, as the proxy will
         (with ``landed_first``, once the consumer posted all of the KV landed: the push may end a
         moment after prefill's answer, which it never holds back; with ``cache_salt``, in both
-        requests, as the proxy forwards a client's)."""
-        spec = self.spec(f"{name}-{time.monotonic_ns()}")
+        requests, as the proxy forwards a client's; with ``decode_holds``, the spec says so, as
+        the proxy's KV index would)."""
+        spec = self.spec(f"{name}-{time.monotonic_ns()}") | {"decode_holds": decode_holds}
         salted = {} if cache_salt is None else {"cache_salt": cache_salt}
         first = self.producer.complete(
             body(self.model, tokens, 1, {"ret_first_tok": True, "disagg_spec": spec}) | salted
@@ -381,6 +386,35 @@ def test_a_request_decode_serves_alone_loads_the_chunks_landed_for_an_earlier_on
     assert_close_answer(got, reference["local"], "local, alone, kept")
     assert sources["external_kv_transfer"] == 2 * CHUNK_TOKENS
     assert stats["loads_local"] == 1 and stats["sync_load_failures"] == 0
+
+
+def test_a_follow_up_gets_only_the_tail_of_the_chunk_decode_holds_the_head_of(
+    pair: PDPair, reference: dict
+) -> None:
+    """A follow-up whose first 384 tokens decode's prefix cache holds (3 blocks: the second
+    chunk's first half), the spec saying so: prefill pushes that chunk's tail and the last
+    chunk, 3 blocks where the whole chunk made 4, and decode loads them past its own hit and
+    answers as plain vLLM. The first turn, pushed whole (4 blocks), gives a block's bytes."""
+    first, tokens = PROMPTS["tail-1"], PROMPTS["tail-2"]
+
+    def pushed() -> float:
+        return pair.stats_after_a_step("producer")["bytes_pushed"]
+
+    start = pushed()
+    assert_close_answer(pair.disaggregated("tail-1", first), reference["tail-1"])
+    wait_for(lambda: pushed() > start, what="the first turn's push counted")
+    block_bytes = (pushed() - start) / 4  # 400 tokens: blocks of 128 in chunks of 256
+    held = len(first) // BLOCK_TOKENS * BLOCK_TOKENS
+    assert held % CHUNK_TOKENS == BLOCK_TOKENS
+    before, start = pair.tokens_by_source(), pushed()
+    got = pair.disaggregated("tail-2", tokens, decode_holds=held)
+    assert_close_answer(got, reference["tail-2"], "tail-2")
+    sources = moved(before, pair.tokens_by_source())
+    assert sources["local_cache_hit"] == held
+    assert sources["external_kv_transfer"] == len(tokens) - held
+    assert sources["local_compute"] == 1
+    wait_for(lambda: pushed() > start, what="the follow-up's push counted")
+    assert pushed() - start == 3 * block_bytes
 
 
 def test_a_chat_that_resends_the_conversation_loads_only_each_turns_news(

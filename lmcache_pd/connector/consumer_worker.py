@@ -49,6 +49,7 @@ from lmcache_pd.connector.worker import (
     UNKNOWN,
     CacheFacts,
     WorkerHalf,
+    held_tail,
     paged_kv,
     rank_profile,
 )
@@ -184,12 +185,18 @@ class ConsumerWorker(WorkerHalf):
         for load in meta.loads:
             # Chunks wholly inside decode's own prefix-cache hit are neither awaited, read, nor
             # (if still to come) written. The salt keeps another tenant's chunks out of reach.
+            # The chunk decode's spec says it holds the head of comes as its tail alone.
             every = [
                 (key, cache)
                 for chunk in zip(
                     *(
-                        keyer.chunk_keys(load.prompt, salt=load.cache_salt)
-                        for keyer, _ in self._sources
+                        held_tail(
+                            keyer.chunk_keys(load.prompt, salt=load.cache_salt),
+                            load.held,
+                            cache,
+                            keyer.chunk_size,
+                        )
+                        for keyer, cache in self._sources
                     ),
                     strict=True,
                 )

@@ -281,6 +281,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
                     computed=ComputedPrompts(self._config.chunk_size)
                     if landed is not None and recomputes and self._config.cache_share > 0
                     else None,
+                    block_size=vllm_config.cache_config.block_size,
                 )
             )
         else:

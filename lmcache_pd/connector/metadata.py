@@ -42,7 +42,9 @@ class LoadRequest:
     instead of in a step of its own. ``cache_salt``: the request's, part of its chunk keys, so
     that it never loads a chunk pushed for a request of another salt. ``local``: decode serves
     the request alone and loads ``prompt`` (its tokens up to the end of the chunks it found
-    landed) from chunks pushed for earlier requests, held under ``disagg_req_id`` for the load."""
+    landed) from chunks pushed for earlier requests, held under ``disagg_req_id`` for the load.
+    ``held``: the leading tokens the DisaggSpec told prefill decode holds (its ``decode_holds``):
+    the chunk that ends inside them may come as its tail alone (``worker.held_tail``)."""
 
     req_id: str
     disagg_req_id: str
@@ -52,6 +54,7 @@ class LoadRequest:
     sync: bool = False
     cache_salt: str | None = None
     local: bool = False
+    held: int = 0
 
 
 @dataclass(frozen=True, slots=True)

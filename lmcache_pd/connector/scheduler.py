@@ -264,6 +264,7 @@ class ConsumerScheduler(SchedulerHalf):
         landed_chunks: LandedChunks | None = None,
         landed: LandedEvents | None = None,
         computed: ComputedPrompts | None = None,
+        block_size: int | None = None,
     ) -> None:
         """``count`` takes the name of a counter to bump (``StatsRecorder.add``); ``boards``:
         each consumer rank's ``landed_board``, on every one of which a request's chunks must
@@ -273,7 +274,9 @@ class ConsumerScheduler(SchedulerHalf):
         consumer ranks hold landed, which requests served alone load past decode's own prefix
         cache hit (None: they do not); ``landed``: publishes those chunks as KV events (None:
         they are not published); ``computed``: the prompts of requests served alone, whose
-        chunks the worker keeps in the consumer's cache once computed (None: it does not)."""
+        chunks the worker keeps in the consumer's cache once computed (None: it does not);
+        ``block_size``: vLLM's, where a hold that ends inside a chunk may end on a block (None:
+        a hold counts in whole chunks)."""
         self._count = count
         self._door = ParamsDoor(count)
         self._chunk_size = chunk_size
@@ -292,6 +295,7 @@ class ConsumerScheduler(SchedulerHalf):
         self._landed_chunks = landed_chunks
         self._landed = landed
         self._computed = computed
+        self._block_size = block_size
         # Per request served alone with chunks landed here past its prefix-cache hit, where
         # their run ends (the answer of get_num_new_matched_tokens, used once its blocks are).
         self._local: dict[str, int] = {}
@@ -327,10 +331,11 @@ class ConsumerScheduler(SchedulerHalf):
         external = len(request.prompt_token_ids or []) - 1 - num_computed
         if external <= 0:
             return 0, False
-        skipped = spec.skipped_tokens(self._chunk_size)
+        skipped = self._skipped(spec)
         if num_computed < skipped:
-            # Prefill did not push the chunks the proxy saw this cache hold; some are gone
-            # since (evicted): they will never come, so the prompt is computed here.
+            # Prefill did not push what the proxy saw this cache hold (its whole chunks, and
+            # the head of a chunk whose tail alone it pushed); some is gone since (evicted): it
+            # will never come, so the prompt is computed here.
             self._count("held_prefix_lost")
             logger.warning(
                 "req %s (%s): prefill skipped %d tokens this cache held, %d still held; "
@@ -344,6 +349,15 @@ class ConsumerScheduler(SchedulerHalf):
         sync = self._all_landed(spec, len(request.prompt_token_ids or []) - 1)
         self._sync[request.request_id] = sync
         return external, not sync
+
+    def _skipped(self, spec: DisaggSpec) -> int:
+        """The leading tokens prefill does not push: the whole chunks decode holds, and where
+        its hold ends on a block inside a chunk, that chunk's head (its tail alone comes,
+        ``worker.held_tail``; a GPU cache, which takes the whole chunk, is held to it too)."""
+        held = spec.decode_holds
+        if self._block_size is not None and held % self._block_size == 0:
+            return held
+        return spec.skipped_tokens(self._chunk_size)
 
     def _local_hit(self, request: Request, num_computed: int) -> int:
         """Tokens past ``num_computed`` that a request served alone loads from chunks landed on
@@ -403,6 +417,7 @@ class ConsumerScheduler(SchedulerHalf):
                 start,
                 sync=sync,
                 cache_salt=request.cache_salt,
+                held=spec.decode_holds,
             )
         )
 

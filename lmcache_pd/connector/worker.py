@@ -33,7 +33,7 @@ from lmcache_pd.connector.metadata import (
 )
 from lmcache_pd.errors import AllocationError, ProtocolError
 from lmcache_pd.kernels.paged_kv import COPIED, Copy, PagedKV, head_slice, recognise
-from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.keys import ChunkKey, ChunkKeyer, from_held
 from lmcache_pd.peers import parse_peer
 from lmcache_pd.protocol import AbandonReason
 from lmcache_pd.tp_parts import TPLayout, part_keyer, rank_heads, route
@@ -95,6 +95,19 @@ def staging_for(config: PDConfig, cache: PagedKV) -> Staging:
     staging = Staging(num_pages=config.num_pages, page_bytes=config.page_bytes, device=device)
     cache.adopt(staging.buffer, loads=False)
     return staging
+
+
+def held_tail(
+    keys: list[ChunkKey], decode_holds: int, cache: PagedKV, chunk_size: int
+) -> list[ChunkKey]:
+    """A request's chunk keys as both sides of its push name them when decode's prefix cache
+    holds its first ``decode_holds`` tokens (the DisaggSpec's): the chunk that hold ends inside
+    is cut to its tail (``keys.from_held``), which alone is pushed and loaded, where the cache
+    moves whole blocks and the hold ends on one (vLLM's CPU blocks; both sides' formats are
+    the same, checked at handshake). Else the keys as they are, and that chunk goes whole."""
+    if not cache.whole_blocks or decode_holds % chunk_size == 0 or decode_holds % cache.block_size:
+        return keys
+    return from_held(keys, decode_holds)
 
 
 class WorkerHalf:
@@ -266,9 +279,13 @@ class ProducerWorker(WorkerHalf):
 
     def _skipping(self, targets: list[tuple[Saving, PagedKV]]) -> list[tuple[Saving, PagedKV]]:
         """``targets`` with the chunks decode's prefix cache holds (its spec says how many
-        tokens) counted as pushed: they are never sent."""
-        for request, _ in targets:
+        tokens) counted as pushed: they are never sent; and of the chunk it holds the head of,
+        the tail alone is sent (``held_tail``)."""
+        for request, cache in targets:
             request.pushed_upto = request.spec.skipped_tokens(self._keyer.chunk_size)
+            request.keys = held_tail(
+                request.keys, request.spec.decode_holds, cache, self._keyer.chunk_size
+            )
         return targets
 
     def _push_ready(self, request: Saving, cache: PagedKV, computed_end: int) -> None:
