@@ -1008,6 +1008,7 @@ def test_chunks_decode_computed_are_kept_and_loaded_by_a_later_request(workers: 
     wait_for(lambda: workers.consumer_total("consumer_chunks_kept") == 3, what="chunks kept")
     workers.consumer.wait_for_save(PDConnectorMetadata(keeps=[keep]))  # here already
     assert workers.consumer_service_count("chunks_kept") == 3
+    wait_for(lambda: workers.consumer_used_pages() == 0, what="the second keep's hold let go")
     assert workers.consumer_stats.totals().get("keeps_failed", 0) == 0
 
     def local_load(req_id: str, disagg_req_id: str) -> set[int]:

@@ -298,6 +298,9 @@ class ConsumerWorker(WorkerHalf):
         except BaseException:
             self._release(name)
             raise
+        if not digests:  # every chunk was here already: let go of the hold it took
+            self._release(name)
+            return
         checksums = None if None in digests else [d for d in digests if d is not None]
         self._send(self._service.kept, name, reply.alloc_id, checksums)
 
