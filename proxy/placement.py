@@ -113,11 +113,14 @@ class Placer:
 
         def cost(member: Upstream) -> int:
             # Alone it computes what it lacks; through prefill it receives that, far cheaper
-            # than computing it, while prefill computes what prefill lacks.
+            # than computing it, while prefill computes what prefill lacks. Each instance is
+            # weighed as it would be served: alone only where ``_alone`` would send it alone
+            # (a holder of a shared prefix weighed as if alone would win every long new
+            # conversation that then goes through prefill anyway).
             alone = receive(member)
-            if prefill_least is None:
+            if prefill_least is None or self._alone(alone, prefill_least):
                 return alone
-            return min(alone, prefill_least + alone // RECEIVE_DISCOUNT)
+            return prefill_least + alone // RECEIVE_DISCOUNT
 
         decoder = self._decode.pick(work=cost) if client.needs_decode else None
         # Served alone, decode loads its landed chunks too (its consumer's cache).

@@ -428,7 +428,8 @@ def test_a_shared_prefix_alone_does_not_pile_new_conversations_onto_its_holder()
     controls: a follow-up ``a`` would serve alone (it holds all but 4 of 804 tokens; prefill
     lost all but the shared 200) stays on ``a`` with two more running; and with the old
     weighing (every lacking token as if computed) ``a`` kept every new conversation (fails
-    with ``RECEIVE_DISCOUNT`` 1: tried)."""
+    with ``RECEIVE_DISCOUNT`` 1: tried), and weighed as if alone it kept every long one (fails
+    without ``_alone`` in the cost: tried)."""
     keys = DeploymentKeys.from_secret(generate_secret())
     addresses = [KVEventsAddress("127.0.0.1", free_port(), free_port()) for _ in range(3)]
     a, b = (Upstream(f"http://d{i}", Role.DECODE, kv_events=addresses[i]) for i in (0, 1))
@@ -455,6 +456,10 @@ def test_a_shared_prefix_alone_does_not_pile_new_conversations_onto_its_holder()
         )  # fmt: skip
         new_chat = completion([*shared, *range(5000, 5040)])
         plans = [await placer.plan(new_chat), await placer.plan(new_chat)]  # both idle
+        # A long new conversation: ``a`` alone would compute less than either through prefill,
+        # but it is not sent alone, so its holding spares it only a push, as above.
+        long_chat = completion([*shared, *range(6000, 7200)])
+        plans += [await placer.plan(long_chat), await placer.plan(long_chat)]
         a.outstanding = 1
         plans.append(await placer.plan(new_chat))
         a.outstanding = 2
@@ -464,8 +469,9 @@ def test_a_shared_prefix_alone_does_not_pile_new_conversations_onto_its_holder()
 
     with contextlib.ExitStack() as stack:
         pubs = [stack.enter_context(publisher(address, keys)) for address in addresses]
-        idle, again, busier, follow_up = asyncio.run(run())
+        idle, again, long_idle, long_again, busier, follow_up = asyncio.run(run())
     assert (idle.decoder, again.decoder) == (a, b) and not idle.alone  # equals: round-robin
+    assert (long_idle.decoder, long_again.decoder) == (a, b) and not long_idle.alone
     assert busier.decoder is b and not busier.alone
     assert follow_up.decoder is a and follow_up.alone
 
