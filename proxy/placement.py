@@ -3,20 +3,21 @@ instances are weighed.
 
 With ``routing: kv`` and a KV index that holds anything, the prompt's token ids are looked up in
 every instance's prefix cache (``kv_index.py``). Decode is the instance that would cost least
-against its load (``routing.py``): a decode costs the tokens it lacks, if it computed them alone,
-or, through prefill, what the best prefill lacks plus what decode lacks at ``RECEIVE_DISCOUNT``
-(received, not computed), whichever is less; if what the chosen instance would still compute is
-under ``min_disagg_tokens``, it serves the request alone, however long the prompt (a follow-up turn
-whose history it holds). What decode holds counts its prefix cache and the run of chunks landed in
-its consumer that goes on from there, which it loads for a request it serves alone and which a push
-to it skips; the blocks prefill is told to skip count its prefix cache alone. It serves a request
-alone too when prefill has nothing to spare it: when even the prefill instance that holds most of
-the prompt would compute at least ``RECOMPUTE_FACTOR`` times what decode would, and
-``min_disagg_tokens`` more (decode holds a history prefill lost to eviction or never saw: a
-conversation's answers, which decode generated). Else prefill runs, chosen the same way for its own
-cache, and pushes what decode lacks. A conversation stays where its history is without any session
-id. Without the index (``routing: load``, no instance publishes, nothing stored yet, or the tokens
-cannot be had) the choice is by load alone and the prompt's whole length decides, as before.
+against its load (``routing.py``): a decode costs as it would be served: the tokens it lacks, where
+it would serve the request alone (the rules below), else, through prefill, what the best prefill
+lacks plus what decode lacks at ``RECEIVE_DISCOUNT`` (received, not computed); if what the chosen
+instance would still compute is under ``min_disagg_tokens``, it serves the request alone, however
+long the prompt (a follow-up turn whose history it holds). What decode holds counts its prefix cache
+and the run of chunks landed in its consumer that goes on from there, which it loads for a request
+it serves alone and which a push to it skips; the blocks prefill is told to skip count its prefix
+cache alone. It serves a request alone too when prefill has nothing to spare it: when even the
+prefill instance that holds most of the prompt would compute at least ``RECOMPUTE_FACTOR`` times
+what decode would, and ``min_disagg_tokens`` more (decode holds a history prefill lost to eviction
+or never saw: a conversation's answers, which decode generated). Else prefill runs, chosen the same
+way for its own cache, and pushes what decode lacks. A conversation stays where its history is
+without any session id. Without the index (``routing: load``, no instance publishes, nothing stored
+yet, or the tokens cannot be had) the choice is by load alone and the prompt's whole length decides,
+as before.
 """
 
 from __future__ import annotations
