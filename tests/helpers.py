@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -97,12 +98,19 @@ def make_chunks(keys: list[ChunkKey], seed: int) -> list[tuple[bytes, torch.Tens
     ]
 
 
-def wait_for(predicate, timeout_s: float = 5.0, what: str = "condition") -> None:
-    """Poll ``predicate`` until true; fail the test at the deadline."""
+def wait_for(
+    predicate,
+    timeout_s: float = 5.0,
+    what: str = "condition",
+    explain: Callable[[], object] | None = None,
+) -> None:
+    """Poll ``predicate`` until true; fail the test at the deadline, with what ``explain``
+    returns then (the counters that say why, read once it has failed)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+            why = "" if explain is None else f"; then: {explain()}"
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}{why}")
         time.sleep(0.005)
 
 

@@ -29,7 +29,7 @@ from lmcache_pd.deploy.launcher import PoolLauncher
 from lmcache_pd.deploy.pools import InstanceSpec, PoolsConfig, ProxySpec
 from lmcache_pd.harness.app_thread import proxy_thread
 from lmcache_pd.harness.model_maker import MLA_ARCHITECTURE, ensure_model
-from lmcache_pd.metrics_scrape import prompt_tokens_by_source
+from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
 from tests.helpers import free_port, wait_for
 from tests.vllm_support import MODEL_DIR, PlainVLLM, assert_close_answer, complete, prompt
 
@@ -128,7 +128,11 @@ def test_an_mla_prefill_and_decode_answer_like_one_plain_vllm(
     def delta(source: str) -> float:
         return sources().get(source, 0) - before.get(source, 0)
 
-    wait_for(lambda: delta("external_kv_transfer") >= loaded, what="decode's loads")
+    wait_for(
+        lambda: delta("external_kv_transfer") >= loaded,
+        what="decode's loads",
+        explain=lambda: (sources(), scrape(launcher.servers["decode-0"].url)),
+    )
     assert delta("external_kv_transfer") == loaded
     assert delta("local_compute") == count
     # Each request's latent moved once per decode rank: the prompt's whole blocks of 16 tokens,

@@ -261,15 +261,27 @@ def files_holding(text: str, folders: list[Path]) -> list[Path]:
     ]
 
 
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> float:
-    """Seconds until ``check()`` holds (exceptions count as not yet); fails at the deadline."""
+def wait_for(
+    what: str,
+    check: Callable[[], bool],
+    timeout_s: float,
+    explain: Callable[[], object] | None = None,
+) -> float:
+    """Seconds until ``check()`` holds (exceptions count as not yet); fails at the deadline,
+    with what ``explain`` returns then."""
     began = time.monotonic()
     while time.monotonic() - began < timeout_s:
         with contextlib.suppress(Exception):
             if check():
                 return time.monotonic() - began
         time.sleep(0.5)
-    pytest.fail(f"{what}: not within {timeout_s} s")
+    why = ""
+    if explain is not None:
+        try:
+            why = f"; then: {explain()}"
+        except Exception as exc:  # the explanation must not hide the failure
+            why = f"; no explanation: {exc!r}"
+    pytest.fail(f"{what}: not within {timeout_s} s{why}")
 
 
 @pytest.fixture(scope="module")
@@ -405,7 +417,12 @@ def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
                 running = [
                     streams.submit(cluster.stream, prompt(300, 2900 + i), 400) for i in (0, 1)
                 ]
-                wait_for("both streams at decode", lambda: loads() >= loaded_before + 2, 60)
+                wait_for(
+                    "both streams at decode",
+                    lambda: loads() >= loaded_before + 2,
+                    60,
+                    explain=lambda: {u: cluster.decode_counters(u) for u in urls},
+                )
                 measured["scale_down_s"] = cluster.scale(1)
                 scaled = time.monotonic()
                 finished = [future.result(timeout=300) for future in running]

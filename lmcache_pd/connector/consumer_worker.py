@@ -72,8 +72,15 @@ from lmcache_pd.transfer.receive_buffer import LandedChunk, check_landed
 logger = logging.getLogger(__name__)
 
 # How long a synchronous load waits for its consumer's process to say where its chunks are (they
-# have landed by then; the answer takes well under a millisecond): the step waits meanwhile.
-SYNC_LOAD_WAIT_S = 0.05
+# have landed by then; the answer takes well under a millisecond): the step waits meanwhile. Past
+# it the prompt is recomputed, which costs the step far more than the wait (hundreds of ms for a
+# few thousand tokens here), so the bound is for a process that is stuck, not one that is merely
+# descheduled: on a loaded host (the suite's two cores under three vLLM instances) an answer can
+# come tens of milliseconds late.
+SYNC_LOAD_WAIT_S = 0.25
+# How long keeping computed chunks waits for pages (the step waits meanwhile): past it they are not
+# kept, which costs only a later request's recompute, so the bound stays short.
+KEEP_ROOM_WAIT_S = 0.05
 # How long a synchronous load waits for its chunks' checksums, taken on other threads (1 GiB of
 # XXH3 takes ~0.1 s); past it the load fails and vLLM recomputes the prompt.
 SYNC_CHECK_WAIT_S = 2.0
@@ -281,7 +288,7 @@ class ConsumerWorker(WorkerHalf):
         ]
         specs = [ChunkSpec(c.key, cache.chunk_nbytes(c.end - c.start)) for c in chunks]
         name = next(self._keep_ids)
-        reply = self._service.keep_room(name, specs, SYNC_LOAD_WAIT_S)
+        reply = self._service.keep_room(name, specs, KEEP_ROOM_WAIT_S)
         if reply.refused is not None:
             self._stats.add("keeps_failed")
             logger.info("req %s: computed chunks not kept: %s", keep.req_id, reply.refused)
