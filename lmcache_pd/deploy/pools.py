@@ -78,8 +78,9 @@ class ProxySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Prompts shorter than this go to decode alone (0: every prompt is disaggregated).
     min_disagg_tokens: Annotated[int, msgspec.Meta(ge=0)] = MIN_DISAGG_TOKENS
     # "kv": route by what each instance's prefix cache holds (every instance publishes its KV
-    # events to the proxy); "load": least outstanding requests. See ``ProxyConfig.routing``.
-    routing: Literal["kv", "load"] = "kv"
+    # events to the proxy); "load": least outstanding requests; "cache_aware": vLLM's own router
+    # policy, for comparison. See ``ProxyConfig.routing``.
+    routing: Literal["kv", "load", "cache_aware"] = "kv"
     # CPUs the proxy runs on (None: any); see ``ProxyConfig.cpus``.
     cpus: Annotated[str, msgspec.Meta(pattern=f"^{CPU_LIST.pattern}$")] | None = None
     # Decode asked on prefill's first-token notice; see ``ProxyConfig.first_token_notices``.
