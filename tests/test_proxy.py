@@ -136,6 +136,31 @@ def test_pick_skips_instances_marked_down_and_fails_when_none_is_left() -> None:
         pool.pick(exclude=members[1])
 
 
+def test_cache_aware_routing_keeps_a_prompts_extensions_on_its_decode_over_real_http(
+    stacks,
+) -> None:
+    """``routing: cache_aware`` (vLLM's router policy, for comparison) through the proxy: a
+    follow-up that extends a prompt goes to the decode that prompt went to, a new prompt to the
+    other (sent less); control: ``routing: load`` sends the follow-up where round-robin is."""
+
+    def decode_of(stack: Stack, prompt: list[int]) -> int:
+        stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        counts = [len(standin.state.received) for standin in stack.decode]
+        return max(range(len(counts)), key=lambda i: (counts[i], i))
+
+    history, fresh, fresh_too = (list(range(n, n + 300)) for n in (100, 1_000, 3_000))
+    for routing, same in (("cache_aware", True), ("load", False)):
+        stack = stacks(decode=[Standin(), Standin()], routing=routing)
+        first = decode_of(stack, history)
+        assert decode_of(stack, fresh) != first
+        stack.client.completions.create(model=MODEL, prompt=fresh_too, max_tokens=2)
+        received = [len(standin.state.received) for standin in stack.decode]
+        follow_up = history + list(range(2_000, 2_050))
+        stack.client.completions.create(model=MODEL, prompt=follow_up, max_tokens=2)
+        grew = [len(s.state.received) - n for s, n in zip(stack.decode, received, strict=True)]
+        assert (grew[first] == 1) is same, (routing, grew)
+
+
 # ---- one request's life ----
 
 
