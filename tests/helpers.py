@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 import yaml
 
 from lmcache_pd.config import PDConfig, load_config
+from lmcache_pd.deploy.launcher import unused_port
 from lmcache_pd.keys import ChunkKey, ChunkKeyer
 from lmcache_pd.protocol import DisaggSpec
 
@@ -21,10 +21,15 @@ BYTES_PER_TOKEN = 512  # 128 float32 values a token: a page is 128 KiB
 PAGE_BYTES = CHUNK_SIZE * BYTES_PER_TOKEN
 
 
+# Every port ``free_port`` handed out in this process, so that none is handed out twice.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port nobody listens on, below the kernel's ephemeral range (as the launcher picks its
+    instances'): a test often binds it only after instances started, and an ephemeral port can go
+    to one of their connections meanwhile (seen: the MLA test's proxy, 40 s after its pick)."""
+    return unused_port(_HANDED_OUT)
 
 
 def make_keyer(
