@@ -108,9 +108,7 @@ class Placer:
         if self._sent is not None and self._tokens is not None and client.needs_decode:
             token_ids = await self._tokens.of(client, self._model)
             if token_ids is not None:
-                salt = client.body.get("cache_salt")
-                salt = salt if isinstance(salt, str) else None
-                decoder = self._sent.pick(self._decode, token_ids, salt)
+                decoder = self._sent.pick(self._decode, token_ids, _salt(client))
                 return Plan(decoder, self._sizer.is_short(client))
         index, token_ids = self._index, None
         if index is not None and self._tokens is not None and not index.empty:
@@ -118,10 +116,9 @@ class Placer:
         if index is None or token_ids is None:
             decoder = self._decode.pick() if client.needs_decode else None
             return Plan(decoder, decoder is not None and self._sizer.is_short(client))
-        salt = client.body.get("cache_salt")
         # Decode is weighed by what it would compute or receive: chunks landed in its consumer
         # are not pushed again.
-        work, receive = _work(index, token_ids, salt)
+        work, receive = _work(index, token_ids, _salt(client))
         prefill_least = self._prefill_least(work)
 
         def cost(member: Upstream) -> int:
@@ -161,14 +158,20 @@ class Placer:
         return min((work(member) for member in prefill), default=None)
 
 
+def _salt(client: ClientRequest) -> str | None:
+    """The request's ``cache_salt``, which vLLM mixes into its first block's key (None unless it
+    is a string)."""
+    salt = client.body.get("cache_salt")
+    return salt if isinstance(salt, str) else None
+
+
 def _work(
-    index: KVIndex, tokens: list[int], salt: object
+    index: KVIndex, tokens: list[int], salt: str | None
 ) -> tuple[Callable[[Upstream], int], Callable[[Upstream], int]]:
     """Prompt tokens each instance would compute: those its prefix cache does not hold; and
     those it would compute or receive: those neither its prefix cache nor the run of landed
     chunks that goes on from it hold. The prompt's keys are hashed once per block size, looked
     up once per instance (and kept: a plan reads them after the index may have changed)."""
-    salt = salt if isinstance(salt, str) else None
     keys = functools.cache(lambda block_size: prefix_keys(tokens, block_size, salt))
     held: dict[Upstream, int] = {}
     landed: dict[Upstream, int] = {}

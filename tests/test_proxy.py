@@ -144,21 +144,21 @@ def test_cache_aware_routing_keeps_a_prompts_extensions_on_its_decode_over_real_
     other (sent less); control: ``routing: load`` sends the follow-up where round-robin is."""
 
     def decode_of(stack: Stack, prompt: list[int]) -> int:
+        """The index of the decode stand-in the request went to."""
+        before = [len(standin.state.received) for standin in stack.decode]
         stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
-        counts = [len(standin.state.received) for standin in stack.decode]
-        return max(range(len(counts)), key=lambda i: (counts[i], i))
+        after = [len(standin.state.received) for standin in stack.decode]
+        [went] = [i for i, (b, a) in enumerate(zip(before, after, strict=True)) if a > b]
+        return went
 
     history, fresh, fresh_too = (list(range(n, n + 300)) for n in (100, 1_000, 3_000))
     for routing, same in (("cache_aware", True), ("load", False)):
         stack = stacks(decode=[Standin(), Standin()], routing=routing)
         first = decode_of(stack, history)
         assert decode_of(stack, fresh) != first
-        stack.client.completions.create(model=MODEL, prompt=fresh_too, max_tokens=2)
-        received = [len(standin.state.received) for standin in stack.decode]
+        decode_of(stack, fresh_too)
         follow_up = history + list(range(2_000, 2_050))
-        stack.client.completions.create(model=MODEL, prompt=follow_up, max_tokens=2)
-        grew = [len(s.state.received) - n for s, n in zip(stack.decode, received, strict=True)]
-        assert (grew[first] == 1) is same, (routing, grew)
+        assert (decode_of(stack, follow_up) == first) is same, routing
 
 
 # ---- one request's life ----
