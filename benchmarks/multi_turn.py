@@ -96,6 +96,7 @@ from benchmarks.multi_turn_load import (
     make_conversations,
     percentile_ms,
     pushed_bytes_by_request,
+    streams_at_once,
     turn_statistics,
     vocabulary_words,
 )
@@ -136,6 +137,7 @@ RATIO_METRICS = {
     "kv_bytes_pushed": "KV bytes pushed per run (all turns)",
     "kv_bytes_pushed_turns_2plus": "KV bytes pushed, turns >= 2",
     "computed_over_new": "prompt tokens computed / new tokens",
+    "streams_at_once_p50": "answers streaming at once, per token received (p50)",
 }
 # Medians over runs reported beside RATIO_METRICS.
 SUMMARY_METRICS = (
@@ -343,6 +345,7 @@ def run_record(
         "placement_ms_mean": placement_ms,
         "ttft_ms_p50": percentile_ms([r.ttft_s for r in done if r.ttft_s is not None], 50),
         "itl_ms_p50": percentile_ms([g for r in done for g in r.gaps_s], 50),
+        "streams_at_once_p50": streams_at_once(done),
         "per_turn": turn_statistics(results),
         "prompt_tokens_by_source": {source: totals[source] for source in SOURCES},
         "new_tokens": new_tokens,

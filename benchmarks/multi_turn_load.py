@@ -185,6 +185,28 @@ def percentile_ms(seconds: Sequence[float], q: float) -> float | None:
     return float(np.percentile(seconds, q)) * 1e3 if seconds else None
 
 
+def streams_at_once(results: Sequence[TurnResult]) -> float | None:
+    """Median over every token the client received after a turn's first: how many answers
+    (that one included) were streaming then. ITL p50 is over the same tokens, and with the
+    decode instances sharing cores it grows with this: a policy that brings answers out of
+    prefill's queue sooner streams more of them at once. None without such tokens."""
+    spans = [
+        (r.started_at + r.ttft_s, r.started_at + r.e2e_s)
+        for r in results
+        if r.error is None and r.ttft_s is not None and r.e2e_s is not None
+    ]
+    starts = np.sort([start for start, _ in spans])
+    ends = np.sort([end for _, end in spans])
+    counts = []
+    for r in results:
+        if r.error is None and r.ttft_s is not None and r.e2e_s is not None and r.gaps_s:
+            at = r.started_at + r.ttft_s + np.cumsum(r.gaps_s)
+            began = np.searchsorted(starts, at, side="right")
+            over = np.searchsorted(ends, at, side="left")
+            counts.extend((began - over).tolist())
+    return float(np.median(counts)) if counts else None
+
+
 def turn_statistics(results: Sequence[TurnResult]) -> dict[int, dict[str, Any]]:
     """Per turn index: requests, failures, TTFT p50/p90 and ITL p50 (ms, over the successful
     requests of that turn), mean prompt and new tokens. Later turns carry longer histories, so

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lmcache_pd.deploy.instance import transfer_settings
 from lmcache_pd.deploy.launcher import LaunchError, PoolLauncher
 from lmcache_pd.deploy.pools import load_pools
 from lmcache_pd.errors import ConfigError
@@ -44,6 +45,23 @@ def test_bad_pools_config_is_refused_naming_the_key(
     pools = yaml.safe_load((CONFIGS / "pools.yaml").read_text()) | change
     with pytest.raises(ConfigError, match=says):
         load_pools(write(tmp_path, pools))
+
+
+def test_the_pools_chunk_size_is_every_instances(tmp_path: Path) -> None:
+    pools = yaml.safe_load((CONFIGS / "pools-1p2d.yaml").read_text())
+    unset = load_pools(write(tmp_path, pools))
+    assert (
+        transfer_settings(unset, "decode-0", unset.decode[0], "kv_consumer", {})["chunk_size"]
+        == yaml.safe_load((CONFIGS / "consumer.yaml").read_text())["chunk_size"]
+    )
+    chunked = load_pools(write(tmp_path, pools | {"chunk_size": 128}))
+    for role, spec in [
+        ("kv_producer", chunked.prefill[0]),
+        *(("kv_consumer", decode) for decode in chunked.decode),
+    ]:
+        assert transfer_settings(chunked, "x", spec, role, {})["chunk_size"] == 128
+    with pytest.raises(ConfigError, match="chunk_size"):
+        load_pools(write(tmp_path, pools | {"chunk_size": 0}))
 
 
 def test_a_port_named_twice_is_refused_before_anything_starts(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from benchmarks.multi_turn_load import (
     converse,
     make_conversations,
     pushed_bytes_by_request,
+    streams_at_once,
     turn_messages,
     turn_statistics,
     vocabulary_words,
@@ -186,6 +187,16 @@ def test_per_turn_statistics() -> None:
     assert record["computed_over_new"] == 0.0
 
 
+def test_streams_at_once_counts_the_answers_streaming_at_each_token() -> None:
+    # a streams over [1, 4], b over [2, 3]: a's tokens at 2 and 3 see b, at 4 not; b's see a.
+    a = _turn(1, 10, 4, started_at=0.0, ttft_s=1.0, gaps_s=[1.0, 1.0, 1.0], e2e_s=4.0)
+    b = _turn(1, 10, 2, started_at=1.0, ttft_s=1.0, gaps_s=[0.5, 0.5], e2e_s=2.0)
+    failed = _turn(2, None, None, started_at=0.0, ttft_s=0.5, e2e_s=9.0, error="HTTP 503")
+    assert streams_at_once([a, b, failed]) == 2.0  # counts 2, 2, 1, 2, 2
+    assert streams_at_once([a]) == 1.0
+    assert streams_at_once([failed]) is None
+
+
 EXPOSITION = """\
 # HELP vllm:request_success_total Count of successfully processed requests.
 # TYPE vllm:request_success_total counter
@@ -222,6 +233,7 @@ def test_ratios_of_medians_and_a_zero_denominator() -> None:
     records = [
         {"policy": p, "ttft_ms_p50_turns_2plus": t, "itl_ms_p50": 5.0, "kv_bytes_pushed": b}
         | {"computed_over_new": None if p == "kv" else 1.2, "kv_bytes_pushed_turns_2plus": b}
+        | {"streams_at_once_p50": 2.0}
         for p, t, b in runs
     ]
     found = {r["metric"]: r for r in policy_ratios(records, "kv", "load", 200, 0.9, 0)}

@@ -27,9 +27,10 @@ def transfer_settings(
     pools: PoolsConfig, name: str, spec: InstanceSpec, role: Role, of_role: dict[str, Any]
 ) -> dict[str, Any]:
     """``spec.config`` with ``kv_role`` and ``of_role`` (a decode's receive ports, a prefill's
-    warm peers) on top, and a decode's ``prefill_tp_size`` where the prefill pool's TP size
-    differs from its own, checked as the connector will check it, so that a bad file fails
-    here, naming instance ``name``, rather than minutes later inside vLLM."""
+    warm peers) on top, the pools' ``chunk_size`` if they set one, and a decode's
+    ``prefill_tp_size`` where the prefill pool's TP size differs from its own, checked as the
+    connector will check it, so that a bad file fails here, naming instance ``name``, rather
+    than minutes later inside vLLM."""
     try:
         settings = yaml.safe_load(Path(spec.config).read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
@@ -37,6 +38,8 @@ def transfer_settings(
     if not isinstance(settings, dict):
         raise ConfigError(f"{name}: its config {spec.config} is not a mapping")
     settings |= {"kv_role": role, **of_role}
+    if pools.chunk_size is not None:
+        settings["chunk_size"] = pools.chunk_size
     prefill_tp = prefill_tp_size(pools)
     if role == "kv_consumer" and prefill_tp not in (None, spec.tensor_parallel_size):
         settings["prefill_tp_size"] = prefill_tp

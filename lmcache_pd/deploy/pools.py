@@ -181,6 +181,10 @@ class PoolsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Arguments every instance gets after the engine's (and after the model and its port).
     vllm_args: list[str] = msgspec.field(default_factory=list)
     kv_cache_gib: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # Tokens per chunk of every instance, over their configs' (None: theirs). The chunk is the
+    # unit a decode reuses from its consumer once vLLM evicted a history, so a smaller one
+    # recomputes less after eviction and moves more, smaller chunks; every instance must agree.
+    chunk_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
     # Per-request trace lines from the proxy and every connector, in the work folder.
     trace: bool = False
     # Who starts and looks after the instances: ``local``, child processes of ``serve`` on this
