@@ -21,6 +21,7 @@ from lmcache_pd.config import load_config
 from lmcache_pd.connector.computed_prompts import ComputedPrompts
 from lmcache_pd.connector.consumer_worker import SYNC_LOAD_WAIT_S, ConsumerWorker
 from lmcache_pd.connector.counters import StatsRecorder
+from lmcache_pd.connector.landed_chunks import LandedChunks
 from lmcache_pd.connector.metadata import (
     KeepRequest,
     LoadRequest,
@@ -34,6 +35,7 @@ from lmcache_pd.first_token import FirstTokenNotice
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.protocol import CANCEL_TIMEOUT_S, NOTICE_KEY, PROBE_AREA_BYTES, DisaggSpec
 from lmcache_pd.transfer import landed_board
+from lmcache_pd.transfer.landed_keys import KeysWriter
 from lmcache_pd.transfer.producer import Producer
 from tests.helpers import free_port, make_keyer, wait_for
 
@@ -895,7 +897,9 @@ def test_a_sender_survives_an_unexpected_error_and_serves_on(
 @pytest.mark.parametrize("preempted", [True, False], ids=["preempted", "failed_load"])
 def test_a_request_back_after_its_load_computes_its_prompt(preempted: bool) -> None:
     """Preempted after loading (or after a failed load), a request comes back with nothing
-    computed; its chunks were released, so it must be computed now, not awaited again."""
+    computed; its chunks were released, and without a landed-chunk tier nothing of them can be
+    found, so it is computed now, not awaited again; counted once, however often vLLM asks
+    while it waits for blocks."""
     counted: list[str] = []
     scheduler = ConsumerScheduler(counted.append)
     req = request("c", list(range(201)), {"disagg_spec": SPEC})
@@ -904,11 +908,55 @@ def test_a_request_back_after_its_load_computes_its_prompt(preempted: bool) -> N
     scheduler.update_state_after_alloc(req, blocks, 200)
     assert len(scheduler.build_connector_meta(step()).loads) == 1
     req.num_preemptions = int(preempted)
-    assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    for _ in range(3):  # waiting for blocks, it is asked every step
+        assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    scheduler.update_state_after_alloc(req, blocks, 0)
     assert scheduler.build_connector_meta(step()).loads == []
     assert counted == (["preemption_recomputes"] if preempted else [])
     scheduler.request_finished(req)  # a new request of the same id is served afresh
     assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)
+
+
+def test_a_request_preempted_after_its_load_loads_again_what_its_consumer_still_holds(
+    tmp_path: Path,
+) -> None:
+    """Its pushed chunks went to the consumer's cache when it loaded: after a preemption it
+    loads the whole chunks still there (synchronously, as a request served alone does) and
+    computes the rest, once per preemption; a reload that failed is computed, not tried
+    again. The control: chunks no longer there are computed."""
+    keyer = make_keyer(chunk_size=CHUNK)
+    writer = KeysWriter(tmp_path / "keys", max_keys=64)
+    landed = LandedChunks([keyer], [tmp_path / "keys"])
+    counted: list[str] = []
+    scheduler = ConsumerScheduler(counted.append, chunk_size=CHUNK, landed_chunks=landed)
+    prompt = list(range(201))
+    req = request("c", prompt, {"disagg_spec": SPEC})
+    blocks = SimpleNamespace(get_block_ids=lambda: ([3, 1, 4, 1],))
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)
+    scheduler.update_state_after_alloc(req, blocks, 200)
+    scheduler.build_connector_meta(step())
+    chunks = keyer.chunk_keys(prompt[:-1])
+    writer.post([chunk.key for chunk in chunks[:2]])  # two whole chunks stayed (128 tokens)
+    req.num_preemptions = 1
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, False)
+    scheduler.update_state_after_alloc(req, blocks, 2 * CHUNK)
+    [reload] = scheduler.build_connector_meta(step()).loads
+    assert (reload.local, reload.sync, reload.start) == (True, True, 0)
+    assert reload.prompt == prompt[: 2 * CHUNK] and reload.req_id == "c"
+    assert counted == ["loads_local", "preemption_reloads"]
+    # That reload failed (vLLM asks again, no new preemption): computed, not tried again.
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    req.num_preemptions = 2  # preempted once more: one more reload, past its own cache's hit
+    assert scheduler.get_num_new_matched_tokens(req, CHUNK) == (CHUNK, False)
+    writer.post([])  # control: evicted from the consumer's cache meanwhile
+    req.num_preemptions = 3
+    counted.clear()
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    scheduler.update_state_after_alloc(req, blocks, 0)
+    assert scheduler.build_connector_meta(step()).loads == []
+    assert counted == ["preemption_recomputes"]
+    landed.close()
+    writer.close()
 
 
 @pytest.mark.processes

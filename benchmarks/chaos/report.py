@@ -16,9 +16,11 @@ from benchmarks.chaos.load import RequestRecord
 
 RECOVERY_GOAL_S = 10.0
 LATENCY_SLACK_S = 1.0
-# The consumer's log line for each finished load (loaded, timed out or unusable).
+# The consumer's log line for each finished load of pushed KV (loaded, timed out or unusable;
+# not a load from its own cache, which a request preempted after its load makes again).
 LOAD_LINE = (
-    r"req (\S+)(?: \(\S+\))?: (?:loaded \d+ prompt tokens|KV not landed|received KV unusable)"
+    r"req (\S+)(?: \(\S+\))?: (?:rank \d+ loaded \d+ prompt tokens(?! from its consumer)"
+    r"|KV not landed|received KV unusable)"
 )
 # What the record shows of each side's counters (all of them are under "counters").
 DECODE_COUNTERS = (

@@ -528,10 +528,11 @@ class ConsumerWorker(WorkerHalf):
         self._stats.add("loads_completed")
         self._stats.add("tokens_loaded", tokens)
         logger.info(
-            "req %s: rank %d loaded %d prompt tokens%s",
+            "req %s: rank %d loaded %d prompt tokens%s%s",
             load.req_id,
             self._rank,
             tokens,
+            " from its consumer's cache" if load.local else "",
             " before its first step" if load.sync else "",
         )
         return True

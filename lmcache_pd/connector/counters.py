@@ -41,8 +41,9 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "tokens_loaded": "Prompt tokens loaded from a producer instead of computed.",
         "loads_failed": "Loads reported failed to vLLM, which recomputes the prompt.",
         "loads_aborted": "Loads dropped because vLLM aborted the request.",
-        "loads_local": "Requests decode served alone that loaded chunks landed for earlier "
-        "requests (its consumer's cache) past its own prefix cache's hit, instead of computing.",
+        "loads_local": "Requests decode served alone (or preempted after their load) that "
+        "loaded chunks landed for earlier requests (its consumer's cache) past its own prefix "
+        "cache's hit, instead of computing.",
         "keeps_failed": "Requests decode served alone whose computed chunks were not kept in "
         "its consumer's cache (no room, or its process did not answer in time).",
         "loads_unneeded": "Requests decode computes itself (its own prefix cache covered the "
@@ -54,6 +55,8 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "bad_transfer_params": "Requests whose kv_transfer_params (or first-token address) "
         "were unusable: served without disaggregation (or without a notice).",
         "preemption_recomputes": "Requests preempted after their load, recomputed by vLLM.",
+        "preemption_reloads": "Requests preempted after their load, loaded again from the "
+        "consumer's cache.",
         "held_prefix_lost": "Requests whose prefix the proxy saw decode's cache hold (prefill "
         "did not push it) but that decode no longer held when it scheduled them: recomputed.",
         # Handshakes, by the transports they settled on (transport.py).

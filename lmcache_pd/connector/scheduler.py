@@ -289,9 +289,13 @@ class ConsumerScheduler(SchedulerHalf):
         self._loads: list[LoadRequest] = []
         self._unneeded: set[str] = set()
         # Requests whose KV was loaded once (or failed to load, or was not needed): vLLM asks
-        # again after a failed load or a preemption, and must hear "none": the chunks are
-        # released by then.
+        # again after a failed load or a preemption, and must not wait for the pushed chunks
+        # again: they are released by then (to the consumer's cache, from which a preempted
+        # request reloads what is still there, ``_reload``).
         self._loaded: set[str] = set()
+        # Per request reloaded after a preemption, its preemptions then: one reload each, so
+        # that a reload that failed is computed, not tried again.
+        self._reloaded: dict[str, int] = {}
         self._landed_chunks = landed_chunks
         self._landed = landed
         self._computed = computed
@@ -316,18 +320,10 @@ class ConsumerScheduler(SchedulerHalf):
         boundary) but its last token (the producer's first output, computed here). A hit that
         ends inside a chunk is fine: only that chunk's later blocks are loaded."""
         spec = self._door.of(request).disagg_spec
+        if request.request_id in self._loaded:
+            return self._reload(request, num_computed), False
         if spec is None:
             return self._local_hit(request, num_computed), False
-        if request.request_id in self._loaded:
-            # Its chunks were released when it loaded (or failed to): compute the prompt.
-            if request.num_preemptions > 0:
-                self._count("preemption_recomputes")
-                logger.info(
-                    "req %s (%s): preempted after loading its KV; computing its prompt",
-                    request.request_id,
-                    spec.req_id,
-                )
-            return 0, False
         external = len(request.prompt_token_ids or []) - 1 - num_computed
         if external <= 0:
             return 0, False
@@ -359,10 +355,18 @@ class ConsumerScheduler(SchedulerHalf):
             return held
         return spec.skipped_tokens(self._chunk_size)
 
+    def _reload(self, request: Request, num_computed: int) -> int:
+        """A request back after its load: after a failed one, nothing (it is computed); after
+        a preemption (vLLM freed its blocks), what its consumer still holds of it, loaded
+        again as a request served alone loads landed chunks, once per preemption."""
+        if request.num_preemptions <= self._reloaded.get(request.request_id, 0):
+            return 0
+        return self._local_hit(request, num_computed)
+
     def _local_hit(self, request: Request, num_computed: int) -> int:
-        """Tokens past ``num_computed`` that a request served alone loads from chunks landed on
-        every rank for earlier requests (0: none); always a synchronous load (they are here)."""
-        if self._landed_chunks is None or request.request_id in self._loaded:
+        """Tokens past ``num_computed`` that a request served alone, or preempted, loads from
+        chunks landed on every rank (0: none); always a synchronous load (they are here)."""
+        if self._landed_chunks is None:
             return 0
         prompt = list(request.prompt_token_ids or [])[:-1]  # its last token is computed here
         end = self._landed_chunks.landed_run(prompt, request.cache_salt, num_computed)
@@ -387,8 +391,12 @@ class ConsumerScheduler(SchedulerHalf):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         spec = self._door.of(request).disagg_spec
-        if spec is None:
+        if request.request_id in self._loaded:
+            if request.num_preemptions > self._reloaded.get(request.request_id, 0):
+                self._after_preemption(request, blocks, num_external_tokens)
+        elif spec is None:
             self._load_local(request, blocks, num_external_tokens)
+        if spec is None:
             if self._computed is not None:
                 self._computed.track(
                     request.request_id, list(request.prompt_token_ids or []), request.cache_salt
@@ -421,13 +429,28 @@ class ConsumerScheduler(SchedulerHalf):
             )
         )
 
-    def _load_local(
+    def _after_preemption(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        """Load a request served alone from the chunks ``_local_hit`` found landed."""
+        """A request loaded before and preempted since is scheduled again: reloaded from what
+        ``_reload`` found, or computed."""
+        self._reloaded[request.request_id] = request.num_preemptions
+        reloaded = self._load_local(request, blocks, num_external_tokens)
+        self._count("preemption_reloads" if reloaded else "preemption_recomputes")
+        logger.info(
+            "req %s: preempted after loading its KV; %s",
+            request.request_id,
+            f"{num_external_tokens} tokens loaded again" if reloaded else "computing its prompt",
+        )
+
+    def _load_local(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> bool:
+        """Load a request served alone, or preempted, from the chunks ``_local_hit`` found
+        landed; whether it is loaded."""
         end = self._local.pop(request.request_id, None)
-        if end is None or num_external_tokens <= 0 or request.request_id in self._loaded:
-            return
+        if end is None or num_external_tokens <= 0:
+            return False
         self._loaded.add(request.request_id)
         self._count("loads_local")
         self._loads.append(
@@ -442,6 +465,7 @@ class ConsumerScheduler(SchedulerHalf):
                 local=True,
             )
         )
+        return True
 
     def build_connector_meta(self, output: SchedulerOutput) -> PDConnectorMetadata:
         meta = PDConnectorMetadata(
@@ -458,6 +482,7 @@ class ConsumerScheduler(SchedulerHalf):
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         self._door.forget(request.request_id)
         self._loaded.discard(request.request_id)
+        self._reloaded.pop(request.request_id, None)
         self._sync.pop(request.request_id, None)
         self._local.pop(request.request_id, None)
         if self._computed is not None:
