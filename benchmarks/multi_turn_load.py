@@ -190,20 +190,17 @@ def streams_at_once(results: Sequence[TurnResult]) -> float | None:
     (that one included) were streaming then. ITL p50 is over the same tokens, and with the
     decode instances sharing cores it grows with this: a policy that brings answers out of
     prefill's queue sooner streams more of them at once. None without such tokens."""
-    spans = [
-        (r.started_at + r.ttft_s, r.started_at + r.e2e_s)
-        for r in results
-        if r.error is None and r.ttft_s is not None and r.e2e_s is not None
+    streamed = [
+        r for r in results if r.error is None and r.ttft_s is not None and r.e2e_s is not None
     ]
-    starts = np.sort([start for start, _ in spans])
-    ends = np.sort([end for _, end in spans])
+    starts = np.sort([r.started_at + r.ttft_s for r in streamed])
+    ends = np.sort([r.started_at + r.e2e_s for r in streamed])
     counts = []
-    for r in results:
-        if r.error is None and r.ttft_s is not None and r.e2e_s is not None and r.gaps_s:
-            at = r.started_at + r.ttft_s + np.cumsum(r.gaps_s)
-            began = np.searchsorted(starts, at, side="right")
-            over = np.searchsorted(ends, at, side="left")
-            counts.extend((began - over).tolist())
+    for r in streamed:
+        at = r.started_at + r.ttft_s + np.cumsum(r.gaps_s)
+        began = np.searchsorted(starts, at, side="right")
+        over = np.searchsorted(ends, at, side="left")
+        counts.extend((began - over).tolist())
     return float(np.median(counts)) if counts else None
 
 

@@ -359,9 +359,11 @@ class ConsumerScheduler(SchedulerHalf):
         """A request back after its load: after a failed one, nothing (it is computed); after
         a preemption (vLLM freed its blocks), what its consumer still holds of it, loaded
         again as a request served alone loads landed chunks, once per preemption."""
-        if request.num_preemptions <= self._reloaded.get(request.request_id, 0):
-            return 0
-        return self._local_hit(request, num_computed)
+        return self._local_hit(request, num_computed) if self._preempted_again(request) else 0
+
+    def _preempted_again(self, request: Request) -> bool:
+        """Whether vLLM preempted ``request`` since its load, or since its last reload."""
+        return request.num_preemptions > self._reloaded.get(request.request_id, 0)
 
     def _local_hit(self, request: Request, num_computed: int) -> int:
         """Tokens past ``num_computed`` that a request served alone, or preempted, loads from
@@ -392,7 +394,7 @@ class ConsumerScheduler(SchedulerHalf):
     ) -> None:
         spec = self._door.of(request).disagg_spec
         if request.request_id in self._loaded:
-            if request.num_preemptions > self._reloaded.get(request.request_id, 0):
+            if self._preempted_again(request):
                 self._after_preemption(request, blocks, num_external_tokens)
         elif spec is None:
             self._load_local(request, blocks, num_external_tokens)
