@@ -20,6 +20,7 @@ from tests.vllm_support import MODEL_DIR, PlainVLLM
 platform.platform()
 
 PLAIN_VLLM = pytest.StashKey[PlainVLLM]()
+PLAIN_VLLM_WANTED = pytest.StashKey[bool]()
 LAST_PLAIN_VLLM_USER = pytest.StashKey[bool]()
 
 
@@ -53,6 +54,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     users = [item for item in items if "plain_vllm" in getattr(item, "fixturenames", ())]
     if users:
         users[-1].stash[LAST_PLAIN_VLLM_USER] = True
+        users[-1].config.stash[PLAIN_VLLM_WANTED] = True
+
+
+@pytest.fixture(autouse=True)
+def _reference_starts_with_the_first_vllm_test(request: pytest.FixtureRequest) -> None:
+    """The reference vLLM starts with the session's first test that starts vLLM, not its first
+    user: a vLLM start is mostly one process importing at a time, so alongside another it costs
+    little wall time, alone ~35 s. It then waits idle (no CPU) until used."""
+    config = request.config
+    if (
+        config.stash.get(PLAIN_VLLM_WANTED, False)
+        and PLAIN_VLLM not in config.stash
+        and request.node.get_closest_marker("vllm") is not None
+    ):
+        request.getfixturevalue("plain_vllm")
 
 
 @pytest.hookimpl(wrapper=True)

@@ -20,9 +20,10 @@ import pytest
 
 from benchmarks.chaos.faults import SHORT_FAULTS
 from benchmarks.chaos.pools import alive_groups
+from tests.vllm_support import PlainVLLM
 
 ROOT = Path(__file__).resolve().parents[1]
-# Reference vLLM, then the pools (~40-60 s each to start), then three faults, one a restart.
+# The pools (~40-60 s to start), then three faults, one a restart.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 RUN_TIMEOUT_S = 840
 GOALS = (
@@ -37,11 +38,13 @@ FAILING_TODAY: dict[tuple[str, str], str] = {}
 
 
 @pytest.fixture(scope="module")
-def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def chaos_run(tmp_path_factory: pytest.TempPathFactory, plain_vllm: PlainVLLM) -> dict[str, Any]:
+    """The short run, its references from the suite's plain vLLM (the pools' model and flags)
+    rather than one more vLLM started alone."""
     folder = tmp_path_factory.mktemp("chaos")
     output = folder / "chaos.json"
     command = [sys.executable, "-m", "benchmarks.chaos", "--short", "--output", str(output)]
-    command += ["--workdir", str(folder / "work")]
+    command += ["--workdir", str(folder / "work"), "--reference-url", plain_vllm.server.url]
     done = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
     )

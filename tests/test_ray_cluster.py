@@ -7,12 +7,13 @@ each driver's environment): a caller without it is refused, and ``serve`` does n
 
 Shown, through the proxy with the official ``openai`` client: answers equal to one plain vLLM's
 (tokens, logprobs within the end-to-end tolerance) with decode's counters showing the prompt
-loaded, not computed; the deployment secret in every vLLM's environment (decode's KV ports
-authenticated) and on no command line nor in any log; decode's vLLM SIGKILLed, Ray restarting it
-on new ports, and requests succeeding again through the same proxy; a second decode instance
-added by ``lmcache-pd scale`` taking requests, and removed again after draining the stream it was
-serving. Everything started is stopped by process group. Needs root (network namespaces) and
-Ray; skipped otherwise.
+loaded, not computed, and prefill's that it pushed over UCX's transport for remote peers, with no
+fallback and no failed push; the deployment secret in every vLLM's environment (decode's KV ports
+authenticated) and on no command line nor in any log; decode's vLLM SIGKILLed as a second decode
+instance is added by ``lmcache-pd scale``, Ray restarting the first on new ports while the second
+starts, and requests succeeding again through the same proxy on both; the second removed again
+after draining the stream it was serving. Everything started is stopped by process group. Needs
+root (network namespaces) and Ray; skipped otherwise.
 """
 
 from __future__ import annotations
@@ -356,47 +357,36 @@ def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
             assert loaded >= sum(len(t) for t in PROMPTS.values()) - 3 * 256, (loaded, computed)
             assert after["loads_failed"] == before.get("loads_failed", 0)
             assert after["consumer_unauthenticated"] == 0  # its KV ports know the secret
-            # Both instances publish their KV events from their nodes; the proxy follows them.
+            # Prefill reached decode's node over UCX's transport for a remote peer, not its
+            # fallback, and no push failed.
             [prefill_port] = vllm_servers(cluster.head)
-            both = sorted([decode_url, f"http://{cluster.head.address}:{prefill_port}"])
+            prefill_url = f"http://{cluster.head.address}:{prefill_port}"
+            producer = cluster.at_head(lambda: scrape(prefill_url), 15)
+            assert producer["peers_remote_transport"] == 1, producer
+            assert producer["peers_fallback_transport"] == producer["push_failures"] == 0, producer
+            # Both instances publish their KV events from their nodes; the proxy follows them.
+            both = sorted([decode_url, prefill_url])
             wait_for("both instances indexed", lambda: min(cluster.indexed().values()) > 0, 10)
             assert sorted(cluster.indexed()) == both
 
-            # Decode's vLLM dies; Ray restarts its actor; requests succeed again.
+            # Decode's vLLM dies as a second decode is asked for: Ray restarts the first on new
+            # ports while the second starts (both at once, as churn in a cluster has them), and
+            # requests succeed again through the same proxy, on both.
             os.killpg(vllm_servers(cluster.worker)[decode_port], signal.SIGKILL)
-            new_url: list[str] = []
+            with ThreadPoolExecutor(1) as scaling:
+                scaled_up = scaling.submit(cluster.scale, 2)
 
-            def served_by_a_new_decode() -> bool:
-                urls = cluster.decode_urls()
-                if len(urls) != 1 or urls[0] == decode_url:
-                    return False
-                assert_close_answer(cluster.complete(PROMPTS["len-1000"]), reference["len-1000"])
-                new_url[:] = urls
-                return True
+                def both_decodes_serve() -> bool:
+                    urls = cluster.decode_urls()
+                    return len(urls) == 2 and decode_url not in urls
 
-            measured["restart_to_first_answer_s"] = wait_for(
-                "a request served after decode's restart",
-                served_by_a_new_decode,
-                RECOVERY_TIMEOUT_S,
-            )
-            for name, tokens in PROMPTS.items():
-                assert_close_answer(cluster.complete(tokens), reference[name], name)
-            assert cluster.decode_counters(new_url[0])["tokens_loaded"] > 0
-            # The restarted decode publishes on new ports: the proxy follows it there, and
-            # no longer the old one.
-            wait_for(
-                "the restarted decode indexed",
-                lambda: (
-                    (indexed := cluster.indexed()).get(new_url[0], 0) > 0
-                    and decode_url not in indexed
-                ),
-                10,
-            )
-
-            # A second decode instance, on the worker's node, takes requests.
-            measured["scale_up_s"] = cluster.scale(2)
-            # The proxy learns of it at its next question to the controller.
-            wait_for("the proxy routing to both", lambda: len(cluster.decode_urls()) == 2, 10)
+                measured["restart_and_scale_up_s"] = wait_for(
+                    "the restarted decode and the added one routed to",
+                    both_decodes_serve,
+                    RECOVERY_TIMEOUT_S,
+                    explain=cluster.decode_urls,
+                )
+                measured["scale_up_s"] = scaled_up.result(timeout=RECOVERY_TIMEOUT_S)
             urls = cluster.decode_urls()
             assert len(vllm_servers(cluster.worker)) == 2
             for name, tokens in PROMPTS.items():
@@ -406,6 +396,17 @@ def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
                 assert_close_answer(cluster.complete(tokens), reference[name], name)
             for url in urls:
                 assert cluster.decode_counters(url)["tokens_loaded"] > 0, url
+            # The restarted decode publishes on new ports: the proxy follows it there, and no
+            # longer the old one; and the added one.
+            wait_for(
+                "both decodes indexed, the old ports not",
+                lambda: (
+                    all((indexed := cluster.indexed()).get(url, 0) > 0 for url in urls)
+                    and decode_url not in indexed
+                ),
+                10,
+                explain=cluster.indexed,
+            )
 
             # Shrinking back drains: two streams in flight (one on each decode) both finish.
             def loads() -> float:

@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from lmcache_pd.deploy.vllm_server import VLLMServer, worker_leftovers
+from lmcache_pd.proxy.config import ProxyConfig
 from tests.helpers import free_port
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / ".cache" / "tiny-llama"
@@ -134,3 +136,46 @@ class PlainVLLM:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class Reference:
+    """A plain vLLM's answers to fixed prompts, asked when a test first needs them. Made as the
+    plain vLLM starts, before the instances under test, it lets both start together (each
+    start is mostly one process importing at a time: alone it leaves the other core idle); with
+    ``stop_after`` the plain vLLM stops once it has answered, giving its core and memory back
+    before the next instances start."""
+
+    def __init__(
+        self,
+        plain: PlainVLLM,
+        prompts: Mapping[str, list[int]],
+        output_tokens: int,
+        *,
+        stop_after: bool = True,
+    ) -> None:
+        self.plain = plain
+        self._prompts = dict(prompts)
+        self._output_tokens = output_tokens
+        self._stop_after = stop_after
+        self._answers: dict[str, Answer] | None = None
+
+    @property
+    def asked(self) -> bool:
+        return self._answers is not None
+
+    def __getitem__(self, name: str) -> Answer:
+        if self._answers is None:
+            try:
+                self._answers = self.plain.answers(self._prompts, self._output_tokens)
+            finally:
+                if self._stop_after:
+                    self.plain.stop()
+        return self._answers[name]
+
+
+def proxy_pair(config: ProxyConfig, prefill: int, decode: int) -> ProxyConfig:
+    """A proxy of its own (on a free port) in front of one prefill and one decode instance of a
+    pool's: the shapes of one pool tested in turn, each instance started once."""
+    return msgspec.structs.replace(
+        config, prefill=[config.prefill[prefill]], decode=[config.decode[decode]], port=free_port()
+    )

@@ -47,6 +47,13 @@ def main(
     short: Annotated[bool, typer.Option(help=f"1P1D, {SHORT_FAULTS}, 6 requests")] = False,
     output: Annotated[Path | None, typer.Option(help="JSON (Markdown beside it)")] = None,
     workdir: Annotated[Path | None, typer.Option(help="instance logs")] = None,
+    reference_url: Annotated[
+        str | None,
+        typer.Option(
+            help="a running plain vLLM of the pools' model and flags to ask (else one "
+            "is started, alone, before the pools)"
+        ),
+    ] = None,
     log_level: str = "error",
 ) -> None:
     """Inject each fault into running pools under a steady stream; write JSON and Markdown."""
@@ -84,7 +91,7 @@ def main(
     groups: list[int] = []
     try:
         every = [p for group in options.prompts + options.fault_prompts for p in group]
-        references = compute_references(first, every, workdir, console, groups)
+        references = compute_references(first, every, workdir, console, groups, reference_url)
         console.print(f"  references done after {time.monotonic() - started:.0f} s")
         for index, layout in enumerate(layouts):
             folder = workdir / f"pools-{index}"

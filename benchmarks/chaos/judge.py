@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 from rich.console import Console
 
 from benchmarks.chaos.pools import CLIENT_TIMEOUT_S
@@ -41,10 +42,19 @@ def _answer(raw: dict[str, Any]) -> Answer:
 
 
 def compute_references(
-    pools: PoolsConfig, prompts: list[Prompt], workdir: Path, console: Console, groups: list[int]
+    pools: PoolsConfig,
+    prompts: list[Prompt],
+    workdir: Path,
+    console: Console,
+    groups: list[int],
+    reference_url: str | None = None,
 ) -> dict[str, Answer]:
-    """Every prompt's answer from one plain vLLM with the pools' model and flags."""
+    """Every prompt's answer from one plain vLLM with the pools' model and flags: the one at
+    ``reference_url`` if given (already running, e.g. the test suite's), else one started here
+    and stopped after."""
     console.print(f"computing {len(prompts)} reference answers on one plain vLLM ...")
+    if reference_url is not None:
+        return _answers(reference_url, _served_model(reference_url), prompts)
     env = {"VLLM_CPU_KVCACHE_SPACE": str(pools.kv_cache_gib)}
     port, log = unused_port(set()), workdir / "reference.log"
     with VLLMServer(
@@ -57,14 +67,26 @@ def compute_references(
         extra_args=pools.vllm_args,
     ) as plain:
         groups.append(plain.pid)
+        return _answers(plain.url, plain.model, prompts)
 
-        def one(prompt: Prompt) -> tuple[str, Answer]:
-            body = {"model": pools.model, "prompt": prompt.tokens, "max_tokens": prompt.max_tokens}
-            body |= {"temperature": 0, "logprobs": 1}
-            return prompt.name, _answer(plain.complete(body, CLIENT_TIMEOUT_S))
 
-        with ThreadPoolExecutor(4) as pool:
-            return dict(pool.map(one, prompts))
+def _served_model(url: str) -> str:
+    """The name the vLLM at ``url`` serves its model under."""
+    response = httpx.get(f"{url}/v1/models", timeout=CLIENT_TIMEOUT_S)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def _answers(url: str, model: str, prompts: list[Prompt]) -> dict[str, Answer]:
+    def one(prompt: Prompt) -> tuple[str, Answer]:
+        body = {"model": model, "prompt": prompt.tokens, "max_tokens": prompt.max_tokens}
+        body |= {"temperature": 0, "logprobs": 1}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S)
+        response.raise_for_status()
+        return prompt.name, _answer(response.json())
+
+    with ThreadPoolExecutor(4) as pool:
+        return dict(pool.map(one, prompts))
 
 
 def judge(got: Answer, want: Answer) -> tuple[str, str]:
