@@ -62,8 +62,8 @@ class PromptTokens:
         local = self._local
         if request.endpoint is Endpoint.COMPLETIONS:
             prompt = body["prompt"]
-            if isinstance(prompt, list) and len(prompt) == 1:  # a batch of one (the door's)
-                prompt = prompt[0]
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+                prompt = prompt[0]  # a batch of one (the door's), not a prompt of one token id
             if isinstance(prompt, list):
                 return prompt
             ask: dict[str, Any] = {"model": model, "prompt": prompt}

@@ -341,6 +341,23 @@ def test_placement_sends_a_prompt_decode_mostly_holds_to_decode_alone() -> None:
     assert by_load.decode_holds() == 0  # unknown: prefill pushes every chunk
 
 
+def test_token_ids_are_their_own_prompt_one_token_or_a_batch_of_one() -> None:
+    """A prompt of one token id is that id (it once was taken for a batch of one, and its
+    bare id sent to an instance's /tokenize, which refused it); a batch of one prompt is that
+    prompt. No instance is asked: none is given."""
+    tokens = PromptTokens(None, lambda: [], {}, 1.0)
+
+    async def ids(prompt: object) -> list[int] | None:
+        body = msgspec.json.encode({"model": "m", "prompt": prompt, "max_tokens": 4})
+        request = ClientRequest.from_json(Endpoint.COMPLETIONS, body, "m")
+        return await tokens.of(request, "m")
+
+    async def run() -> list[list[int] | None]:
+        return [await ids(p) for p in ([1472], [[1472, 5]], [7, 8], "text")]
+
+    assert asyncio.run(run()) == [[1472], [1472, 5], [7, 8], None]
+
+
 # ---- the proxy's own tokenizer ----
 
 
