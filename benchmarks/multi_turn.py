@@ -93,6 +93,7 @@ from benchmarks.multi_turn_load import (
     TurnResult,
     attribute_pushed_bytes,
     drive,
+    itl_streaming_alone_ms,
     make_conversations,
     percentile_ms,
     pushed_bytes_by_request,
@@ -138,6 +139,7 @@ RATIO_METRICS = {
     "kv_bytes_pushed_turns_2plus": "KV bytes pushed, turns >= 2",
     "computed_over_new": "prompt tokens computed / new tokens",
     "streams_at_once_p50": "answers streaming at once, per token received (p50)",
+    "itl_ms_p50_streaming_alone": "ITL p50, tokens of an answer streaming alone",
 }
 # Medians over runs reported beside RATIO_METRICS.
 SUMMARY_METRICS = (
@@ -346,6 +348,7 @@ def run_record(
         "ttft_ms_p50": percentile_ms([r.ttft_s for r in done if r.ttft_s is not None], 50),
         "itl_ms_p50": percentile_ms([g for r in done for g in r.gaps_s], 50),
         "streams_at_once_p50": streams_at_once(done),
+        "itl_ms_p50_streaming_alone": itl_streaming_alone_ms(done),
         "per_turn": turn_statistics(results),
         "prompt_tokens_by_source": {source: totals[source] for source in SOURCES},
         "new_tokens": new_tokens,

@@ -185,23 +185,37 @@ def percentile_ms(seconds: Sequence[float], q: float) -> float | None:
     return float(np.percentile(seconds, q)) * 1e3 if seconds else None
 
 
-def streams_at_once(results: Sequence[TurnResult]) -> float | None:
-    """Median over every token the client received after a turn's first: how many answers
-    (that one included) were streaming then. ITL p50 is over the same tokens, and with the
-    decode instances sharing cores it grows with this: a policy that brings answers out of
-    prefill's queue sooner streams more of them at once. None without such tokens."""
+def streams_at_each_token(results: Sequence[TurnResult]) -> list[tuple[int, float]]:
+    """For every token the client received after a turn's first: how many answers (that one
+    included) were streaming then, and the gap before it."""
     streamed = [
         r for r in results if r.error is None and r.ttft_s is not None and r.e2e_s is not None
     ]
     starts = np.sort([r.started_at + r.ttft_s for r in streamed])
     ends = np.sort([r.started_at + r.e2e_s for r in streamed])
-    counts = []
+    found: list[tuple[int, float]] = []
     for r in streamed:
         at = r.started_at + r.ttft_s + np.cumsum(r.gaps_s)
         began = np.searchsorted(starts, at, side="right")
         over = np.searchsorted(ends, at, side="left")
-        counts.extend((began - over).tolist())
+        found.extend(zip((began - over).tolist(), r.gaps_s, strict=True))
+    return found
+
+
+def streams_at_once(results: Sequence[TurnResult]) -> float | None:
+    """Median over every token the client received after a turn's first: how many answers
+    (that one included) were streaming then. ITL p50 is over the same tokens, and with the
+    decode instances sharing cores it grows with this: a policy that brings answers out of
+    prefill's queue sooner streams more of them at once. None without such tokens."""
+    counts = [count for count, _ in streams_at_each_token(results)]
     return float(np.median(counts)) if counts else None
+
+
+def itl_streaming_alone_ms(results: Sequence[TurnResult]) -> float | None:
+    """ITL p50 over the tokens received while their answer was the only one streaming: what a
+    decode step costs a stream apart from how many answers a policy has streaming at once
+    (``streams_at_once``). None without such tokens."""
+    return percentile_ms([gap for count, gap in streams_at_each_token(results) if count == 1], 50)
 
 
 def turn_statistics(results: Sequence[TurnResult]) -> dict[int, dict[str, Any]]:

@@ -29,6 +29,7 @@ from benchmarks.multi_turn_load import (
     account_new_tokens,
     attribute_pushed_bytes,
     converse,
+    itl_streaming_alone_ms,
     make_conversations,
     pushed_bytes_by_request,
     streams_at_once,
@@ -195,6 +196,9 @@ def test_streams_at_once_counts_the_answers_streaming_at_each_token() -> None:
     assert streams_at_once([a, b, failed]) == 2.0  # counts 2, 2, 1, 2, 2
     assert streams_at_once([a]) == 1.0
     assert streams_at_once([failed]) is None
+    # the one token received while its answer streamed alone: a's at 4, after a gap of 1 s
+    assert itl_streaming_alone_ms([a, b, failed]) == 1000.0
+    assert itl_streaming_alone_ms([failed]) is None
 
 
 EXPOSITION = """\
@@ -233,7 +237,7 @@ def test_ratios_of_medians_and_a_zero_denominator() -> None:
     records = [
         {"policy": p, "ttft_ms_p50_turns_2plus": t, "itl_ms_p50": 5.0, "kv_bytes_pushed": b}
         | {"computed_over_new": None if p == "kv" else 1.2, "kv_bytes_pushed_turns_2plus": b}
-        | {"streams_at_once_p50": 2.0}
+        | {"streams_at_once_p50": 2.0, "itl_ms_p50_streaming_alone": 10.0}
         for p, t, b in runs
     ]
     found = {r["metric"]: r for r in policy_ratios(records, "kv", "load", 200, 0.9, 0)}
