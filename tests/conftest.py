@@ -59,9 +59,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(autouse=True)
 def _reference_starts_with_the_first_vllm_test(request: pytest.FixtureRequest) -> None:
-    """The reference vLLM starts with the session's first test that starts vLLM, not its first
-    user: a vLLM start is mostly one process importing at a time, so alongside another it costs
-    little wall time, alone ~35 s. It then waits idle (no CPU) until used."""
+    """The reference vLLM starts in the setup of the session's first test that starts vLLM (after
+    that test's module fixtures), not of its first user: a vLLM start is mostly one process
+    importing at a time, so beside others it costs little wall time, alone ~35 s. It then waits
+    idle (no CPU) until used."""
     config = request.config
     if (
         config.stash.get(PLAIN_VLLM_WANTED, False)

@@ -153,7 +153,7 @@ class Reference:
         *,
         stop_after: bool = True,
     ) -> None:
-        self.plain = plain
+        self._plain = plain
         self._prompts = dict(prompts)
         self._output_tokens = output_tokens
         self._stop_after = stop_after
@@ -166,10 +166,10 @@ class Reference:
     def __getitem__(self, name: str) -> Answer:
         if self._answers is None:
             try:
-                self._answers = self.plain.answers(self._prompts, self._output_tokens)
+                self._answers = self._plain.answers(self._prompts, self._output_tokens)
             finally:
                 if self._stop_after:
-                    self.plain.stop()
+                    self._plain.stop()
         return self._answers[name]
 
 
