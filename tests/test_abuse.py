@@ -109,6 +109,15 @@ def test_every_door_has_short_cases_each_named_once() -> None:
         assert len(names) == len(set(names))
         assert sum(case.short for case in cases) >= 5
     assert set(SHORT_ZMQ_CASES) < set(ZMQ_CASES)
+    # A bad first-token notice address is prefill's concern; at decode it only waits out
+    # load_timeout_s (30 s a case), so the short run sends it to prefill alone.
+    notices = {
+        role: {
+            c.name for c in instance_cases(context, role) if c.short and "first_tok_to" in c.name
+        }
+        for role in ("prefill", "decode")
+    }
+    assert notices == {"prefill": {"first_tok_to_dash", "first_tok_to_big_port"}, "decode": set()}
 
 
 # ---- the short run, against real pools ----
