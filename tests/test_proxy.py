@@ -198,7 +198,13 @@ def test_completion_is_prefill_token_then_decode_tokens_on_the_same_ids(stacks, 
     spec = to_prefill["kv_transfer_params"]["disagg_spec"]
     assert to_decode["kv_transfer_params"]["disagg_spec"] == spec
     assert spec["req_id"].startswith("pd-")
-    assert stack.metric("lmcache_pd_proxy_requests_total", endpoint="/v1/completions", outcome="ok")
+    wait_for(  # counted when the handler ends, maybe just after a stream's last chunk was read
+        lambda: stack.metric(
+            "lmcache_pd_proxy_requests_total", endpoint="/v1/completions", outcome="ok"
+        ),
+        5,
+        "the request counted",
+    )
 
 
 def test_events_cut_across_network_reads_are_joined_before_they_are_read(stacks) -> None:
@@ -401,7 +407,13 @@ def test_a_prompt_under_min_disagg_tokens_is_served_by_decode_alone(
     assert to_decode == {"model": MODEL, "max_tokens": 3, "stream": stream, **short}
     assert {chunk.id for chunk in chunks if chunk.choices} == {"standin"}  # decode's own answer
     assert stack.metric("lmcache_pd_proxy_served_alone_total") == 1
-    assert stack.metric("lmcache_pd_proxy_requests_total", endpoint=path, outcome="ok") == 1
+    # Counted when the proxy's handler ends, which may be just after the client read a
+    # stream's last chunk.
+    wait_for(
+        lambda: stack.metric("lmcache_pd_proxy_requests_total", endpoint=path, outcome="ok") == 1,
+        5,
+        "the request counted",
+    )
     # Control: a prompt of min_disagg_tokens goes through prefill first.
     answer = create(model=MODEL, max_tokens=3, stream=stream, **long)
     if stream:
