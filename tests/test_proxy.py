@@ -87,6 +87,19 @@ class Stack:
         """One sample of the proxy's /metrics (0 if absent)."""
         return metric_sample(self.proxy.url, name, **labels)
 
+    def wait_counted(self, outcome: str, endpoint: str = "/v1/completions") -> None:
+        """Until the proxy has counted one request of ``endpoint`` ending in ``outcome``: it
+        counts when its handler ends, which can be just after the client read a stream's last
+        chunk (a read at once failed once in a full run)."""
+        wait_for(
+            lambda: (
+                self.metric("lmcache_pd_proxy_requests_total", endpoint=endpoint, outcome=outcome)
+                == 1
+            ),
+            5,
+            f"one {endpoint} request counted {outcome}",
+        )
+
     def close(self) -> None:
         self._exit.close()
 
@@ -198,13 +211,7 @@ def test_completion_is_prefill_token_then_decode_tokens_on_the_same_ids(stacks, 
     spec = to_prefill["kv_transfer_params"]["disagg_spec"]
     assert to_decode["kv_transfer_params"]["disagg_spec"] == spec
     assert spec["req_id"].startswith("pd-")
-    wait_for(  # counted when the handler ends, maybe just after a stream's last chunk was read
-        lambda: stack.metric(
-            "lmcache_pd_proxy_requests_total", endpoint="/v1/completions", outcome="ok"
-        ),
-        5,
-        "the request counted",
-    )
+    stack.wait_counted("ok")
 
 
 def test_events_cut_across_network_reads_are_joined_before_they_are_read(stacks) -> None:
@@ -373,9 +380,7 @@ def test_failed_decode_is_a_clear_error_within_the_read_deadline(stacks, decode,
             stack.client.completions.create(**request)
     assert time.monotonic() - started < 5
     assert "decode instance" in str(failure.value)
-    assert stack.metric(
-        "lmcache_pd_proxy_requests_total", endpoint="/v1/completions", outcome="decode_failed"
-    )
+    stack.wait_counted("decode_failed")
     # and the next request is served
     healthy = stacks()
     assert healthy.client.completions.create(model=MODEL, prompt=[1], max_tokens=2).choices
@@ -407,13 +412,7 @@ def test_a_prompt_under_min_disagg_tokens_is_served_by_decode_alone(
     assert to_decode == {"model": MODEL, "max_tokens": 3, "stream": stream, **short}
     assert {chunk.id for chunk in chunks if chunk.choices} == {"standin"}  # decode's own answer
     assert stack.metric("lmcache_pd_proxy_served_alone_total") == 1
-    # Counted when the proxy's handler ends, which may be just after the client read a
-    # stream's last chunk.
-    wait_for(
-        lambda: stack.metric("lmcache_pd_proxy_requests_total", endpoint=path, outcome="ok") == 1,
-        5,
-        "the request counted",
-    )
+    stack.wait_counted("ok", path)
     # Control: a prompt of min_disagg_tokens goes through prefill first.
     answer = create(model=MODEL, max_tokens=3, stream=stream, **long)
     if stream:
@@ -444,9 +443,7 @@ def test_decode_failing_a_request_it_serves_alone_is_a_clear_error(stacks, decod
             list(answer)
     assert time.monotonic() - started < 5
     assert "decode instance" in str(failure.value)
-    assert stack.metric(
-        "lmcache_pd_proxy_requests_total", endpoint="/v1/completions", outcome="decode_failed"
-    )
+    stack.wait_counted("decode_failed")
     assert stack.prefill[0].state.received == []
 
 
@@ -466,9 +463,7 @@ def test_decode_refusing_what_prefill_took_passes_its_answer_on(stacks, stream) 
         with pytest.raises(openai.BadRequestError, match="refused by the stand-in"):
             stack.client.completions.create(model=MODEL, prompt=[4, 2], max_tokens=6)
     assert stack.prefill[0].state.received  # prefill served its token first
-    assert stack.metric(
-        "lmcache_pd_proxy_requests_total", endpoint="/v1/completions", outcome="upstream_rejected"
-    )
+    stack.wait_counted("upstream_rejected")
 
 
 def test_decode_refusing_a_request_it_serves_alone_passes_its_answer_on(stacks) -> None:
