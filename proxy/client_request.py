@@ -141,6 +141,14 @@ def _validate(endpoint: Endpoint, body: dict[str, Any]) -> _CompletionFields | _
     return fields
 
 
+def completion_prompt(prompt: str | list[Any]) -> str | list[Any]:
+    """A completion's one prompt: a batch of one (a text or token ids, which the door lets
+    through) unwrapped; a prompt of token ids, one or many, as it is."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return prompt[0]
+    return prompt
+
+
 def _one_prompt(prompt: str | list[Any]) -> None:
     """Refuse batches and malformed prompts; vLLM would answer n prompts with n choices."""
     if isinstance(prompt, str):

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
+from lmcache_pd.proxy.client_request import ClientRequest, Endpoint, completion_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +54,7 @@ def _prompt_of(request: ClientRequest) -> str | list[int]:
     chat's message texts joined."""
     body = request.body
     if request.endpoint is Endpoint.COMPLETIONS:
-        prompt = body["prompt"]
-        return (
-            prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], str | list) else prompt
-        )
+        return completion_prompt(body["prompt"])
     texts = []
     for message in body["messages"]:
         content = message.get("content")

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
+from lmcache_pd.proxy.client_request import ClientRequest, Endpoint, completion_prompt
 from lmcache_pd.proxy.local_tokenizer import LocalTokenizer
 from lmcache_pd.proxy.routing import Upstream
 
@@ -61,9 +61,7 @@ class PromptTokens:
         body = request.body
         local = self._local
         if request.endpoint is Endpoint.COMPLETIONS:
-            prompt = body["prompt"]
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-                prompt = prompt[0]  # a batch of one (the door's), not a prompt of one token id
+            prompt = completion_prompt(body["prompt"])
             if isinstance(prompt, list):
                 return prompt
             ask: dict[str, Any] = {"model": model, "prompt": prompt}
