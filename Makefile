@@ -31,16 +31,20 @@ $(STAMP): pyproject.toml setup.py kernels/_cpu_block_copy.c kernels/xxh3.h requi
 demo: $(STAMP)
 	$(BIN)/lmcache-pd demo
 
+# Two workers (pytest-xdist): the vLLM modules in order on one, the rest beside them
+# (tests/workers.py).
+WORKERS := -n 2 --no-loadscope-reorder
+
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(WORKERS)
 
 # Tests marked `vllm` or `processes` start processes (tests/lanes.py); the rest, minutes fewer,
 # run here, and fail if they start one.
 check: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -m "not vllm and not processes"
+	$(BIN)/python -m pytest $(WORKERS) -m "not vllm and not processes"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

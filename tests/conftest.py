@@ -1,18 +1,20 @@
 """Fixtures shared by the tests: a chunk keyer, the tiny model and the reference vLLM; and the
-hooks that hold each test to its lane (tests/lanes.py) and stop the reference vLLM once its last
-user is done."""
+hooks that hold each test to its lane (tests/lanes.py), share the suite between `make test`'s
+two workers (tests/workers.py) and stop the reference vLLM once its last user is done."""
 
 import platform
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from xdist.remote import Producer
 
 from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.keys import ChunkKeyer
 from tests.helpers import make_keyer
 from tests.lanes import in_fast_lane, processes_refused
 from tests.vllm_support import MODEL_DIR, PlainVLLM
+from tests.workers import ModulesThenVLLM, order_for_workers
 
 # The openai client reads platform.platform() on its first request, and that runs `uname -p`
 # once per process: run here, at collection, not first inside a fast-lane test (which may start
@@ -49,8 +51,18 @@ def plain_vllm(
         plain.stop()
 
 
-@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    order_for_workers(items)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> ModulesThenVLLM:
+    return ModulesThenVLLM(config, log)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Which test is the reference vLLM's last user, once -k and -m have deselected."""
+    items = session.items
     users = [item for item in items if "plain_vllm" in getattr(item, "fixturenames", ())]
     if users:
         users[-1].stash[LAST_PLAIN_VLLM_USER] = True

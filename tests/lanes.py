@@ -59,3 +59,12 @@ def processes_refused(test_id: str) -> Iterator[list[str]]:
             if hasattr(owner, name):
                 patch.setattr(owner, name, refuse(name))
         yield refusals
+
+
+def lane_rank(item: pytest.Item) -> int:
+    """0 for vLLM, 1 for other processes, 2 for the fast lane (tests/workers.py runs them in
+    this order)."""
+    for rank, name in enumerate(LANE_MARKERS):
+        if item.get_closest_marker(name):
+            return rank
+    return len(LANE_MARKERS)

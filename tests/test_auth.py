@@ -219,6 +219,7 @@ def test_only_a_producer_with_the_secret_puts_kv_into_a_consumer(tmp_path: Path)
         ("127.0.0.1", None, 0),
         ("0.0.0.0", SECRET, 0),
     ],
+    ids=["open", "loopback", "with-secret"],  # not the secret: the same on every xdist worker
 )
 def test_the_unauthenticated_gauge_says_when_anyone_may_write_kv(
     monkeypatch: pytest.MonkeyPatch, host: str, secret: str | None, flagged: int
