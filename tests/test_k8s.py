@@ -28,6 +28,7 @@ from lmcache_pd.deploy.instance import THREAD_CPUS_ENV, instance_env
 from lmcache_pd.deploy.k8s import manifests, to_yaml
 from lmcache_pd.deploy.launcher import peer_text
 from lmcache_pd.deploy.pools import InstanceSpec, KubernetesSpec, PoolsConfig, load_pools
+from lmcache_pd.deploy.vllm_server import server_env
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.proxy.config import KVEventsAddress, ProxyConfig, proxy_config
 
@@ -483,6 +484,22 @@ def test_requests_come_from_the_pools_file() -> None:
     prefill = container_of(one(manifests(pools), "StatefulSet", "prefill"))
     assert prefill["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}}
     assert {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "2"} in decode["env"]
+
+
+@pytest.mark.parametrize(
+    "args", [["--kv-cache-memory-bytes", "134217728"], ["--kv-cache-memory-bytes=134217728"]]
+)
+def test_a_kv_cache_sized_in_bytes_is_not_overridden_by_the_gib_variable(args: list[str]) -> None:
+    """vLLM on CPU lets ``VLLM_CPU_KVCACHE_SPACE`` override ``--kv-cache-memory-bytes``
+    whenever it is set: an instance whose arguments size its cache in bytes gets none. Control:
+    without them, ``kv_cache_gib``'s value."""
+    pools = shipped("pools.yaml")
+    sized = msgspec.structs.replace(pools, vllm_args=[*pools.vllm_args, *args])
+    names = {entry["name"] for entry in _decode(manifests(sized))["env"]}
+    assert "VLLM_CPU_KVCACHE_SPACE" not in names
+    assert "VLLM_CPU_KVCACHE_SPACE" not in server_env(cpu=None, args=args)
+    assert {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"} in _decode(manifests(pools))["env"]
+    assert server_env(cpu=None)["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
 def test_decodes_landed_boards_live_on_the_pods_memory_volume() -> None:

@@ -174,7 +174,14 @@ def _vllm_container(
     )
     # Kubernetes expands $(POD_IP), defined first, in later variables' values.
     env = [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
-    values = server_env(cpu=None, env=instance_env(pools, spec)) | pod_env
+    values = (
+        server_env(
+            cpu=None,
+            env=instance_env(pools, spec),
+            args=[*pools.engine_args, *instance_args(pools, spec)],
+        )
+        | pod_env
+    )
     if component == "decode":
         # Its KV ports bind the pod's IP; the proxy and prefill name its DNS name, which is it.
         values[RECEIVER_HOST_ENV] = f"$({POD_IP_ENV})"

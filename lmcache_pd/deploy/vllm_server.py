@@ -35,6 +35,8 @@ from lmcache_pd.deploy.instance_guard import GUARD_IMPORT_PATH, KEY_ENV
 from lmcache_pd.errors import ConfigError
 
 START_TIMEOUT_S = 240.0
+KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+KV_CACHE_BYTES_ARG = "--kv-cache-memory-bytes"
 # Engine arguments that suit the project's tiny model: fp32 so that greedy output is bit-identical
 # across instances, eager because torch.compile adds ~60 s to a start on these machines, a short
 # context, a fixed seed. A real model's pools file names its own (``engine_args``).
@@ -141,24 +143,50 @@ def vllm_command(
     return command
 
 
+def sizes_kv_cache_in_bytes(args: Sequence[str]) -> bool:
+    """Whether vLLM ``args`` size the KV cache in bytes (``--kv-cache-memory-bytes``): vLLM on
+    CPU lets ``VLLM_CPU_KVCACHE_SPACE`` override them whenever it is set (and fails on an empty
+    one), so the server must not have it at all."""
+    return any(
+        arg == KV_CACHE_BYTES_ARG or arg.startswith(f"{KV_CACHE_BYTES_ARG}=") for arg in args
+    )
+
+
 def server_env(
-    *, cpu: int | str | None, env: dict[str, str] | None = None, api_key: str | None = None
+    *,
+    cpu: int | str | None,
+    env: dict[str, str] | None = None,
+    api_key: str | None = None,
+    args: Sequence[str] = (),
 ) -> dict[str, str]:
     """What a vLLM server needs in its environment on top of what it inherits: offline Hugging
-    Face (models come from folders), a 1 GiB CPU KV cache unless ``env`` says otherwise,
-    unbuffered output (its log shows each line as it happens), ``cpu``'s thread pinning
-    (``VLLM_CPU_OMP_THREADS_BIND``; None: vLLM's own choice), then ``env``, then its key
-    (``VLLM_API_KEY``, for vLLM's ``--api-key``) if it has one."""
+    Face (models come from folders), a 1 GiB CPU KV cache unless ``env`` says otherwise (and
+    none at all if ``args`` size it in bytes), unbuffered output (its log shows each line as it
+    happens), ``cpu``'s thread pinning (``VLLM_CPU_OMP_THREADS_BIND``; None: vLLM's own
+    choice), then ``env``, then its key (``VLLM_API_KEY``, for vLLM's ``--api-key``) if it has
+    one."""
     pinning = {} if cpu is None else {"VLLM_CPU_OMP_THREADS_BIND": str(cpu)}
     key = {} if api_key is None else {KEY_ENV: api_key}
-    return {
+    values = {
         "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
+        KV_CACHE_SPACE_ENV: "1",
         "PYTHONUNBUFFERED": "1",
         **pinning,
         **(env or {}),
         **key,
     }
+    if sizes_kv_cache_in_bytes(args):
+        del values[KV_CACHE_SPACE_ENV]
+    return values
+
+
+def _environment(runtime: dict[str, str], server: dict[str, str]) -> dict[str, str]:
+    """What a server starts with: this process's environment as inherited, ``runtime``, then
+    ``server``; without an inherited KV cache size that ``server`` left out on purpose."""
+    values = {**inherited_env(), **runtime, **server}
+    if KV_CACHE_SPACE_ENV not in server:
+        values.pop(KV_CACHE_SPACE_ENV, None)
+    return values
 
 
 def inherited_env() -> dict[str, str]:
@@ -245,6 +273,7 @@ class VLLMServer:
         ``netns.Side.call``). With ``api_key`` it answers only /health and /metrics without
         that key; ``headers`` carry it, and ``warm_up``, ``post`` and ``complete`` send them."""
         cpus = None if process_cpus is None else _usable_cpus(process_cpus)
+        arguments = [*engine_args, *extra_args]
         command = [
             *wrap,
             *vllm_command(
@@ -282,7 +311,9 @@ class VLLMServer:
                 # beside it.
                 process_group=0,
                 preexec_fn=functools.partial(_prepare_child, cpus),
-                env={**inherited_env(), **runtime, **server_env(cpu=cpu, env=env, api_key=api_key)},
+                env=_environment(
+                    runtime, server_env(cpu=cpu, env=env, api_key=api_key, args=arguments)
+                ),
             )
         except BaseException:
             self._log.close()
