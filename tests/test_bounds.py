@@ -587,7 +587,8 @@ def test_65_bogus_consumers_then_a_real_decode_push_lands(
     tmp_path: Path, keyer: ChunkKeyer, unanswering_port: int
 ) -> None:
     node = Node(tmp_path, num_pages=16)
-    chunks = make_chunks(keyer.chunk_keys(list(range(2 * CHUNK_SIZE))), seed=65)
+    tokens = list(range(2 * CHUNK_SIZE))
+    chunks = make_chunks(keyer.chunk_keys(tokens), seed=65)
     # 65 consumers to the producer (no two name the same ports): where nothing listens, or
     # something that speaks no ZMQ.
     bogus = [
@@ -619,6 +620,12 @@ def test_65_bogus_consumers_then_a_real_decode_push_lands(
             assert not real.abandoned.is_set()
             assert pushes.counts["peers_evicted"] == 2
             assert pushes.counts.get("pushes", 0) == 1
+            # A push ends once written; the consumer lands it when it reads the notice.
+            wait_for(
+                lambda: node.process.call("lookup", tokens=tokens) == len(tokens),
+                10,
+                "the real push landing",
+            )
             landed = node.process.call("checksums", keys=[key.hex() for key, _ in chunks])
             assert landed == [checksum(t.view(-1).view(torch.uint8)) for _, t in chunks]
             node.process.call("release", req_id="r-real")
