@@ -30,7 +30,9 @@ tokens: its prompt tokens minus the previous turn's prompt and completion tokens
 reports them, so its user message and template; turn 1: its whole prompt; the previous answer
 counts as that turn's completion, yet prefill, which never saw it, computes it: the ideal is
 above 1), KV bytes prefill pushed (``lmcache_pd_bytes_pushed``: counters give whole runs only,
-so bytes per run, all turns), finished requests per instance (``vllm:request_success_total``).
+so bytes per run, all turns), finished requests per instance (``vllm:request_success_total``),
+and the share of the run each instance's connector held vLLM's model-runner and scheduler threads
+(``lmcache_pd_model_thread_microseconds``, ``..._scheduler_...``: what it added to the steps).
 Then, first policy over each other (``kv / load`` by default), ratios of the medians over runs with
 a bootstrap interval (``serving_compare.ratio_interval``): TTFT p50 of turns >= 2, ITL p50, KV
 bytes pushed per run, computed / new tokens.
@@ -130,6 +132,8 @@ PD_COUNTERS = (
     "cache_hits",
     "cache_not_needed",
     "cache_bytes_not_resent",
+    "model_thread_microseconds",
+    "scheduler_thread_microseconds",
 )
 # Per-run figures compared across policies, and how the table names them.
 RATIO_METRICS = {
@@ -140,6 +144,7 @@ RATIO_METRICS = {
     "computed_over_new": "prompt tokens computed / new tokens",
     "streams_at_once_p50": "answers streaming at once, per token received (p50)",
     "itl_ms_p50_streaming_alone": "ITL p50, tokens of an answer streaming alone",
+    "decode_model_thread_share": "decode's model thread held by the connector (busiest decode)",
 }
 # Medians over runs reported beside RATIO_METRICS.
 SUMMARY_METRICS = (
@@ -307,6 +312,21 @@ def counter_deltas(
     return deltas
 
 
+def thread_shares(
+    deltas: dict[str, dict[str, float]], wall_s: float
+) -> dict[str, dict[str, float]]:
+    """Per instance, the share of the run's wall time its connector held vLLM's model-runner
+    and scheduler threads (``model_thread_microseconds``, ``scheduler_thread_microseconds``):
+    what the connector adds to that instance's steps, the ITL of what it serves."""
+    return {
+        name: {
+            "model_thread": d.get("model_thread_microseconds", 0.0) / (wall_s * 1e6),
+            "scheduler_thread": d.get("scheduler_thread_microseconds", 0.0) / (wall_s * 1e6),
+        }
+        for name, d in deltas.items()
+    }
+
+
 def _median(values: Sequence[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
@@ -358,6 +378,15 @@ def run_record(
         "kv_bytes_pushed_per_request": totals["bytes_pushed"] / len(done) if done else None,
         "pd_counters": {name: totals[name] for name in PD_COUNTERS},
         "requests_per_instance": {name: d["requests"] for name, d in deltas.items()},
+        "connector_thread_share": thread_shares(deltas, wall_s),
+        "decode_model_thread_share": max(
+            (
+                share["model_thread"]
+                for name, share in thread_shares(deltas, wall_s).items()
+                if name.startswith("decode")
+            ),
+            default=None,
+        ),
         "instances": deltas,
         "turns": [r.as_record() for r in results],
     }

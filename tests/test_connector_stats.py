@@ -6,6 +6,7 @@ import http.server
 import pickle
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -28,7 +29,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from lmcache_pd.connector import stats
-from lmcache_pd.connector.counters import COUNTERS, GAUGES, StatsRecorder
+from lmcache_pd.connector.counters import COUNTERS, GAUGES, StatsRecorder, holds_thread
 from lmcache_pd.connector.stats import PDConnectorStats, PDPromMetrics
 from lmcache_pd.metrics_scrape import decode_sources, prompt_tokens_by_source, scrape
 
@@ -171,6 +172,57 @@ def test_unknown_name_or_negative_count_is_refused(call: str, args: tuple[str, i
     with pytest.raises(ValueError):
         getattr(recorder, call)(*args)
     assert taken(recorder) is None
+
+
+class Hooks:
+    """A connector half's hooks as the facade times them."""
+
+    def __init__(self) -> None:
+        self._stats = StatsRecorder("rank0")
+
+    @holds_thread("model_thread_microseconds")
+    def step(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "done"
+
+    @holds_thread("scheduler_thread_microseconds")
+    def refuse(self) -> None:
+        time.sleep(0.002)
+        raise RuntimeError("refused")
+
+
+def test_a_hook_counts_the_microseconds_it_held_its_thread_returning_or_raising() -> None:
+    hooks = Hooks()
+    assert hooks.step(0.005) == "done"
+    with pytest.raises(RuntimeError):
+        hooks.refuse()
+    counted = hooks._stats.totals()
+    assert 5_000 <= counted["model_thread_microseconds"] < 1_000_000
+    assert 2_000 <= counted["scheduler_thread_microseconds"] < 1_000_000
+    hooks.step(0)  # control: a hook that does nothing adds (next to) nothing
+    assert (
+        hooks._stats.totals()["model_thread_microseconds"] - counted["model_thread_microseconds"]
+        < 2_000
+    )
+
+
+def test_a_hook_timed_into_an_unknown_counter_is_refused_where_it_is_declared() -> None:
+    with pytest.raises(ValueError, match="unknown counter"):
+        holds_thread("model_thread_seconds")
+
+
+def test_every_hook_vllm_calls_each_step_is_timed() -> None:
+    from lmcache_pd.connector.facade import LMCachePDConnector
+
+    worker = ("start_load_kv", "get_block_ids_with_load_errors", "wait_for_save")
+    worker += ("get_transfer_results", "build_connector_worker_meta")
+    scheduler = ("get_num_new_matched_tokens", "update_state_after_alloc")
+    scheduler += ("build_connector_meta", "request_finished", "update_connector_output")
+    scheduler += ("has_pending_push_work", "take_events")
+    for name in (*worker, *scheduler):
+        assert hasattr(getattr(LMCachePDConnector, name), "__wrapped__"), name
+    # control: a hook vLLM calls once, at start-up, is not
+    assert not hasattr(LMCachePDConnector.register_kv_caches, "__wrapped__")
 
 
 @pytest.fixture

@@ -101,6 +101,8 @@ PROMPTS["local"] = prompt(700, 3902)
 # A follow-up whose first 384 tokens (3 blocks, half of its second chunk) decode holds.
 PROMPTS["tail-1"] = prompt(400, 3903)
 PROMPTS["tail-2"] = PROMPTS["tail-1"] + prompt(300, 3904)
+# Pushed and loaded once, while the time the connector holds vLLM's threads is counted.
+PROMPTS["timed"] = prompt(600, 3905)
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +242,26 @@ def pair(
         yield pair
     finally:
         pair.stop()
+
+
+def test_the_time_the_connector_holds_vllms_threads_is_counted_and_within_the_wall_time(
+    pair: PDPair, reference: dict
+) -> None:
+    """Both instances count the microseconds their connector's hooks held vLLM's model-runner
+    and scheduler threads; a pushed and loaded request adds some to each, and never more than
+    the wall time it took (a unit slip, nanoseconds for microseconds, would be 1,000 times
+    over)."""
+    sides = ("producer", "consumer")
+    names = ("model_thread_microseconds", "scheduler_thread_microseconds")
+    before = {side: pair.stats_after_a_step(side) for side in sides}
+    started = time.monotonic()
+    assert pair.disaggregated("timed", PROMPTS["timed"]) == reference["timed"]
+    after = {side: pair.stats_after_a_step(side) for side in sides}
+    wall_us = (time.monotonic() - started) * 1e6
+    for side in sides:
+        for name in names:
+            added = after[side][name] - before[side][name]
+            assert 0 < added < wall_us, (side, name, added, wall_us)
 
 
 @pytest.mark.parametrize("length", LENGTHS)

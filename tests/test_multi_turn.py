@@ -186,6 +186,21 @@ def test_per_turn_statistics() -> None:
     assert record["ttft_ms_p50_turns_2plus"] == pytest.approx(50.0)
     assert record["new_tokens"] == 400 and record["failures"] == 1
     assert record["computed_over_new"] == 0.0
+    assert record["decode_model_thread_share"] is None  # no instance counted
+
+
+def test_each_instances_connector_share_of_vllms_threads_over_the_run() -> None:
+    held = {"requests": 4.0, "model_thread_microseconds": 500_000.0}
+    held["scheduler_thread_microseconds"] = 20_000.0
+    deltas = {"prefill-0": held, "decode-0": held | {"model_thread_microseconds": 100_000.0}}
+    deltas["decode-1"] = held | {"model_thread_microseconds": 300_000.0}
+    record = run_record("kv", 0, [], deltas, 10.0)
+    assert record["connector_thread_share"]["prefill-0"] == {
+        "model_thread": pytest.approx(0.05),
+        "scheduler_thread": pytest.approx(0.002),
+    }
+    # the busiest decode's, not prefill's
+    assert record["decode_model_thread_share"] == pytest.approx(0.03)
 
 
 def test_streams_at_once_counts_the_answers_streaming_at_each_token() -> None:
@@ -238,6 +253,7 @@ def test_ratios_of_medians_and_a_zero_denominator() -> None:
         {"policy": p, "ttft_ms_p50_turns_2plus": t, "itl_ms_p50": 5.0, "kv_bytes_pushed": b}
         | {"computed_over_new": None if p == "kv" else 1.2, "kv_bytes_pushed_turns_2plus": b}
         | {"streams_at_once_p50": 2.0, "itl_ms_p50_streaming_alone": 10.0}
+        | {"decode_model_thread_share": 0.01}
         for p, t, b in runs
     ]
     found = {r["metric"]: r for r in policy_ratios(records, "kv", "load", 200, 0.9, 0)}

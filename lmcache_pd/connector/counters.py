@@ -8,10 +8,12 @@ worker.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from lmcache_pd.transfer.consumer_stats import EXPORTED_COUNTERS, EXPORTED_GAUGES
 
@@ -71,6 +73,11 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "(the most one producer keeps is 64).",
         "consumer_process_down": "Times the consumer rank's own process was found gone; "
         "every load of that rank is recomputed from then on.",
+        # What the connector costs vLLM's own threads: the time its hooks hold them.
+        "model_thread_microseconds": "Microseconds the connector's worker hooks held vLLM's "
+        "model-runner thread (loads, copies out, keeps, results): the step waits meanwhile.",
+        "scheduler_thread_microseconds": "Microseconds the connector's scheduler hooks held "
+        "vLLM's scheduler (engine-core) thread: scheduling waits meanwhile.",
         # The consumer rank's own counters (its process), as deltas each step.
         **{CONSUMER_PREFIX + name: text for name, text in EXPORTED_COUNTERS.items()},
     }
@@ -163,3 +170,37 @@ class StatsRecorder:
         """Counters since start (taken or not), and each gauge's current value, for logs."""
         with self._lock:
             return {**self._totals, **self._gauges}
+
+
+class Counted(Protocol):
+    """A connector half's facade: it has a recorder."""
+
+    _stats: StatsRecorder
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+C = TypeVar("C", bound=Counted)
+
+
+def holds_thread(
+    counter: str,
+) -> Callable[[Callable[Concatenate[C, P], R]], Callable[Concatenate[C, P], R]]:
+    """A connector hook whose time on the vLLM thread that calls it is counted in ``counter``
+    (microseconds, whether it returns or raises): vLLM's step or scheduling waits for every hook,
+    so this is what the connector adds to them. ~1 us a call (two clock reads, a locked add)."""
+    if counter not in COUNTERS:
+        raise ValueError(f"unknown counter {counter!r}")
+
+    def wrap(hook: Callable[Concatenate[C, P], R]) -> Callable[Concatenate[C, P], R]:
+        @functools.wraps(hook)
+        def timed(self: C, *args: P.args, **kwargs: P.kwargs) -> R:
+            started = time.perf_counter_ns()
+            try:
+                return hook(self, *args, **kwargs)
+            finally:
+                self._stats.add(counter, (time.perf_counter_ns() - started) // 1000)
+
+        return timed
+
+    return wrap

@@ -7,7 +7,9 @@ Load it with ``--kv-transfer-config '{"kv_connector": "LMCachePDConnector",
 
 vLLM makes one instance per process: role SCHEDULER in the engine core, role WORKER in each
 worker. The facade builds the half of its role (producer or consumer, scheduler or worker) and
-delegates every hook to it; the halves inherit "nothing to do" for hooks they do not use. Only
+delegates every hook to it; the halves inherit "nothing to do" for hooks they do not use. The
+time each hook holds vLLM's thread is counted (``model_thread_microseconds``,
+``scheduler_thread_microseconds``): vLLM's step waits for it. Only
 the worker half owns sockets, NIXL and buffers. Blocks are never held past a request's end: the
 producer copies KV out of the paged cache during the step that computed it. Counters of either
 half reach vLLM's own ``/metrics`` through the connector stats hooks (``stats.py``).
@@ -37,7 +39,7 @@ from lmcache_pd.config import CONFIG_PATH_ENV, PDConfig, load_config
 from lmcache_pd.connector import kv_event_publisher
 from lmcache_pd.connector.computed_prompts import ComputedPrompts
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
-from lmcache_pd.connector.counters import StatsRecorder
+from lmcache_pd.connector.counters import StatsRecorder, holds_thread
 from lmcache_pd.connector.landed_chunks import LandedChunks
 from lmcache_pd.connector.landed_events import LandedEvents
 from lmcache_pd.connector.metadata import PDConnectorMetadata, PushProgress
@@ -63,6 +65,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+# The hooks vLLM's model-runner thread calls each step, and its scheduler's.
+on_model_thread = holds_thread("model_thread_microseconds")
+on_scheduler_thread = holds_thread("scheduler_thread_microseconds")
 
 # metadata.py stays free of vLLM; to vLLM its classes are the kinds of metadata they carry.
 KVConnectorMetadata.register(PDConnectorMetadata)
@@ -334,6 +340,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
             Path(envs.VLLM_RPC_BASE_PATH), self._vllm_config.instance_id, rank
         )
 
+    @on_model_thread
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Consumer: do this step's synchronous loads (their KV has landed) and queue the
         others; they complete as their chunks land."""
@@ -343,6 +350,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
         """Loads are whole-request, done in ``start_load_kv`` or asynchronously; nothing
         waits per layer."""
 
+    @on_model_thread
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Consumer: blocks of this step's synchronous loads that failed; vLLM recomputes
         them (and drops what this step computed from them)."""
@@ -357,10 +365,12 @@ class LMCachePDConnector(KVConnectorBase_V1):
     ) -> None:
         """Nothing per layer: the whole step's KV is gathered in ``wait_for_save``."""
 
+    @on_model_thread
     def wait_for_save(self) -> None:
         """Producer: copy out the chunks this step completed and queue their push."""
         self._worker.wait_for_save(self._meta())
 
+    @on_model_thread
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Consumer: the loads that completed or failed since the last step."""
         received, failed = self._worker.finished_loads()
@@ -388,19 +398,23 @@ class LMCachePDConnector(KVConnectorBase_V1):
         rank's load failed (``KVOutputAggregator``), so the request is then recomputed."""
         return self._vllm_config.parallel_config.world_size
 
+    @on_scheduler_thread
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @on_scheduler_thread
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @on_scheduler_thread
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    @on_scheduler_thread
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -408,18 +422,22 @@ class LMCachePDConnector(KVConnectorBase_V1):
         ``KVTransferReturn`` as a dict: vLLM passes it on in the response)."""
         return False, self._scheduler.request_finished(request)
 
+    @on_scheduler_thread
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler.update_connector_output(connector_output)
 
+    @on_scheduler_thread
     def has_pending_push_work(self) -> bool:
         """Producer: pushes still running; vLLM keeps stepping (their counters flush)."""
         return self._scheduler.has_pending_push_work()
 
+    @on_scheduler_thread
     def take_events(self) -> list[KVCacheEvent]:
         """Consumer: the chunks landed or gone since the last step, as KV events that vLLM
         publishes after its own (``landed_events.py``)."""
         return self._scheduler.take_events()
 
+    @on_model_thread
     def build_connector_worker_meta(self) -> PushProgress | None:
         return self._worker.progress()
 
