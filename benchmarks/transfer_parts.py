@@ -13,6 +13,8 @@ is asked for pages meanwhile); "raw NIXL" the plain gather then one bare WRITE p
 of the same pages, no protocol. Both move every part once, one after
 another (the connector pushes to two consumers from two sender threads at once; timed one after
 the other here, so that the ratio is of the same work). Methods interleaved run by run; medians.
+Beside the ratio, where ours spends more (``cost_split``): the checksums its gather takes, and the
+rest of its push (the protocol) over the bare WRITE; and the ratio if only the checksums cost.
 
 Reproduce (table on stdout, JSON in benchmarks/results/transfer-parts.json)::
 
@@ -115,8 +117,10 @@ def measure(shape: str, part_bytes: int, count: int, runs: int) -> dict[str, Any
             )
             return raw_write_once(producer, peer, segments, source)
 
-        def every_part(step: Callable[[int], tuple[float, float]]) -> float:
-            return sum(sum(step(index)) for index in range(HEADS))
+        def every_part(step: Callable[[int], tuple[float, float]]) -> tuple[float, float]:
+            """Seconds of gathering every part, and of the rest of sending them."""
+            gathers, sends = zip(*(step(index) for index in range(HEADS)), strict=True)
+            return sum(gathers), sum(sends)
 
         steps = {
             "ours": lambda: every_part(
@@ -128,11 +132,13 @@ def measure(shape: str, part_bytes: int, count: int, runs: int) -> dict[str, Any
             producer, source, sink, spec = routes[index]
             push_once(producer, config, sink, spec, source, verify=True)
         samples: dict[str, list[float]] = {name: [] for name in METHODS}
+        gathers: dict[str, list[float]] = {name: [] for name in METHODS}
         for run in range(-WARMUP_RUNS, runs):
             for name in METHODS[run % 2 :] + METHODS[: run % 2]:
-                elapsed = steps[name]()
+                gather_s, send_s = steps[name]()
                 if run >= 0:
-                    samples[name].append(elapsed)
+                    samples[name].append(gather_s + send_s)
+                    gathers[name].append(gather_s)
     nbytes = HEADS * count * part_bytes
     gbps = {name: nbytes / statistics.median(times) / 1e9 for name, times in samples.items()}
     logger.info("%s %d x 2 x %d B: %s", shape, count, part_bytes, gbps)
@@ -143,13 +149,37 @@ def measure(shape: str, part_bytes: int, count: int, runs: int) -> dict[str, Any
         "request_bytes": nbytes,
         **{f"{name}_gbps": value for name, value in gbps.items()},
         "ratio_vs_raw_nixl": gbps["ours"] / gbps["raw_nixl"],
+        **cost_split(samples, gathers),
         "samples_s": samples,
+        "gather_samples_s": gathers,
+    }
+
+
+def cost_split(
+    samples: dict[str, list[float]], gathers: dict[str, list[float]]
+) -> dict[str, float]:
+    """Where ours spends more than raw NIXL, from the medians of a run's parts: the gather that
+    takes the checksums in its pass against the plain one, and the rest of the push (the
+    protocol: pages reserved or asked for, the notification the WRITE carries, the bookkeeping)
+    against the bare WRITE; and the ratio ours would reach if only the checksums cost more."""
+    gather = {name: statistics.median(times) for name, times in gathers.items()}
+    rest = {
+        name: statistics.median(t - g for t, g in zip(samples[name], gathers[name], strict=True))
+        for name in samples
+    }
+    raw = statistics.median(samples["raw_nixl"])
+    checksums_s = gather["ours"] - gather["raw_nixl"]
+    return {
+        "checksum_extra_s": checksums_s,
+        "protocol_extra_s": rest["ours"] - rest["raw_nixl"],
+        "ratio_with_checksums_only": raw / (raw + max(0.0, checksums_s)),
     }
 
 
 def print_table(document: dict[str, Any]) -> None:
     table = Table(title=f"Parts, GB/s (medians of {document['settings']['runs']} runs)")
-    for column in ("shape", "part", "chunks", "ours", "raw NIXL", "ours/raw"):
+    columns = ("shape", "part", "chunks", "ours", "raw NIXL", "ours/raw")
+    for column in (*columns, "+cksum us", "+proto us", "cksum only"):
         table.add_column(column, justify="right")
     for record in document["records"]:
         size = record["part_bytes"]
@@ -160,6 +190,9 @@ def print_table(document: dict[str, Any]) -> None:
             f"{record['ours_gbps']:.2f}",
             f"{record['raw_nixl_gbps']:.2f}",
             f"{record['ratio_vs_raw_nixl']:.2f}",
+            f"{record['checksum_extra_s'] * 1e6:.0f}",
+            f"{record['protocol_extra_s'] * 1e6:.0f}",
+            f"{record['ratio_with_checksums_only']:.2f}",
         )
     Console().print(table)
 
