@@ -353,6 +353,7 @@ def run_record(
         key: sum(d.get(key, 0.0) for d in deltas.values()) for key in (*SOURCES, *PD_COUNTERS)
     }
     computed = totals["local_compute"]
+    shares = thread_shares(deltas, wall_s)
     return {
         "policy": policy,
         "run": run,
@@ -378,13 +379,9 @@ def run_record(
         "kv_bytes_pushed_per_request": totals["bytes_pushed"] / len(done) if done else None,
         "pd_counters": {name: totals[name] for name in PD_COUNTERS},
         "requests_per_instance": {name: d["requests"] for name, d in deltas.items()},
-        "connector_thread_share": thread_shares(deltas, wall_s),
+        "connector_thread_share": shares,
         "decode_model_thread_share": max(
-            (
-                share["model_thread"]
-                for name, share in thread_shares(deltas, wall_s).items()
-                if name.startswith("decode")
-            ),
+            (share["model_thread"] for name, share in shares.items() if name.startswith("decode")),
             default=None,
         ),
         "instances": deltas,
