@@ -60,7 +60,8 @@ NAMESPACE = "lmpd-test"
 OUTPUT_TOKENS = 6
 PROMPTS = {f"len-{n}": prompt(n, 900 + n) for n in (300, 1000, 2600)}
 # Prompts no instance holds when they come (the proxy routes by KV): spread by load, each loads.
-FRESH = {f"fresh-{i}": prompt(300, 1900 + i) for i in range(2)}
+# Seeds of their own: ``prompt(300, 1900)`` is the first 300 tokens of ``len-1000``.
+FRESH = {f"fresh-{i}": prompt(300, 4900 + i) for i in range(2)}
 SERVE_TIMEOUT_S = 600.0
 RECOVERY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
@@ -394,8 +395,12 @@ def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
             # Prompts nobody holds go round-robin between idle equals: each decode loads one.
             for name, tokens in FRESH.items():
                 assert_close_answer(cluster.complete(tokens), reference[name], name)
-            for url in urls:
-                assert cluster.decode_counters(url)["tokens_loaded"] > 0, url
+            wait_for(
+                "each decode's loads counted",
+                lambda: all(cluster.decode_counters(url)["tokens_loaded"] > 0 for url in urls),
+                15,
+                explain=lambda: {u: cluster.decode_counters(u) for u in urls} | cluster.indexed(),
+            )
             # The restarted decode publishes on new ports: the proxy follows it there, and no
             # longer the old one; and the added one.
             wait_for(

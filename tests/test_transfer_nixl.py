@@ -22,6 +22,7 @@ from lmcache_pd import protocol
 from lmcache_pd.errors import (
     AllocationError,
     BufferFull,
+    ConfigError,
     IntegrityError,
     PeerTimeout,
     TransferError,
@@ -37,6 +38,7 @@ from tests.helpers import (
     CHUNK_SIZE,
     consumer_fields,
     make_chunks,
+    make_keyer,
     producer_config,
     spec_for,
     write_config,
@@ -475,6 +477,23 @@ def test_second_consumer_on_taken_ports_fails_fast_and_says_so(
         ConsumerProcess(write_config(tmp_path, "clash", **fields), log_path=tmp_path / "clash.log")
     assert time.monotonic() - started < 30
     assert "cannot bind" in (tmp_path / "clash.log").read_text()
+
+
+def test_a_consumer_on_taken_ports_fails_before_it_makes_a_nixl_agent(
+    consumer: Consumer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ports come first: an agent waits its turn for the host's UCX lock, which a busy host
+    can hold for seconds (the test above once went silent for 60 s beside four vLLM starts)."""
+    from lmcache_pd.config import load_config
+    from lmcache_pd.transfer import consumer as consumer_module
+
+    def no_agent(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a NIXL agent made for ports it cannot have")
+
+    monkeypatch.setattr(consumer_module.NixlChannel, "from_config", no_agent)
+    config = load_config(write_config(tmp_path, "clash", **consumer.fields))
+    with pytest.raises(ConfigError, match="cannot bind"):
+        consumer_module.Consumer(config, make_keyer(chunk_size=config.chunk_size))
 
 
 def test_ucx_backends_are_created_one_at_a_time_on_a_host(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from lmcache_pd.deploy.vllm_server import VLLMServer, worker_leftovers
 from lmcache_pd.proxy.config import ProxyConfig
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_for
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / ".cache" / "tiny-llama"
 # Prefill in steps of at most this many tokens, so that long prompts are pushed chunk by chunk
@@ -92,7 +92,13 @@ class PlainVLLM:
     ) -> None:
         self.model = model
         self._server = VLLMServer(
-            model, free_port(), log_path, cpu=cpu, extra_args=extra_args, wait=False
+            model,
+            free_port(),
+            log_path,
+            cpu=cpu,
+            extra_args=extra_args,
+            wait=False,
+            env={"VLLM_SERVER_DEV_MODE": "1"},  # its /reset_prefix_cache (see ``answers``)
         )
         self._healthy = False
         self._stopped = False
@@ -107,11 +113,28 @@ class PlainVLLM:
         return self._server
 
     def answers(self, prompts: Mapping[str, list[int]], output_tokens: int) -> dict[str, Answer]:
-        """Every prompt's answer of ``output_tokens`` tokens, asked in order, one at a time."""
+        """Every prompt's answer of ``output_tokens`` tokens, asked in order, one at a time, the
+        first from an empty prefix cache. The session's reference serves many modules, and one's
+        prompt can be a prefix of another's (the chaos load's shared prefix is
+        ``prompt(1024, 1000)``, the end-to-end module's ``len-1000`` its first 1000 tokens):
+        served partly from the cache, in steps of other shapes, its logprobs moved in the last
+        bits and an exact comparison failed in the whole suite alone."""
+        self.forget_prefixes()
         return {
             name: answer(self.server.complete(body(self.model, tokens, output_tokens)))
             for name, tokens in prompts.items()
         }
+
+    def forget_prefixes(self) -> None:
+        """Empty its prefix cache (vLLM's own endpoint; it refuses while blocks are in use, as
+        for a request that just ended)."""
+
+        def reset() -> bool:
+            response = httpx.post(f"{self.server.url}/reset_prefix_cache", timeout=10)
+            response.raise_for_status()
+            return response.json()["success"]
+
+        wait_for(reset, 30, "the reference vLLM's prefix cache emptied")
 
     def stop(self) -> None:
         """Stop it, and check that it took its files with it; idempotent. vLLM's IPC sockets

@@ -34,7 +34,10 @@ from lmcache_pd.config import PROXY_ENV_PREFIX
 from lmcache_pd.deploy.instance_guard import GUARD_IMPORT_PATH, KEY_ENV
 from lmcache_pd.errors import ConfigError
 
-START_TIMEOUT_S = 240.0
+# How long a vLLM server may take to answer /health (one that exits fails at once): a real
+# model's start (weights, compilation, graphs) takes minutes, and here four tiny instances
+# starting together on two cores, beside another worker's tests, once took more than 240 s.
+START_TIMEOUT_S = 600.0
 KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 KV_CACHE_BYTES_ARG = "--kv-cache-memory-bytes"
 # Engine arguments that suit the project's tiny model: fp32 so that greedy output is bit-identical

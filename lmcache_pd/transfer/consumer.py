@@ -118,26 +118,34 @@ class Consumer:
             cache_pages=config.cache_pages,
             max_producer_share=config.max_producer_share,
         )
-        # Zeroed now so that every page is faulted in here, not on the first transfers. The
-        # self-test slots follow the pages.
-        size = receive_buffer_bytes(config)
-        if buffer is not None and (buffer.dtype != torch.uint8 or buffer.numel() != size):
-            raise ConfigError(f"a receive buffer must be {size} bytes of uint8")
-        self._buffer = (torch.empty(size, dtype=torch.uint8) if buffer is None else buffer).zero_()
-        self._channel = channel or NixlChannel.from_config(config, role="consumer")
         self._context = zmq.Context()
         self._keys = load_keys(config.secret_file)
         where = f"consumer ports {config.init_port}/{config.alloc_port}"
         self._unauthenticated = warn_if_open(self._keys, where, config.receiver_host)
         self._stop = threading.Event()
-        self._alloc_port = AllocPort(
-            agent_name=self._channel.agent_name,
-            store=self._store,
-            stats=self.stats,
-            lock=self._lock,
-            on_found_held=self._mark_landed,
-        )
+        # The ports first: a consumer that cannot have them fails at once, before it touched
+        # its buffer or made a NIXL agent (both slow on a busy host, where the agent also waits
+        # its turn for the host's UCX lock).
+        host, keys = config.receiver_host, self._keys
         try:
+            self._init_socket = bind_router(self._context, host, config.init_port, keys)
+            self._alloc_socket = bind_router(self._context, host, config.alloc_port, keys)
+            # Zeroed now so that every page is faulted in here, not on the first transfers.
+            # The self-test slots follow the pages.
+            size = receive_buffer_bytes(config)
+            if buffer is not None and (buffer.dtype != torch.uint8 or buffer.numel() != size):
+                raise ConfigError(f"a receive buffer must be {size} bytes of uint8")
+            self._buffer = (
+                torch.empty(size, dtype=torch.uint8) if buffer is None else buffer
+            ).zero_()
+            self._channel = channel or NixlChannel.from_config(config, role="consumer")
+            self._alloc_port = AllocPort(
+                agent_name=self._channel.agent_name,
+                store=self._store,
+                stats=self.stats,
+                lock=self._lock,
+                on_found_held=self._mark_landed,
+            )
             self._init_port = InitPort(
                 config,
                 profile=self.profile,
@@ -147,9 +155,6 @@ class Consumer:
                 stats=self.stats,
                 lock=self._lock,
             )
-            host, keys = config.receiver_host, self._keys
-            self._init_socket = bind_router(self._context, host, config.init_port, keys)
-            self._alloc_socket = bind_router(self._context, host, config.alloc_port, keys)
         except BaseException:
             self._close_resources()
             raise
@@ -544,4 +549,6 @@ class Consumer:
                 setattr(self, name, None)
         if not self._context.closed:
             self._context.term()
-        self._channel.close()
+        channel = getattr(self, "_channel", None)  # None: it failed before it had one
+        if channel is not None:
+            channel.close()
