@@ -118,7 +118,7 @@ class PlainVLLM:
         prompt can be a prefix of another's (the chaos load's shared prefix is
         ``prompt(1024, 1000)``, the end-to-end module's ``len-1000`` its first 1000 tokens):
         served partly from the cache, in steps of other shapes, its logprobs moved in the last
-        bits and an exact comparison failed in the whole suite alone."""
+        bits and an exact comparison failed, only in the whole suite."""
         self.forget_prefixes()
         return {
             name: answer(self.server.complete(body(self.model, tokens, output_tokens)))
