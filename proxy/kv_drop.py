@@ -59,9 +59,8 @@ class KVDropper:
         try:
             socket.connect(f"tcp://{spec.receiver_host}:{spec.receiver_alloc_port}")
             await socket.send(protocol.encode(message))
-            reply = protocol.ALLOC_REPLIES.decode(
-                await asyncio.wait_for(socket.recv(), DROP_TIMEOUT_S)
-            )
+            async with asyncio.timeout(DROP_TIMEOUT_S):  # not wait_for: task_stop.py
+                reply = protocol.ALLOC_REPLIES.decode(await socket.recv())
         except (TimeoutError, zmq.ZMQError, ProtocolError) as exc:
             logger.warning(
                 "req %s: could not tell decode %s:%d to drop its KV: %r",

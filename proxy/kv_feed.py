@@ -31,6 +31,7 @@ from lmcache_pd.auth import DeploymentKeys
 from lmcache_pd.kv_events import BATCHES, MAX_BATCH_BYTES
 from lmcache_pd.proxy.config import KVEventsAddress
 from lmcache_pd.proxy.prefix_index import InstanceCaches
+from lmcache_pd.proxy.task_stop import stop_task
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +75,7 @@ class EventFeed:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop_task(self._task, f"the kv events feed of {self._name}")
             self._task = None
 
     async def _run(self) -> None:
@@ -151,7 +151,8 @@ class EventFeed:
         try:
             await replay.send_multipart([b"", start.to_bytes(SEQ_BYTES, "big")])
             while True:
-                frames = await asyncio.wait_for(replay.recv_multipart(), REPLAY_TIMEOUT_S)
+                async with asyncio.timeout(REPLAY_TIMEOUT_S):  # not wait_for: task_stop.py
+                    frames = await replay.recv_multipart()
                 if len(frames) >= 3 and frames[2] == END_OF_REPLAY:
                     break
                 batch = self._read(frames[1:])

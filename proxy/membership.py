@@ -82,9 +82,8 @@ class Membership:
         """One question to the source and its answer applied; False if the source failed (the
         pools stay as they were, logged once per failing spell)."""
         try:
-            members = await asyncio.wait_for(
-                self._source.members(self.outstanding()), timeout=max(self._interval_s, 5.0)
-            )
+            async with asyncio.timeout(max(self._interval_s, 5.0)):  # not wait_for: task_stop.py
+                members = await self._source.members(self.outstanding())
         except Exception as exc:  # whatever the engine raised: keep serving on what we have
             self._on_failure()
             if not self._failing:

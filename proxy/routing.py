@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from lmcache_pd.proxy.config import KVEventsAddress
+from lmcache_pd.proxy.task_stop import stop_task
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +153,7 @@ class Periodic:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_task(self._task, self._name)
             self._task = None
 
     async def _run(self) -> None:
