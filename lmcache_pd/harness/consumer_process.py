@@ -12,6 +12,7 @@ negative controls), ``release`` (req_id), ``stop``.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -112,4 +113,12 @@ if __name__ == "__main__":
         stream=sys.stderr,
         format="%(asctime)s consumer[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
-    _serve_commands(*sys.argv[1:4])
+    try:
+        _serve_commands(*sys.argv[1:4])
+    except BaseException:
+        # Out at once, skipping the interpreter's shutdown: after a failed start (its ports
+        # taken) one was seen to print its error in 4 s, then not end for over a minute on a
+        # loaded host, and the parent waits for it to end.
+        logging.getLogger(__name__).exception("the consumer process failed")
+        logging.shutdown()
+        os._exit(1)
