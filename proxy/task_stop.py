@@ -2,9 +2,9 @@
 
 Python 3.11's ``asyncio.wait_for`` returns its result instead of raising when its task is
 cancelled in the same turn of the loop as the awaited thing completes (CPython gh-86296, fixed in
-3.12): the cancelled task runs on, and a stop that awaits it waits forever. Seen once in the
-whole suite: a KV event feed cancelled while its replay answered kept polling its subscription,
-and the index's close waited for it with no timer left on the loop. The proxy waits with
+3.12): the cancelled task runs on, and a stop that awaits it waits forever. Likely what hung a
+test once in the whole suite: the index's close waited with no timer left on the loop, as for a
+KV event feed cancelled while its replay answered (not reproduced). The proxy waits with
 ``asyncio.timeout`` instead, which does not swallow a cancellation; ``stop_task`` guards every
 stop of a task of its own anyway.
 """

@@ -27,9 +27,12 @@ def test_pages_in_order_are_one_run_and_a_gap_or_a_step_back_starts_another() ->
 
 
 def test_a_tensor_of_another_buffer_right_after_in_memory_is_not_joined() -> None:
-    """Two buffers' bytes may happen to be adjacent: a view across them would read past the
-    first's storage."""
-    first, second = pages(1)[0], pages(1)[0]
+    """Two storages whose bytes are adjacent (two tensors over halves of one host buffer): a
+    view across them would reach past the first's storage."""
+    memory = memoryview(bytearray(2 * PAGE))
+    first = torch.frombuffer(memory[:PAGE], dtype=torch.uint8)
+    second = torch.frombuffer(memory[PAGE:], dtype=torch.uint8)
+    assert first.data_ptr() + PAGE == second.data_ptr()  # adjacent, as the case needs
     assert len(adjacent_runs([first, second])) == 2
     assert adjacent_runs([]) == []
 
