@@ -11,8 +11,10 @@ is ~2.9k tokens, within the tiny model's 4096, so that prefill compute dominates
 arrive ``--concurrency`` chats at a time (each chat's turns in sequence) or at ``--rate`` chats
 per second (Poisson), each user pausing ``--think-s`` seconds on average (exponential, as
 vLLM's multi-turn client pauses between a client's requests) between an answer and the next
-turn, or not at all. Every turn is a streamed ``/v1/chat/completions`` at temperature 0 through
-the official ``openai`` client.
+turn, or sending its turns ``--turn-interval-s`` apart (a fixed schedule: the same requests at
+the same times under every policy while no turn is late, which the runs count as
+``turns_sent_late``), or not pausing at all. Every turn is a streamed ``/v1/chat/completions``
+at temperature 0 through the official ``openai`` client.
 
 Why: with more than one instance per role, where a turn goes decides whether its history is
 computed again (another prefill instance) and pushed again (another decode instance), or found
@@ -91,6 +93,7 @@ from benchmarks.chaos.pools import alive_groups, pools_file, proxy_url, wait_unt
 from benchmarks.common import LOG_FORMAT, git_commit, write_json
 from benchmarks.environment import run_environment
 from benchmarks.multi_turn_load import (
+    LATE_S,
     Shape,
     TurnResult,
     attribute_pushed_bytes,
@@ -153,6 +156,7 @@ SUMMARY_METRICS = (
     "ttft_ms_p50_turns_2plus_alone",
     "ttft_ms_p50_turns_2plus_through_prefill",
     "placement_ms_mean",
+    "turns_sent_late",
 )
 SETTLE_S = 2.0  # after a run, for the last pushes and loads to end before the flush
 # The request that makes every instance take a step, so that its counters reach /metrics.
@@ -366,6 +370,7 @@ def run_record(
         "ttft_ms_p50_turns_2plus_alone": percentile_ms(alone, 50),
         "ttft_ms_p50_turns_2plus_through_prefill": percentile_ms(through_prefill, 50),
         "placement_ms_mean": placement_ms,
+        "turns_sent_late": sum(r.late_s > LATE_S for r in results),
         "ttft_ms_p50": percentile_ms([r.ttft_s for r in done if r.ttft_s is not None], 50),
         "itl_ms_p50": percentile_ms([g for r in done for g in r.gaps_s], 50),
         "streams_at_once_p50": streams_at_once(done),
@@ -540,6 +545,7 @@ def one_run(
     rate: float | None,
     arrivals_seed: int,
     think_s: float | None = None,
+    turn_interval_s: float | None = None,
 ) -> tuple[list[TurnResult], float]:
     """Every conversation of one run through the proxy at ``url``; the turns and the wall time."""
     started = time.monotonic()
@@ -554,6 +560,7 @@ def one_run(
             rate=rate,
             arrivals_seed=arrivals_seed,
             think_s=think_s,
+            turn_interval_s=turn_interval_s,
         )
     )
     return results, time.monotonic() - started
@@ -584,6 +591,12 @@ def main(
         float | None,
         typer.Option(min=0.001, help="mean pause between an answer and the next turn (s)"),
     ] = None,
+    turn_interval_s: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001, help="a chat's turns this far apart, not after a pause (s; open loop)"
+        ),
+    ] = None,
     seed: int = 0,
     resamples: Annotated[int, typer.Option(min=100)] = 4000,
     confidence: Annotated[float, typer.Option(min=0.5, max=0.99)] = 0.9,
@@ -596,6 +609,8 @@ def main(
     logger.setLevel(logging.INFO)
     console = Console(width=None if sys.stdout.isatty() else 160)
     order = parse_policies(policies, routing_supported())
+    if think_s is not None and turn_interval_s is not None:
+        raise typer.BadParameter("give --think-s or --turn-interval-s, not both")
     # Traced: the producers' push records give each turn's pushed bytes.
     config = msgspec.structs.replace(pools_file(pools), trace=True)
     if "kv" in order and getattr(config.proxy, "routing", "kv") != "kv":
@@ -654,6 +669,7 @@ def main(
                             rate,
                             seed * 1000 + run,
                             think_s,
+                            turn_interval_s,
                         )
                         after = snapshot(launcher, base.model)
                         traces = (workdir / "pools").glob("prefill-*.trace.jsonl")
@@ -713,6 +729,7 @@ def main(
             "arrival": {
                 **({"rate": rate} if rate is not None else {"concurrency": concurrency}),
                 "think_s": think_s,
+                "turn_interval_s": turn_interval_s,
             },
             "seed": seed,
             "run_order": "interleaved: every policy once per run index, in --policies order",

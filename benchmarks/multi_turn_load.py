@@ -10,7 +10,6 @@ starting anything.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import random
 import re
@@ -27,6 +26,8 @@ import openai
 
 # Beyond the proxy's own read deadlines (120 s): a request that hangs shows as a timeout.
 REQUEST_TIMEOUT_S = 180.0
+# A turn sent this long after its place in a schedule counts as late (``TurnResult.late_s``).
+LATE_S = 0.05
 # Words of the tiny model's vocabulary that are one token each with their leading space (the
 # byte-level BPE writes that space as "Ġ"): N of them make a text of about N tokens.
 WORD_TOKEN = re.compile(r"\u0120([a-z]{3,})")
@@ -85,6 +86,9 @@ class TurnResult:
     pushed_bytes: float | None = None
     answer: str = ""
     error: str | None = None
+    # Seconds this turn was sent after its place in the run's schedule (``schedule_pace``): its
+    # previous answer ended later than that; 0 without a schedule.
+    late_s: float = 0.0
 
     def as_record(self) -> dict[str, Any]:
         """What the JSON keeps of it: no answer text and no single gaps."""
@@ -99,6 +103,7 @@ class TurnResult:
             "completion_tokens": self.completion_tokens,
             "new_tokens": self.new_tokens,
             "pushed_bytes": self.pushed_bytes,
+            "late_s": round(self.late_s, 4),
             "error": self.error,
         }
 
@@ -291,6 +296,28 @@ async def ask(
         result.error = "no usage"
 
 
+# How long a conversation waits before its turn ``turn`` (>= 2), given the seconds since its first
+# turn was sent. A negative wait is a turn already late for its place in a schedule.
+Pace = Callable[[int, float], float]
+
+
+def think_pace(seed: str, mean_s: float) -> Pace:
+    """Users who pause after each answer, exponentially with mean ``mean_s`` (as vLLM's
+    multi-turn client pauses between a client's requests); the pauses come from ``seed``, so
+    that two policies' runs of one index pause alike. The next turn's time then depends on
+    when the answer ended: a policy that answers sooner is sent its turns sooner."""
+    pauses = random.Random(seed)
+    return lambda turn, elapsed: pauses.expovariate(1 / mean_s)
+
+
+def schedule_pace(interval_s: float) -> Pace:
+    """Turns at fixed times: a conversation's turn k is sent ``(k - 1) * interval_s`` after its
+    first, or the moment the answer before it ends where that is later (the turn is then late).
+    While no turn is late, every policy is offered the same requests at the same times (an open
+    loop), so what it does to ITL is not mixed with how soon it lets the users send more."""
+    return lambda turn, elapsed: (turn - 1) * interval_s - elapsed
+
+
 async def converse(
     client: openai.AsyncOpenAI,
     model: str,
@@ -298,17 +325,22 @@ async def converse(
     answer_tokens: int,
     run_started: float,
     answer_token_ids: Sequence[int] | None = None,
-    think: Callable[[], float] | None = None,
+    pace: Pace | None = None,
 ) -> list[TurnResult]:
     """A conversation's turns one after the other, each resending the whole conversation with
     the previous answer as its text; a failed turn ends it (its later turns are counted as
-    failed). ``think()``: seconds the user waits after an answer before the next turn."""
+    failed). ``pace``: when each turn after the first is sent (None: as its answer ends)."""
     results: list[TurnResult] = []
     answers: list[str] = []
+    first_sent = time.perf_counter()
     for turn in range(1, len(conversation.users) + 1):
-        if turn > 1 and think is not None and len(answers) == turn - 1:
-            await asyncio.sleep(think())
+        late_s = 0.0
+        if turn > 1 and pace is not None and len(answers) == turn - 1:
+            wait_s = pace(turn, time.perf_counter() - first_sent)
+            late_s = max(0.0, -wait_s)
+            await asyncio.sleep(max(0.0, wait_s))
         result = TurnResult(conversation.name, turn, time.perf_counter() - run_started)
+        result.late_s = late_s
         results.append(result)
         if len(answers) < turn - 1:
             result.error = "not sent: an earlier turn failed"
@@ -332,6 +364,7 @@ async def drive(
     rate: float | None,
     arrivals_seed: int,
     think_s: float | None = None,
+    turn_interval_s: float | None = None,
 ) -> list[TurnResult]:
     """Every conversation, ``concurrency`` at a time (each one's turns in sequence) or started
     at Poisson arrivals of ``rate`` per second (exactly one of the two; the arrival times come
@@ -342,21 +375,26 @@ async def drive(
     next turn's prompt extends the tokens the instance that answered holds, as it would.
     ``think_s``: the mean of a user's pause between an answer and the next turn (exponential,
     as vLLM's multi-turn client pauses between a client's requests; drawn from ``arrivals_seed``
-    and the conversation, so that two policies' runs of one index pause alike); None: none."""
+    and the conversation, so that two policies' runs of one index pause alike); None: none.
+    ``turn_interval_s`` instead: each conversation's turns at that fixed interval
+    (``schedule_pace``)."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give either a concurrency or a rate")
+    if think_s is not None and turn_interval_s is not None:
+        raise ValueError("give a think time or a turn interval, not both")
     run_started = time.perf_counter()
     async with openai.AsyncOpenAI(
         base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT_S
     ) as client:
 
         async def one(index: int, conversation: Conversation) -> list[TurnResult]:
-            think = None
+            pace = None
             if think_s is not None:
-                pauses = random.Random(f"think:{arrivals_seed}:{index}")
-                think = functools.partial(pauses.expovariate, 1 / think_s)
+                pace = think_pace(f"think:{arrivals_seed}:{index}", think_s)
+            elif turn_interval_s is not None:
+                pace = schedule_pace(turn_interval_s)
             return await converse(
-                client, model, conversation, answer_tokens, run_started, answer_token_ids, think
+                client, model, conversation, answer_tokens, run_started, answer_token_ids, pace
             )
 
         if concurrency is not None:

@@ -32,7 +32,9 @@ from benchmarks.multi_turn_load import (
     itl_streaming_alone_ms,
     make_conversations,
     pushed_bytes_by_request,
+    schedule_pace,
     streams_at_once,
+    think_pace,
     turn_messages,
     turn_statistics,
     vocabulary_words,
@@ -81,7 +83,8 @@ class FakeChat:
     """Stands in for ``openai.AsyncOpenAI``: records each turn's messages and streams an answer
     that names the turn, then usage that grows as the conversation does."""
 
-    def __init__(self, fail_turn: int | None = None) -> None:
+    def __init__(self, fail_turn: int | None = None, answer_s: float = 0.0) -> None:
+        self.answer_s = answer_s
         self.sent: list[list[dict[str, str]]] = []
         self.extra: list[dict[str, Any]] = []
         self.fail_turn = fail_turn
@@ -93,6 +96,7 @@ class FakeChat:
         turn = len(self.sent)
         if turn == self.fail_turn:
             raise TimeoutError("upstream gone")
+        await asyncio.sleep(self.answer_s)
         prompt = sum(len(m["content"].split()) for m in body["messages"])
         return FakeStream([f"a{turn}-x ", f"a{turn}-y"], prompt, body["max_tokens"])
 
@@ -152,6 +156,32 @@ def test_a_failed_turn_ends_its_conversation() -> None:
     assert results[2].error == "not sent: an earlier turn failed"
     assert len(fake.sent) == 2
     assert [r.new_tokens for r in results] == [results[0].prompt_tokens, None, None]
+
+
+def test_scheduled_turns_are_sent_on_time_or_counted_late() -> None:
+    chat = Conversation("c", "s", ("u1", "u2", "u3"))
+    on_time = asyncio.run(
+        converse(FakeChat(), "m", chat, 2, 0.0, pace=schedule_pace(0.2))  # type: ignore[arg-type]
+    )
+    starts = [r.started_at - on_time[0].started_at for r in on_time]
+    assert starts == pytest.approx([0.0, 0.2, 0.4], abs=0.05)
+    assert [r.late_s for r in on_time] == [0.0, 0.0, 0.0]
+    # Answers slower than the schedule: each turn goes as its answer ends, and says how late.
+    slow_chat = FakeChat(answer_s=0.3)
+    slow = asyncio.run(
+        converse(slow_chat, "m", chat, 2, 0.0, pace=schedule_pace(0.2))  # type: ignore[arg-type]
+    )
+    starts = [r.started_at - slow[0].started_at for r in slow]
+    assert starts == pytest.approx([0.0, 0.3, 0.6], abs=0.05)
+    assert [round(r.late_s, 1) for r in slow] == [0.0, 0.1, 0.2]
+
+
+def test_think_pauses_repeat_per_seed_and_ignore_the_schedule() -> None:
+    first, again = think_pace("think:0:1", 2.0), think_pace("think:0:1", 2.0)
+    pauses = [first(turn, 0.0) for turn in (2, 3, 4)]
+    assert pauses == [again(turn, 99.0) for turn in (2, 3, 4)]
+    assert all(p > 0 for p in pauses)
+    assert pauses != [think_pace("think:0:2", 2.0)(turn, 0.0) for turn in (2, 3, 4)]
 
 
 def _turn(turn: int, prompt: int | None, completion: int | None, **more: Any) -> TurnResult:
