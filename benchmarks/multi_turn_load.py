@@ -339,8 +339,9 @@ async def converse(
             wait_s = pace(turn, time.perf_counter() - first_sent)
             late_s = max(0.0, -wait_s)
             await asyncio.sleep(max(0.0, wait_s))
-        result = TurnResult(conversation.name, turn, time.perf_counter() - run_started)
-        result.late_s = late_s
+        result = TurnResult(
+            conversation.name, turn, time.perf_counter() - run_started, late_s=late_s
+        )
         results.append(result)
         if len(answers) < turn - 1:
             result.error = "not sent: an earlier turn failed"
