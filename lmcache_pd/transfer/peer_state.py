@@ -116,11 +116,18 @@ class PeerState:
         """One WRITE of ``write``'s chunks with its notification, done by ``deadline`` (a
         ``time.monotonic()`` value); pages for the next small push are asked for meanwhile."""
         peer = self.peer
-        pages = np.array(write.pages, dtype=np.uint64)
-        segments = np.empty((len(write.pages), 3), dtype=np.uint64)
-        segments[:, 0] = write.addresses
-        segments[:, 1] = peer.buffer.base_addr + pages * peer.page_bytes
-        segments[:, 2] = write.sizes
+        base, page_bytes = peer.buffer.base_addr, peer.page_bytes
+        # One array made from one list: a small push's every microsecond counts against the
+        # copy it pays for (column by column took ~20 us here for a one-chunk push).
+        segments = np.array(
+            [
+                (address, base + page * page_bytes, size)
+                for address, page, size in zip(
+                    write.addresses, write.pages, write.sizes, strict=True
+                )
+            ],
+            dtype=np.uint64,
+        )
         notif = seal(peer.keys, protocol.encode(write.done))
         try:
             handle = peer.channel.post_write(peer.name, segments, peer.buffer, notif)

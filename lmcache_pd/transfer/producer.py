@@ -145,7 +145,8 @@ class Producer:
         ]
         filled = _Filled(self, spec.req_id, sources, checksums, fill)
         outside = [i for i, data in enumerate(sources) if not self._staging.holds(data, sizes[i])]
-        with self.staged(len(outside)) as spare:
+        # Chunks gathered into staging (the connector's) need no room: no page table taken.
+        with self.staged(len(outside)) if outside else contextlib.nullcontext([]) as spare:
             copies = dict(zip(outside, spare, strict=True))
             try:
                 to_write, reserved = self._push_once(spec, specs, sources, copies, filled)
@@ -181,8 +182,8 @@ class Producer:
         """Handshake if needed, allocate (or take pages reserved ahead), write; returns the
         indices of the chunks written and whether reserved pages took them. The AllocRequest
         goes out before the chunks are filled, its answer is read after."""
-        peer = self.connect(spec)
-        state = self._peers[PeerAddress.of(spec)]
+        state = self._state(spec)
+        peer = state.peer
         sizes = [chunk.nbytes for chunk in specs]
         try:
             reserved = state.reservations.take(spec.req_id, len(specs))
@@ -310,6 +311,10 @@ class Producer:
         ``PeerUnreachable``, ``ProtocolError`` or ``TransferError``. ``spec`` names one consumer
         rank (``DisaggSpec.for_rank``): each producer rank pushes its own shard.
         """
+        return self._state(spec).peer
+
+    def _state(self, spec: DisaggSpec) -> PeerState:
+        """What we keep of ``spec``'s consumer, a handshake done with it first if none is."""
         if not isinstance(spec.receiver_init_port, int):
             raise ProtocolError(
                 f"req {spec.req_id}: a push goes to one consumer rank; pick it with for_rank"
@@ -318,7 +323,7 @@ class Producer:
         state = self._peers.get(address)
         if state is None:
             state = self._peers[address] = PeerState(self._handshake.run(spec), self.config)
-        return state.peer
+        return state
 
     def _channel_for(self, ucx_tls: str | None) -> Channel:
         """The agent of ``ucx_tls``, made (and the staging buffer registered) on first use."""
