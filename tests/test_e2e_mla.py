@@ -171,12 +171,13 @@ def test_the_plain_reference_answers_as_transformers_in_float64(
     model = DeepseekV2ForCausalLM.from_pretrained(mla_model, torch_dtype=torch.float64).eval()
     tokenizer = AutoTokenizer.from_pretrained(mla_model)
     for name, tokens in PROMPTS.items():
-        ids, texts, logprobs = list(tokens), [], []
+        step, cache, texts, logprobs = torch.tensor([tokens]), None, [], []
         with torch.no_grad():
             for _ in range(OUTPUT_TOKENS):
-                logits = model(torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
+                out = model(step, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                logits, cache = out.logits[0, -1], out.past_key_values
                 chosen = int(logits.argmax())
-                ids.append(chosen)
+                step = torch.tensor([[chosen]])
                 texts.append(tokenizer.decode([chosen]))
                 logprobs.append(float(logits.log_softmax(-1)[chosen]))
         assert_close_answer(reference[name], (texts, logprobs), name)
