@@ -7,6 +7,8 @@ KV moved as parts (``lmcache_pd/tp_parts.py``), against bare NIXL moving the sam
 - fan-in: two producers (prefill ranks of one head each, NIXL agents of their own) each send
   their head of every chunk to one consumer (a decode rank of two heads).
 
+Consumers have configs/consumer.yaml's buffer (256 MiB), as serving decodes do.
+
 Methods, as in ``benchmarks/transfer.py`` (whose helpers this uses): "ours" is
 ``Producer.push`` of each part, whose ``fill`` is the hashed gather of that part (the consumer
 is asked for pages meanwhile); "raw NIXL" the plain gather then one bare WRITE per destination
@@ -70,8 +72,12 @@ def measure(shape: str, part_bytes: int, count: int, runs: int) -> dict[str, Any
         DisaggSpec("bench-connect", "127.0.0.1", ports[2 * c], ports[2 * c + 1])
         for c in range(consumers)
     ]
-    # Each consumer takes every part meant for it: count of them, or 2 x count (fan-in).
-    room = count * HEADS // consumers
+    # Each consumer takes every part meant for it (count of them, or 2 x count fan-in), in a
+    # buffer of configs/consumer.yaml's size: a consumer much smaller reserves a producer so
+    # few pages that a one-chunk push asks for more every time (fan-in's two producers share
+    # them), which a serving decode's buffer of hundreds of pages does not.
+    served = load_config(CONFIGS / "consumer.yaml").buffer_size_bytes // part_bytes
+    room = max(count * HEADS // consumers, served - SPARE_PAGES)
     staging = count * HEADS // producers  # pages each producer stages a request's parts in
     config = load_config(
         CONFIGS / "producer.yaml",
