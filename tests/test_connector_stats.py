@@ -199,11 +199,14 @@ def test_a_hook_counts_the_microseconds_it_held_its_thread_returning_or_raising(
     counted = hooks._stats.totals()
     assert 5_000 <= counted["model_thread_microseconds"] < 1_000_000
     assert 2_000 <= counted["scheduler_thread_microseconds"] < 1_000_000
-    hooks.step(0)  # control: a hook that does nothing adds (next to) nothing
-    assert (
-        hooks._stats.totals()["model_thread_microseconds"] - counted["model_thread_microseconds"]
-        < 2_000
-    )
+    # Control: a hook that does nothing adds (next to) nothing. The least of a few calls: a busy
+    # host can take the thread away for milliseconds in any one (3.9 ms once, a whole suite's).
+    added = []
+    for _ in range(5):
+        before = hooks._stats.totals()["model_thread_microseconds"]
+        hooks.step(0)
+        added.append(hooks._stats.totals()["model_thread_microseconds"] - before)
+    assert min(added) < 2_000
 
 
 def test_a_hook_timed_into_an_unknown_counter_is_refused_where_it_is_declared() -> None:
