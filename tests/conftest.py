@@ -2,6 +2,7 @@
 hooks that hold each test to its lane (tests/lanes.py), share the suite between `make test`'s
 two workers (tests/workers.py) and stop the reference vLLM once its last user is done."""
 
+import os
 import platform
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 from xdist.remote import Producer
 
+from lmcache_pd.deploy import launcher
 from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.keys import ChunkKeyer
 from tests.helpers import make_keyer
@@ -21,6 +23,8 @@ from tests.workers import ModulesThenVLLM, order_for_workers
 # no process) when a file is run alone.
 platform.platform()
 
+# Where the kernel's ephemeral ports start here (/proc/sys/net/ipv4/ip_local_port_range).
+EPHEMERAL_LOW = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
 PLAIN_VLLM = pytest.StashKey[PlainVLLM]()
 PLAIN_VLLM_WANTED = pytest.StashKey[bool]()
 LAST_PLAIN_VLLM_USER = pytest.StashKey[bool]()
@@ -49,6 +53,22 @@ def plain_vllm(
         yield plain
     finally:
         plain.stop()
+
+
+def pytest_configure() -> None:
+    """Each of `make test`'s workers picks ports (``launcher.unused_port``) from its own share of
+    the range: a port is picked free and bound only when its instance is up, up to ~90 s later,
+    and a TP-2 decode's init port was taken in between once (2026-12-02; by whom is not known,
+    the other worker's picks the likely taker)."""
+    worker, workers = (
+        os.environ.get("PYTEST_XDIST_WORKER"),
+        os.environ.get("PYTEST_XDIST_WORKER_COUNT"),
+    )
+    if worker is None or workers is None:
+        return
+    share = (EPHEMERAL_LOW - launcher.PORT_FLOOR) // int(workers)
+    launcher.PORT_FLOOR += share * int(worker.removeprefix("gw"))
+    launcher.PORT_CEILING = launcher.PORT_FLOOR + share - 1
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -71,6 +71,9 @@ class LaunchError(PDError):
 # seconds after they are picked, and an ephemeral one can be handed to some other process's
 # outgoing connection in between ("Address already in use", after which vLLM hangs).
 PORT_FLOOR = 20000
+# The highest port picked; None: the one below the ephemeral range. The test suite's workers
+# share the range out between them (tests/conftest.py), as each picks ports it binds only later.
+PORT_CEILING: int | None = None
 # Bytes of randomness in an instance key (``secrets.token_urlsafe``: 43 characters).
 INSTANCE_KEY_BYTES = 32
 INSTANCE_KEY_FILE = "instance.key"
@@ -98,7 +101,8 @@ def unused_port(taken: set[int]) -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):  # not Linux: IANA's ephemeral range
         low = 49152
-    candidates = list(range(PORT_FLOOR, max(low, PORT_FLOOR + 1000)))
+    high = max(low, PORT_FLOOR + 1000) if PORT_CEILING is None else PORT_CEILING + 1
+    candidates = list(range(PORT_FLOOR, high))
     random.shuffle(candidates)
     for port in candidates:
         if port in taken:
@@ -110,7 +114,7 @@ def unused_port(taken: set[int]) -> int:
                 continue
         taken.add(port)
         return port
-    raise LaunchError(f"no free port between {PORT_FLOOR} and {low}")
+    raise LaunchError(f"no free port between {PORT_FLOOR} and {high - 1}")
 
 
 class Ports:
