@@ -23,8 +23,6 @@ from tests.workers import ModulesThenVLLM, order_for_workers
 # no process) when a file is run alone.
 platform.platform()
 
-# Where the kernel's ephemeral ports start here (/proc/sys/net/ipv4/ip_local_port_range).
-EPHEMERAL_LOW = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
 PLAIN_VLLM = pytest.StashKey[PlainVLLM]()
 PLAIN_VLLM_WANTED = pytest.StashKey[bool]()
 LAST_PLAIN_VLLM_USER = pytest.StashKey[bool]()
@@ -66,7 +64,7 @@ def pytest_configure() -> None:
     )
     if worker is None or workers is None:
         return
-    share = (EPHEMERAL_LOW - launcher.PORT_FLOOR) // int(workers)
+    share = (launcher.ephemeral_port_start() - launcher.PORT_FLOOR) // int(workers)
     launcher.PORT_FLOOR += share * int(worker.removeprefix("gw"))
     launcher.PORT_CEILING = launcher.PORT_FLOOR + share - 1
 

