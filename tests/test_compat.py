@@ -240,6 +240,7 @@ def test_pipeline_parallelism_is_refused_on_either_side_naming_it() -> None:
     assert incompatibilities(one, one) == []  # the control
 
 
+@pytest.mark.processes  # importing vLLM starts one
 def test_layers_whose_caches_are_not_moved_are_refused_naming_them() -> None:
     """A model with sliding-window (or Mamba...) layers vLLM keeps as such, on either side:
     refused naming the kind; which kinds a model has comes from vLLM's own cache specs."""
