@@ -175,13 +175,19 @@ def push_once(
 
 
 def raw_write_once(
-    producer: Producer, peer: Peer, segments: np.ndarray, source: Source
+    producer: Producer, peer: Peer, far_pages: Sequence[int], source: Source
 ) -> tuple[float, float]:
-    """Seconds of a plain gather and of one bare NIXL WRITE of ``segments`` with an empty
-    notification."""
+    """Seconds of a plain gather and of one bare NIXL WRITE, with an empty notification, of
+    the source's pages into the consumer's ``far_pages``; the WRITE's descriptors are made in
+    its time, as any sender makes them."""
     gather_s, _ = source.gather(hashed=False)
     deadline = time.monotonic() + producer.config.transfer_timeout_s
     started = time.perf_counter()
+    base, page_bytes = peer.buffer.base_addr, peer.page_bytes
+    segments = [
+        (page.data_ptr(), base + at * page_bytes, page.numel())
+        for page, at in zip(source.pages, far_pages, strict=True)
+    ]
     handle = peer.channel.post_write(peer.name, segments, peer.buffer, b"")
     try:
         wait_for_transfer(peer.channel, handle, deadline, "raw NIXL write")
@@ -256,17 +262,10 @@ def measure(
         peer = producer.connect(spec)
         written = itertools.count()
 
-        def next_segments() -> np.ndarray:
-            """The staged pages to the consumer's next ``count`` pages, round its buffer."""
+        def next_pages() -> list[int]:
+            """The consumer's next ``count`` pages, round its buffer."""
             first = next(written) * count
-            far = [(first + i) % (count + SPARE_PAGES) for i in range(count)]
-            return np.array(
-                [
-                    (page.data_ptr(), peer.buffer.base_addr + at * chunk_bytes, chunk_bytes)
-                    for page, at in zip(pages, far, strict=True)
-                ],
-                dtype=np.uint64,
-            )
+            return [(first + i) % (count + SPARE_PAGES) for i in range(count)]
 
         targets = list(torch.empty(count, chunk_bytes, dtype=torch.uint8).unbind())
         push_once(producer, checked, consumer, spec, source, verify=True)
@@ -275,7 +274,7 @@ def measure(
             "ours_nochecksum": lambda: push_once(producer, unchecked, consumer, spec, source),
             # Runs after the pushes' pages came back: a chunk it overwrites stays cached under a
             # fresh key nobody asks for again, a page reserved ahead is written again by its push.
-            "raw_nixl": lambda: raw_write_once(producer, peer, next_segments(), source),
+            "raw_nixl": lambda: raw_write_once(producer, peer, next_pages(), source),
             "memcpy": lambda: (0.0, _memcpy(pages, targets)),
         }
         samples: dict[str, list[float]] = {name: [] for name in METHODS}

@@ -33,7 +33,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
-import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -98,30 +97,27 @@ def measure(shape: str, part_bytes: int, count: int, runs: int) -> dict[str, Any
         senders = [stack.enter_context(Producer(config)) for _ in range(producers)]
         # (producer, its source of one head, the consumer and spec that head goes to)
         routes: list[tuple[Producer, Source, ConsumerProcess, DisaggSpec]] = []
+        sink_of: list[int] = []  # each route's consumer
         for head in range(HEADS):
             producer = senders[0] if shape == "fan-out" else senders[head]
             sink = 0 if shape == "fan-in" else head
             pages = stack.enter_context(producer.staged(count))
             routes.append((producer, Source(pages, HEADS, head), sinks[sink], specs[sink]))
+            sink_of.append(sink)
         peers = [producer.connect(spec) for producer, _, _, spec in routes]
-        written = [0] * HEADS
+        written = [0] * consumers  # pages each consumer was given, in turn
 
         def raw(index: int) -> tuple[float, float]:
             producer, source, _, _ = routes[index]
             peer: Peer = peers[index]
             # Round the consumer's buffer, as a receive buffer hands pages out (a page written
-            # again and again would stay in this core's cache: benchmarks/transfer.py).
-            first = written[index] * count
+            # again and again would stay in this core's cache: benchmarks/transfer.py), each
+            # part into pages of its own: fan-in's second part, written into its first's page
+            # (as before 2026-12-02), found that page's lines cached, as ours never does.
+            first = written[sink_of[index]]
             far = [(first + i) % (room + SPARE_PAGES) for i in range(count)]
-            written[index] += 1
-            segments = np.array(
-                [
-                    (page.data_ptr(), peer.buffer.base_addr + at * part_bytes, part_bytes)
-                    for page, at in zip(source.pages, far, strict=True)
-                ],
-                dtype=np.uint64,
-            )
-            return raw_write_once(producer, peer, segments, source)
+            written[sink_of[index]] += count
+            return raw_write_once(producer, peer, far, source)
 
         def every_part(step: Callable[[int], tuple[float, float]]) -> tuple[float, float]:
             """Seconds of gathering every part, and of the rest of sending them."""

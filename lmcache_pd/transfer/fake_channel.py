@@ -13,13 +13,13 @@ import ctypes
 import itertools
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from lmcache_pd.errors import TransferError
-from lmcache_pd.transfer.channel import PeerName, RegisteredBuffer, XferState
+from lmcache_pd.transfer.channel import PeerName, RegisteredBuffer, Segment, XferState
 
 
 @dataclass
@@ -38,7 +38,7 @@ class FakeFabric:
 class _FakeXfer:
     source: str
     peer: PeerName
-    segments: np.ndarray
+    segments: list[Segment]
     notif: bytes
     polls_left: int
     state: XferState = XferState.PROC
@@ -88,12 +88,12 @@ class FakeChannel:
         self.peers.discard(peer)
 
     def post_write(
-        self, peer: PeerName, segments: np.ndarray, remote: RegisteredBuffer, notif: bytes
+        self, peer: PeerName, segments: Sequence[Segment], remote: RegisteredBuffer, notif: bytes
     ) -> _FakeXfer:
         if self.fail_post or peer not in self._fabric.channels:
             raise TransferError(f"fake post to {peer} failed")
         self.writes_posted += 1
-        return _FakeXfer(self.agent_name, peer, segments.copy(), notif, self.polls_before_done)
+        return _FakeXfer(self.agent_name, peer, list(segments), notif, self.polls_before_done)
 
     def poll(self, handle: _FakeXfer) -> XferState:
         if handle.state is not XferState.PROC:
@@ -127,7 +127,7 @@ class FakeChannel:
             handle.state = XferState.ERR
             return
         low, high = target._buffer.base_addr, target._buffer.base_addr + target._buffer.nbytes
-        for local_addr, remote_addr, nbytes in handle.segments.tolist():
+        for local_addr, remote_addr, nbytes in handle.segments:
             if not low <= remote_addr <= remote_addr + nbytes <= high:
                 handle.state = XferState.ERR
                 return

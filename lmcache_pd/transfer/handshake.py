@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import zmq
 
@@ -279,8 +278,9 @@ class Handshake:
         notif = seal(self._keys, protocol.encode(probe))
         with self._staging.probe_slot() as source:
             source.copy_(torch.frombuffer(bytearray(nonce), dtype=torch.uint8))
-            segments = np.array([[source.data_ptr(), buffer.probe_addr, size]], dtype=np.uint64)
-            handle = channel.post_write(name, segments, remote, notif)
+            handle = channel.post_write(
+                name, [(source.data_ptr(), buffer.probe_addr, size)], remote, notif
+            )
             try:
                 wait_for_transfer(channel, handle, deadline, f"self-test write to {name}")
             except (TransferError, PeerTimeout) as exc:
