@@ -524,3 +524,19 @@ def test_ucx_backends_are_created_one_at_a_time_on_a_host(tmp_path: Path) -> Non
     started = time.monotonic()
     with _one_backend_at_a_time(path):  # control: nobody holds it
         assert time.monotonic() - started < 0.1
+
+
+def test_a_write_of_no_segment_is_refused_before_nixl_or_the_fake_sees_it() -> None:
+    """A WRITE of nothing is a caller's bug: a clear ValueError, not an IndexError from inside
+    NIXL's descriptor code (which it raised before the check) or a fake write that lands."""
+    from lmcache_pd.transfer.channel import NixlChannel
+    from lmcache_pd.transfer.fake_channel import FakeChannel, FakeFabric
+
+    fake = FakeChannel(FakeFabric(), "producer")
+    with NixlChannel(
+        role="producer", backends=["UCX"], ucx_error_handling_mode="none", progress_thread=False
+    ) as nixl:
+        for channel in (nixl, fake):
+            buffer = channel.register(torch.zeros(4096, dtype=torch.uint8))
+            with pytest.raises(ValueError, match="at least one segment"):
+                channel.post_write("nobody", [], buffer, b"")

@@ -253,6 +253,8 @@ class NixlChannel:
         push, several times quicker than from numpy arrays."""
         if self._buffer is None:
             raise RuntimeError("register a buffer before writing")
+        if not segments:
+            raise ValueError(f"a WRITE to {peer} needs at least one segment")
         device, far_device = self._buffer.device_id, remote.device_id
         local = [(address, nbytes, device) for address, _, nbytes in segments]
         far = [(address, nbytes, far_device) for _, address, nbytes in segments]

@@ -90,6 +90,8 @@ class FakeChannel:
     def post_write(
         self, peer: PeerName, segments: Sequence[Segment], remote: RegisteredBuffer, notif: bytes
     ) -> _FakeXfer:
+        if not segments:
+            raise ValueError(f"a WRITE to {peer} needs at least one segment")
         if self.fail_post or peer not in self._fabric.channels:
             raise TransferError(f"fake post to {peer} failed")
         self.writes_posted += 1
