@@ -16,6 +16,9 @@ import msgspec
 
 # Levels of arrays and objects a body may nest (a chat's image part is 6 deep).
 MAX_JSON_DEPTH = 32
+# The most an instance reads of one request body: twice the most the proxy takes from a client
+# (``max_body_bytes`` is bounded by half of it), which its transfer parameters add little to.
+MAX_BODY_BYTES = 64 << 20
 
 
 def nests_deeper(value: object, levels: int) -> bool:

@@ -89,6 +89,7 @@ class Proxy:
         self._health: HealthChecker | None = None
         self._dropper: KVDropper | None = None
         self._notices: NoticeBoard | None = None
+        self._tokens: PromptTokens | None = None
         self._orchestrator: Orchestrator | None = None
         self._trace = TraceFile(config.trace_path)
         self._sizer = PromptSizer(config.min_disagg_tokens, config.tokenizer)
@@ -131,7 +132,7 @@ class Proxy:
         self._dropper = KVDropper(keys)
         placer = Placer(self.decode, self._sizer)
         if self.config.routing != "load":
-            tokens = PromptTokens(
+            tokens = self._tokens = PromptTokens(
                 self._session,
                 self._upstreams,
                 self._instance_headers,
@@ -139,6 +140,7 @@ class Proxy:
                 await asyncio.to_thread(
                     LocalTokenizer.load, self.config.tokenizer or self.config.model
                 ),
+                self.metrics.local_render_timeouts.inc,
             )
         if self.config.routing == "cache_aware":
             sent = SentPrompts(self.config.kv_index_max_blocks)
@@ -188,6 +190,8 @@ class Proxy:
         return [*self.prefill.members, *self.decode.members]
 
     async def _stop(self, _: web.Application) -> None:
+        if self._tokens is not None:
+            self._tokens.close()
         if self._membership is not None:
             await self._membership.periodic.stop()
         if self._health is not None:

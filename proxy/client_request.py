@@ -49,6 +49,9 @@ TRANSFER_FIELDS = {
     "ec_transfer_params": "ec_transfer_params (transfer parameters are the proxy's to set)",
 }
 
+# Keys of ``chat_template_kwargs`` that vLLM refuses (``resolve_chat_template_kwargs``).
+RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})
+
 # Fields whose meaning would change if split between two instances; refused with a clear 400.
 UNSUPPORTED_FIELDS = {
     "echo": "echo",
@@ -112,6 +115,7 @@ class _Message(msgspec.Struct, kw_only=True):
 
 class _ChatFields(_Common):
     messages: Annotated[list[_Message], msgspec.Meta(min_length=1)]
+    chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: Positive | None = None
     logprobs: bool | None = None
     top_logprobs: NonNegative | None = None
@@ -134,11 +138,27 @@ def _validate(endpoint: Endpoint, body: dict[str, Any]) -> _CompletionFields | _
             raise BadRequest(f"{what} is not supported by the disaggregating proxy")
     if isinstance(fields, _CompletionFields):
         _one_prompt(fields.prompt)
+    else:
+        _template_kwargs(fields.chat_template_kwargs or {})
     # The prompt is checked: a text or token ids, at most two deep. The rest is walked.
     for name, value in body.items():
         if name != "prompt" and nests_deeper(value, MAX_JSON_DEPTH - 1):
             raise BadRequest(f"`{name}` is nested deeper than {MAX_JSON_DEPTH} levels")
     return fields
+
+
+def _template_kwargs(kwargs: dict[str, Any]) -> None:
+    """Refuse what vLLM refuses in ``chat_template_kwargs``, with its words: a template of the
+    request's own, and ``tokenize``. The proxy renders chats with the model's template
+    (``local_tokenizer.py``), where transformers would run such a template."""
+    if kwargs.get("chat_template") is not None:
+        raise BadRequest(
+            "Chat template is passed with request, but --trust-request-chat-template is not "
+            "set. Refused request with untrusted chat template "
+            "(chat_template_kwargs.chat_template)."
+        )
+    if unexpected := RESERVED_TEMPLATE_KWARGS & kwargs.keys():
+        raise BadRequest(f"Found unexpected chat template kwargs from request: {unexpected}")
 
 
 def completion_prompt(prompt: str | list[Any]) -> str | list[Any]:

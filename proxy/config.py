@@ -20,6 +20,7 @@ from lmcache_pd.affinity import CPU_LIST
 from lmcache_pd.auth import DeploymentKeys, load_keys
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.protocol import Port, RankPorts
+from lmcache_pd.request_body import MAX_BODY_BYTES
 
 # Measured 2026-11-24 (benchmarks/selective.py, results/selective.json; 3 runs recommended 256,
 # 64, 256): below this, decode computing the prompt costs its running streams less than one
@@ -103,8 +104,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     # How often every instance's /health is asked; one failure marks it down, one success up.
     health_interval_s: Seconds = 2.0
-    # Upper bound on a client's request body; larger ones are refused before parsing.
-    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 8 << 20
+    # Upper bound on a client's request body; larger ones are refused before parsing. At most
+    # half of what an instance reads (``request_body.MAX_BODY_BYTES``).
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, le=MAX_BODY_BYTES // 2)] = 8 << 20
     # Ask prefill's engine to send each request's first token straight to the proxy (a ZMQ
     # socket on ``host``, on a port the system picks), so that decode is asked on it, before
     # prefill's HTTP answer arrives; the answer is still what the client sees. False: decode

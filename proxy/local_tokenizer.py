@@ -10,10 +10,18 @@ with them unless the request says otherwise. What it cannot render alike (a chat
 the request's own, tools, documents, messages that are not plain text) goes to an instance's
 ``/tokenize`` as before. A wrong guess costs only routing quality: these ids look up the KV
 index and are never sent to an instance.
+
+A request's ``chat_template_kwargs`` reach the model's own template as vLLM passes them: only
+the template's own variables. A key naming one of ``apply_chat_template``'s parameters
+(``chat_template``, ``tokenize``, ``tools``, ``documents``, ...) is never passed here:
+transformers would take ``chat_template`` as the template to run, so a client's Jinja would run
+in the proxy (the door refuses ``chat_template`` and ``tokenize`` there as vLLM does; the rest
+go to an instance's ``/tokenize``).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -30,6 +38,11 @@ class LocalTokenizer:
     def __init__(self, tokenizer: Any) -> None:
         """``tokenizer``: a transformers tokenizer of the served model."""
         self._tokenizer = tokenizer
+        self._template_variables = _template_variables(getattr(tokenizer, "chat_template", None))
+        parameters = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+        self._render_parameters = frozenset(
+            p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        )
 
     @classmethod
     def load(cls, model: str) -> LocalTokenizer | None:
@@ -72,17 +85,40 @@ class LocalTokenizer:
         special = body.get("add_special_tokens", False)
         if not plain or INSTANCE_ONLY_FIELDS & set(body) or not isinstance(kwargs, dict):
             return None
-        if not isinstance(special, bool):
+        if not isinstance(special, bool) or self._template_variables is None:
             return None
+        if self._render_parameters & set(kwargs):
+            return None  # a parameter of the render itself, never a client's to set here
+        # What vLLM keeps of the kwargs: the template's own variables.
+        variables = {k: v for k, v in kwargs.items() if k in self._template_variables}
         try:
             text = self._tokenizer.apply_chat_template(
                 messages,
                 tokenize=False,
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 continue_final_message=body.get("continue_final_message", False),
-                **kwargs,
+                **variables,
             )
             return list(self._tokenizer.encode(text, add_special_tokens=special))
         except Exception as exc:  # a template's own error on odd messages, among others
             logger.debug("could not tokenize a chat here: %r", exc)
             return None
+
+
+def _template_variables(template: object) -> frozenset[str] | None:
+    """The variables the model's chat template reads (what vLLM passes of a request's
+    ``chat_template_kwargs``); None where there is no one template to read them from."""
+    if not isinstance(template, str):
+        return None
+    try:
+        import jinja2.meta  # transformers' own dependency, as the import above
+        import jinja2.sandbox
+        from jinja2.ext import loopcontrols
+    except ImportError:
+        return None
+    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[loopcontrols])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(template)))
+    except jinja2.TemplateError as exc:  # a tag of transformers' own ({% generation %}), say
+        logger.info("chat template not read here (%s): chats go to an instance's /tokenize", exc)
+        return None

@@ -95,6 +95,12 @@ class ProxyMetrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.local_render_timeouts = Counter(
+            f"{prefix}_local_render_timeouts",
+            "Prompts the proxy's own tokenizer did not render within the health deadline, "
+            "routed by load (routing kv or cache_aware)",
+            registry=self.registry,
+        )
         self.membership_errors = Counter(
             f"{prefix}_membership_errors",
             "Failed questions to the cluster engine about the pools' members",

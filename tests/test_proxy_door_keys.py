@@ -35,6 +35,7 @@ from lmcache_pd.proxy.config import (
     load_proxy_config,
     proxy_config,
 )
+from lmcache_pd.request_body import MAX_BODY_BYTES
 from tests.test_k8s import KUBERNETES_VERSION, container_of, mounted_file, one, pod_env
 
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -177,6 +178,62 @@ def test_the_guard_refuses_bodies_that_would_end_vllms_engine(
     fine = b'{"prompt": [1, 2], "vllm_xargs": {"other": 1}, "kv_transfer_params": {"a": [[1]]}}'
     assert guard_passes([fine[:10], fine[10:20], fine[20:]]) == (200, fine)
     assert guard_passes([b"not json"]) == (200, b"not json")  # vLLM's own 400
+
+
+MIB = 1 << 20
+ENDLESS_PARTS = 4000
+
+
+def endless_post(path: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, int]:
+    """The status the guard answers a POST whose chunked body is 4,000 parts of 1 MiB, and how
+    many parts it read. A guard that reads on past the limit fails here at once (it would hold
+    the whole body: 4 GiB)."""
+    sent: list[dict[str, Any]] = []
+    part = b"x" * MIB
+    read = 0
+    budget = MAX_BODY_BYTES // MIB + 2
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        nonlocal read
+        read += 1
+        assert read <= budget, f"the guard read {read} MiB of a body on {path}"
+        return {"type": "http.request", "body": part, "more_body": read < ENDLESS_PARTS}
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+    asyncio.run(InstanceKeyGuard(app)(scope, receive, send))
+    return sent[0]["status"], read
+
+
+def test_no_caller_makes_an_instance_buffer_an_endless_body(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Open paths take no body: a chunked POST /health is refused unread (it was read whole,
+    growing vLLM's API server until it was killed); a caller with the key is read up to
+    MAX_BODY_BYTES, then refused with 413; so is one that declares more. Without the key,
+    nothing is read."""
+    monkeypatch.setenv(KEY_ENV, KEY)
+    chunked = [(b"transfer-encoding", b"chunked")]
+    keyed = [*chunked, (b"authorization", f"Bearer {KEY}".encode())]
+    past_limit = MAX_BODY_BYTES // MIB + 1
+    for path in ("/health", "/metrics"):
+        assert endless_post(path, chunked) == (413, 0)
+    assert endless_post("/v1/completions", chunked) == (401, 0)
+    assert endless_post("/v1/completions", keyed) == (413, past_limit)
+    declared = [(b"content-length", str(MAX_BODY_BYTES + 1).encode()), keyed[1]]
+    assert endless_post("/v1/completions", declared) == (413, 0)
+    # The controls: an open path without a body passes; a body within the limit reaches vLLM
+    # whole.
+    assert asgi_call(InstanceKeyGuard(None), "/health", method="GET") == 200  # type: ignore[arg-type]
+    monkeypatch.delenv(KEY_ENV)
+    assert guard_passes([b'{"prompt": [1]}', b" " * MIB]) == (200, b'{"prompt": [1]}' + b" " * MIB)
+    assert endless_post("/v1/completions", chunked) == (413, past_limit)
+    assert endless_post("/health", chunked) == (413, 0)
 
 
 def test_kubernetes_pods_and_the_proxy_read_one_key_from_the_secret(tmp_path: Path) -> None:

@@ -20,10 +20,14 @@ BELOW_500 = frozenset(range(100, 500))
 CLOSED = 0
 REFUSED_RAW = frozenset({CLOSED, 400, 413, 414, 431})
 HUGE_BODY_BYTES = 9 << 20  # past the proxy's max_body_bytes (8 MiB)
+# What the open-path case sends of a chunked body it never ends.
+ENDLESS_BODY_MIB = 16
 DEEP_LEVELS = 100_000
 # Deep enough for pickle's recursion limit (vLLM pickles each step's new requests, their
 # kv_transfer_params too, for its workers), shallow enough for the JSON parsers on the way.
 DEEP_PARAMS_LEVELS = 600
+# A template whose render takes about forever: loops nested as deep as the sandbox allows.
+NESTED_LOOP_TEMPLATE = "{% for a in range(99999) %}" * 6 + "x" + "{% endfor %}" * 6
 LONG_PROMPT_TOKENS = 300  # past a chunk (256): prefill's connector acts on it
 
 
@@ -246,6 +250,21 @@ def proxy_cases(c: Context) -> list[HttpCase]:
                 Call(c.completion(cache_salt="")),
             ),
         ),
+        HttpCase(
+            "template_in_kwargs",
+            frozenset({400}),
+            tuple(
+                Call(c.chat(chat_template_kwargs=kwargs), "/v1/chat/completions")
+                for kwargs in (
+                    {"chat_template": NESTED_LOOP_TEMPLATE},
+                    {"chat_template": None},
+                    {"tokenize": True},
+                )
+            ),
+            short=True,
+            what="a Jinja template of the client's inside chat_template_kwargs (the proxy's own "
+            "tokenizer once ran it), and tokenize: refused as vLLM refuses them",
+        ),
         HttpCase("unknown_model", frozenset({404}), (Call(c.completion(model="other")),)),
         *RAW_CASES,
         HttpCase(
@@ -433,6 +452,15 @@ def instance_cases(c: Context, role: str) -> list[HttpCase]:
             what="a consumer that never answers: prefill's handshake ends by its deadline",
         ),
         *RAW_CASES,
+        HttpCase(
+            "open_path_endless_body",
+            frozenset({413}),
+            raw=b"POST /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + (b"100000\r\n" + b"x" * (1 << 20) + b"\r\n") * ENDLESS_BODY_MIB,
+            short=True,
+            what="a chunked body that never ends, on a path open without the key (the guard "
+            "read such bodies whole: vLLM's API server grew until it was killed)",
+        ),
     ]
     real = c.spec(
         "cmpl-abuse-real",

@@ -7,9 +7,13 @@ vLLM's own ``--api-key`` (``VLLM_API_KEY``) guards the paths under ``/v1``, ``/v
 and all. This ASGI middleware, loaded into vLLM's API server by ``--middleware``, asks for the
 same key on every path but those two (and CORS preflights, which run no handler). It reads the
 key from ``VLLM_API_KEY`` when vLLM builds its app; with none set it lets everything through.
-It also reads each request body before vLLM does and refuses, with 400, one that no request of
-ours holds and that would end vLLM's engine or fail in its API server
-(``lmcache_pd/request_body.py``). Plain ASGI: nothing of vLLM or Starlette is imported.
+It also reads the body of each authorized POST before vLLM does and refuses, with 400, one
+that no request of ours holds and that would end vLLM's engine or fail in its API server
+(``lmcache_pd/request_body.py``); it reads no more than ``MAX_BODY_BYTES`` (413 past it, or
+at once where ``Content-Length`` says so). A request to an open path that carries a body is
+refused with 413 unread: nobody without the key can make an instance buffer anything (an
+endless chunked ``POST /health`` once grew vLLM's API server until it was killed). Plain
+ASGI: nothing of vLLM or Starlette is imported.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 from lmcache_pd import request_body
 from lmcache_pd.bearer import BearerKey
+from lmcache_pd.request_body import MAX_BODY_BYTES
 
 # What ``vllm --middleware`` is given (``vllm_server.vllm_command``).
 GUARD_IMPORT_PATH = "lmcache_pd.deploy.instance_guard.InstanceKeyGuard"
@@ -39,7 +44,8 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 class InstanceKeyGuard:
     """Refuses, with 401, every HTTP request to a path outside ``OPEN_PATHS`` that lacks
-    ``Authorization: Bearer $VLLM_API_KEY``, and with 400 a body ``request_body`` refuses."""
+    ``Authorization: Bearer $VLLM_API_KEY``; with 413 a body on an open path, or one past
+    ``MAX_BODY_BYTES``; with 400 a body ``request_body`` refuses."""
 
     def __init__(self, app: App) -> None:
         self.app = app
@@ -47,25 +53,33 @@ class InstanceKeyGuard:
         self._key = BearerKey(key) if key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            self._key is None
-            or scope["type"] not in ("http", "websocket")
-            or scope.get("method") == "OPTIONS"
-            or scope["path"].removeprefix(scope.get("root_path", "")) in OPEN_PATHS
-            or self._authorized(scope)
-        ):
-            if scope["type"] == "http" and scope.get("method") == "POST":
-                await self._checked(scope, receive, send)
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if scope.get("method") == "OPTIONS" or path in OPEN_PATHS:
+            if scope["type"] == "http" and _carries_body(scope):
+                await _refuse(send, 413, f"{path} takes no request body", "PayloadTooLarge")
             else:
                 await self.app(scope, receive, send)
             return
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": POLICY_VIOLATION})
+        if self._key is not None and not self._authorized(scope):
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": POLICY_VIOLATION})
+            else:
+                await _refuse(send, 401, "Unauthorized", "AuthenticationError")
             return
-        await _refuse(send, 401, "Unauthorized", "AuthenticationError")
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            await self._checked(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
 
     async def _checked(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Read the whole body, refuse it or hand it to vLLM as one message."""
+        """Read the whole body, up to ``MAX_BODY_BYTES``; refuse it or hand it to vLLM as one
+        message."""
+        if _declared_length(scope) > MAX_BODY_BYTES:
+            await _refuse_too_large(send)
+            return
         body = bytearray()
         while True:
             message = await receive()
@@ -73,6 +87,9 @@ class InstanceKeyGuard:
                 await self.app(scope, _replay(message, receive), send)
                 return
             body += message.get("body", b"")
+            if len(body) > MAX_BODY_BYTES:
+                await _refuse_too_large(send)
+                return
             if not message.get("more_body", False):
                 break
         reason = request_body.refusal(bytes(body))
@@ -83,9 +100,28 @@ class InstanceKeyGuard:
         await self.app(scope, _replay(whole, receive), send)
 
     def _authorized(self, scope: Scope) -> bool:
-        header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+        header = _header(scope, b"authorization") or b""
         assert self._key is not None
         return self._key.admits(header.decode("latin-1"))
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    return next((v for k, v in scope.get("headers", ()) if k.lower() == name), None)
+
+
+def _declared_length(scope: Scope) -> int:
+    """The body's ``Content-Length`` (0 where none is given or it is not a number: the server
+    refused a malformed one already)."""
+    value = _header(scope, b"content-length")
+    return int(value) if value is not None and value.isdigit() else 0
+
+
+def _carries_body(scope: Scope) -> bool:
+    return _declared_length(scope) > 0 or _header(scope, b"transfer-encoding") is not None
+
+
+async def _refuse_too_large(send: Send) -> None:
+    await _refuse(send, 413, f"the body is over {MAX_BODY_BYTES} bytes", "PayloadTooLarge")
 
 
 def _replay(first: Message, receive: Receive) -> Receive:
