@@ -43,7 +43,7 @@ from aiohttp import web
 from lmcache_pd.deploy.launcher import unused_port
 from lmcache_pd.deploy.vllm_server import VLLMServer, wait_until_healthy
 from lmcache_pd.proxy.flow import UPSTREAM_KEEPALIVE_S
-from lmcache_pd.proxy.openai_format import error_body
+from lmcache_pd.proxy.responses import error_body
 
 logger = logging.getLogger(__name__)
 

@@ -249,10 +249,12 @@ class Sample:
     gaps_s: list[float]
 
 
-async def _read_tokens(response: aiohttp.ClientResponse, arrivals: list[float]) -> float:
-    """Append each streamed token's arrival time; return when ``[DONE]`` came. Reads on to the
-    body's end, as HTTP clients do: a body left unread closes the connection instead of
-    returning it to the pool."""
+async def _read_tokens(
+    response: aiohttp.ClientResponse, arrivals: list[float], skip: int = 0
+) -> float:
+    """Append each streamed token's arrival time, but for the first ``skip`` tokens; return when
+    ``[DONE]`` came. Reads on to the body's end, as HTTP clients do: a body left unread closes
+    the connection instead of returning it to the pool."""
     if response.status != 200:
         raise RuntimeError(f"{response.url} answered {response.status}: {await response.read()!r}")
     done = None
@@ -267,6 +269,9 @@ async def _read_tokens(response: aiohttp.ClientResponse, arrivals: list[float]) 
         if event.error is not None:
             raise RuntimeError(f"{response.url} streamed an error: {event.error}")
         if any(choice.text for choice in event.choices):
+            if skip:
+                skip -= 1
+                continue
             arrivals.append(time.perf_counter())
     if done is None:
         raise RuntimeError(f"{response.url}: stream ended without [DONE]")
@@ -318,7 +323,7 @@ class LoadGenerator:
         return self._sample(started, arrivals, done)
 
     async def _direct(self, client: ClientRequest) -> Sample:
-        """Prefill for the first token, then decode's stream, as the proxy would."""
+        """Prefill for the first token, then decode's stream past it, as the proxy would."""
         req_id = f"bench-{uuid.uuid4().hex}"
         spec = DisaggSpec(req_id, *RECEIVER)
         headers = {"Content-Type": "application/json", "X-Request-Id": req_id}
@@ -336,14 +341,13 @@ class LoadGenerator:
         answer = msgspec.json.decode(raw)
         arrivals.append(time.perf_counter())
         first = answer["kv_transfer_params"]["first_tok"]
-        params = KVTransferParams(disagg_spec=spec)
-        decode = client.decode_body(answer["prompt_token_ids"], first, params)
+        decode = client.decode_body(KVTransferParams(disagg_spec=spec, first_tok=first))
         async with self._session.post(
             f"{self._servers.decode_url}{Endpoint.COMPLETIONS.value}",
             data=msgspec.json.encode(decode),
             headers=headers,
         ) as response:
-            done = await _read_tokens(response, arrivals)
+            done = await _read_tokens(response, arrivals, skip=1)  # the client has the first
         return self._sample(started, arrivals, done)
 
 

@@ -33,6 +33,9 @@ Protocol history:
   (no version change) ``KVTransferParams`` and ``KVTransferReturn`` type the keys of vLLM's
      ``kv_transfer_params`` that the proxy and the connector always sent as plain JSON objects;
      the JSON is unchanged.
+  (no version change) ``KVTransferParams.first_tok``: decode is sent the client's own request
+     (its prompt, not the prompt plus prefill's first token) and must make ``first_tok`` its
+     first output token; the KV it loads is then the whole prompt's but for its last token.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ MAX_AGENT_METADATA_BYTES = 1 << 16
 MAX_ERROR_DETAIL_CHARS = 1024
 MAX_PAGE_BYTES = 1 << 31
 MAX_STACK_ID_CHARS = 256
+# Token ids past any vocabulary (vLLM's own are int32).
+MAX_TOKEN_ID = 1 << 31
 MAX_RESERVED_PAGES = 64  # pages one Reservation may hand out
 MAX_TP_RANKS = 64  # ranks of one tensor-parallel instance a DisaggSpec or config may name
 # A consumer's state per peer and per request, each bounded whatever its peers send: requests
@@ -266,6 +271,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
     ret_first_tok: bool = False
     disagg_spec: DisaggSpec | None = None
     first_tok_to: str | None = None
+    # Decode: the request is the client's own and its first output token must be this one
+    # (prefill's); its prompt's KV, but for the last token, comes from the DisaggSpec's push.
+    first_tok: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object for a request body."""
@@ -285,17 +293,37 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
             raise ProtocolError(f"kv_transfer_params must be an object, not {type(raw).__name__}")
         spec = raw.get("disagg_spec")
         address = raw.get(NOTICE_KEY)
+        first = raw.get("first_tok")
+        if first is not None and not _is_token_id(first):
+            raise ProtocolError(f"kv_transfer_params.first_tok is no token id: {first!r:.40}")
         return cls(
             ret_first_tok=raw.get("ret_first_tok") in (True, 1),
             disagg_spec=None if spec is None else DisaggSpec.from_dict(spec),
             first_tok_to=address if is_notice_address(address) else None,
+            first_tok=first,
         )
+
+    @classmethod
+    def forced_first_token(cls, extra_args: object) -> int | None:
+        """The token a request's first output must be (``first_tok``), read from vLLM's
+        ``SamplingParams.extra_args`` (where vLLM puts ``kv_transfer_params``); None for a
+        request without one, or whose parameters the connector refuses too (it then serves the
+        request without disaggregation, so nothing is forced)."""
+        raw = extra_args.get("kv_transfer_params") if isinstance(extra_args, Mapping) else None
+        try:
+            return cls.from_dict(raw).first_tok
+        except ProtocolError:
+            return None
 
     @staticmethod
     def notice_address_refused(raw: object) -> bool:
         """Whether ``raw`` (an object ``from_dict`` read) named a notice address it left out."""
         asked = raw.get(NOTICE_KEY) if isinstance(raw, Mapping) else None
         return asked is not None and not is_notice_address(asked)
+
+
+def _is_token_id(value: object) -> bool:
+    return type(value) is int and 0 <= value < MAX_TOKEN_ID
 
 
 def is_notice_address(address: object) -> bool:

@@ -1,6 +1,6 @@
-"""Writing one disaggregated request's answer to its client: prefill's first token at once (its
-own SSE chunk when streaming), then decode's stream of the rest, streamed or gathered whole, with
-the request's latency metrics, usage and phase times."""
+"""Writing one disaggregated request's answer to its client: vLLM's own answer to its request
+(``continuation.py``), prefill's first token at once where a stream can show it alone, then
+decode's answer, streamed or whole, with the request's latency metrics and phase times."""
 
 from __future__ import annotations
 
@@ -14,17 +14,24 @@ import msgspec
 from aiohttp import web
 
 from lmcache_pd.protocol import DisaggSpec
-from lmcache_pd.proxy.client_request import ClientRequest
+from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
+from lmcache_pd.proxy.continuation import (
+    DecodeRelay,
+    FirstTokenMismatch,
+    continued_answer,
+    first_events,
+    shows_first_alone,
+    whole_answer,
+)
 from lmcache_pd.proxy.decode_stream import DecodeStream
 from lmcache_pd.proxy.flow import Disaggregator, Prefilled, UpstreamFailed, UpstreamRejected
 from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
-from lmcache_pd.proxy.openai_format import Piece, ResponseWriter, Usage, error_body
 from lmcache_pd.proxy.responses import (
     SSE_HEADERS,
     ClientGone,
     close_after_done,
+    error_body,
     error_response,
-    json_response,
     sse,
     write,
 )
@@ -33,14 +40,8 @@ from lmcache_pd.proxy.routing import Upstream
 logger = logging.getLogger(__name__)
 
 
-def goes_on(prefilled: Prefilled) -> bool:
-    """Prefill stopped at its one-token limit: the answer goes on at decode (unless it really
-    ended there: EOS, a stop string)."""
-    return prefilled.piece.finish_reason == "length"
-
-
 class Answer:
-    """Everything after the first token: send it, then decode's stream, to one client."""
+    """Everything after prefill's answer: the first token and decode's answer, to one client."""
 
     def __init__(
         self,
@@ -48,7 +49,6 @@ class Answer:
         metrics: ProxyMetrics,
         client: ClientRequest,
         req_id: str,
-        writer: ResponseWriter,
         prefilled: Prefilled,
         decoder: Upstream | None,
         spec: DisaggSpec | None,
@@ -58,25 +58,22 @@ class Answer:
     ) -> None:
         """``started`` is the request's arrival (``perf_counter``); ``trace`` holds its phase
         times (wall clock) for the proxy's trace file, from ``arrived`` on. ``early`` is decode's
-        stream if it was asked on a notice (and continues ``prefilled``)."""
+        answer if it was asked on a notice (and continues ``prefilled``)."""
         self.flow, self.metrics = flow, metrics
-        self.client, self.req_id, self.writer = client, req_id, writer
+        self.client, self.req_id = client, req_id
         self.prefilled, self.decoder, self.spec = prefilled, decoder, spec
         self.trace, self.started = trace, started
-        self.usage = Usage(prefilled.prompt_tokens, 1)
         self.early = early
         # Once true, decode itself releases the request's KV.
         self.decode_asked = early is not None
-        first = prefilled.piece
         # One token may also be all the client wanted (no decoder then).
-        self.continues = decoder is not None and goes_on(prefilled)
-        if self.continues:
-            first.finish_reason = None
-            first.stop_reason = None
+        self.continues = decoder is not None and prefilled.goes_on
+        # vLLM names its answer after the X-Request-Id the proxy sends decode.
+        prefix = "cmpl-" if client.endpoint is Endpoint.COMPLETIONS else "chatcmpl-"
+        self.response_id = prefix + req_id
 
-    async def _rest(self) -> AsyncIterator[list[Piece]]:
-        """Decode's pieces, a list per network read (the usage of its tokens is folded into
-        ours)."""
+    async def _decoded(self) -> AsyncIterator[list[bytes]]:
+        """Decode's events' data (or its whole answer), a list per network read."""
         assert self.decoder is not None and self.spec is not None
         stream = self.early or DecodeStream(
             self.flow,
@@ -93,14 +90,7 @@ class Answer:
             async for items in stream.batches():
                 if "decode_first" not in self.trace:  # once, not per token
                     self.trace["decode_first"] = time.time()
-                pieces = []
-                for item in items:
-                    if isinstance(item, Usage):
-                        self.usage.completion_tokens = 1 + item.completion_tokens
-                    else:
-                        pieces.append(item)
-                if pieces:
-                    yield pieces
+                yield items
         finally:
             await stream.cancel()
 
@@ -119,31 +109,35 @@ class Answer:
             exc.body[:300],
         )
 
+    def _mismatched(self, exc: FirstTokenMismatch) -> None:
+        self.metrics.first_token_mismatches.inc()
+        logger.error("req %s: %s (is the forcing logits processor loaded?)", self.req_id, exc)
+
+    def _first_sent(self) -> float:
+        now = time.perf_counter()
+        self.trace["first_sent"] = time.time()
+        self.metrics.ttft.observe(now - self.started)
+        return now
+
     async def stream(self, http: web.Request) -> tuple[web.StreamResponse, Outcome]:
-        """The answer as SSE events: the first token at once, then decode's as they come."""
+        """The answer as SSE events: the first token at once where it can go alone, then
+        decode's as they come."""
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(http)
         try:
-            await write(response, sse(self.writer.chunk(self.prefilled.piece)))
-            self.trace["first_sent"] = time.time()
-            first_sent = time.perf_counter()
-            self.metrics.ttft.observe(first_sent - self.started)
+            shown = not self.continues or shows_first_alone(self.client, self.prefilled.answer)
+            last = None
+            if shown:
+                events = first_events(
+                    self.client, self.prefilled.answer, self.response_id, not self.continues
+                )
+                await write(response, b"".join(sse(event) for event in events))
+                last = self._first_sent()
             outcome = Outcome.OK
-            if self.continues:
-                try:
-                    await self._stream_rest(response, first_sent)
-                except UpstreamRejected as exc:
-                    self._decode_refused(exc)
-                    await write(response, sse(_refusal_event(exc)))
-                    outcome = Outcome.UPSTREAM_REJECTED
-                except UpstreamFailed as exc:
-                    self._decode_failed(exc)
-                    message = exc.client_message(self.req_id)
-                    await write(response, sse(error_body(message, "BadGateway", 502)))
-                    outcome = Outcome.DECODE_FAILED
-            if self.client.include_usage and outcome is Outcome.OK:
-                await write(response, sse(self.writer.usage_chunk(self.usage)))
-            await write(response, sse("[DONE]"))
+            if not self.continues:
+                await write(response, sse("[DONE]"))
+            else:
+                outcome = await self._stream_decoded(response, last, shown)
             await close_after_done(response)
         except ClientGone:
             logger.info("req %s: client disconnected; upstream requests cancelled", self.req_id)
@@ -158,51 +152,83 @@ class Answer:
         self._log_done(outcome)
         return response, outcome
 
-    async def _stream_rest(self, response: web.StreamResponse, last: float) -> None:
-        """Decode's pieces as SSE events, one write per network read; the gaps between writes,
-        from ``last`` (the first token's, ``perf_counter``) on, are the inter-token latencies."""
-        async with contextlib.aclosing(self._rest()) as rest:
-            async for pieces in rest:
-                events = b"".join(sse(self.writer.chunk(piece)) for piece in pieces)
-                await write(response, events)
-                now = time.perf_counter()
-                self.metrics.itl.observe(now - last)
-                for _ in pieces[1:]:  # they came in one read and went out together
-                    self.metrics.itl.observe(0.0)
-                last = now
+    async def _stream_decoded(
+        self, response: web.StreamResponse, last: float | None, shown: bool
+    ) -> Outcome:
+        """Decode's events, passed on one write per network read (its ``[DONE]`` too); the gaps
+        between writes, from ``last`` (the first token's, ``perf_counter``; None: not sent yet)
+        on, are the inter-token latencies. A failure ends the stream with an error event."""
+        relay = DecodeRelay(self.client, self.prefilled.first_token, skip_first=shown)
+        try:
+            async with contextlib.aclosing(self._decoded()) as decoded:
+                async for batch in decoded:
+                    out = [data for data in map(relay.relay, batch) if data is not None]
+                    if not out:
+                        continue
+                    await write(response, b"".join(sse(data) for data in out))
+                    if last is None:
+                        last = self._first_sent()
+                        continue
+                    now = time.perf_counter()
+                    self.metrics.itl.observe(now - last)
+                    for _ in out[1:]:  # they came in one read and went out together
+                        self.metrics.itl.observe(0.0)
+                    last = now
+            await write(response, sse("[DONE]"))
+            return Outcome.OK
+        except UpstreamRejected as exc:
+            self._decode_refused(exc)
+            await write(response, sse(_refusal_event(exc)) + sse("[DONE]"))
+            return Outcome.UPSTREAM_REJECTED
+        except UpstreamFailed as exc:
+            self._decode_failed(exc)
+            error = error_body(exc.client_message(self.req_id), "BadGateway", 502)
+            await write(response, sse(error) + sse("[DONE]"))
+            return Outcome.DECODE_FAILED
+        except FirstTokenMismatch as exc:
+            self._mismatched(exc)
+            message = f"decode could not continue prefill's first token (req {self.req_id})"
+            await write(response, sse(error_body(message, "BadGateway", 502)) + sse("[DONE]"))
+            return Outcome.DECODE_FAILED
 
     async def whole(self) -> tuple[web.StreamResponse, Outcome]:
         """The answer as one JSON body, once decode has ended."""
-        pieces: list[Piece] = [self.prefilled.piece]
         self.metrics.ttft.observe(time.perf_counter() - self.started)
-        if self.continues:
-            try:
-                async with contextlib.aclosing(self._rest()) as rest:
-                    pieces.extend([piece async for batch in rest for piece in batch])
-            except UpstreamRejected as exc:
-                self._decode_refused(exc)
-                refused = web.Response(
-                    body=exc.body, status=exc.status, content_type="application/json"
-                )
-                return refused, Outcome.UPSTREAM_REJECTED
-            except UpstreamFailed as exc:
-                self._decode_failed(exc)
-                response = error_response(exc.client_message(self.req_id), "BadGateway", 502)
-                return response, Outcome.DECODE_FAILED
+        if not self.continues:
+            self._log_done(Outcome.OK)
+            body = whole_answer(self.prefilled.answer, self.client)
+            return web.Response(body=body, content_type="application/json"), Outcome.OK
+        try:
+            async with contextlib.aclosing(self._decoded()) as decoded:
+                [raw] = [data async for batch in decoded for data in batch]
+            body, mismatch = continued_answer(raw, self.prefilled.first_token, self.client)
+        except UpstreamRejected as exc:
+            self._decode_refused(exc)
+            refused = web.Response(
+                body=exc.body, status=exc.status, content_type="application/json"
+            )
+            return refused, Outcome.UPSTREAM_REJECTED
+        except UpstreamFailed as exc:
+            self._decode_failed(exc)
+            response = error_response(exc.client_message(self.req_id), "BadGateway", 502)
+            return response, Outcome.DECODE_FAILED
+        except (msgspec.DecodeError, ValueError) as exc:  # one item, and JSON, from vLLM
+            assert self.decoder is not None
+            self._decode_failed(UpstreamFailed(self.decoder, "bad_answer", repr(exc)))
+            response = error_response(
+                f"decode's answer was unreadable (req {self.req_id})", "BadGateway", 502
+            )
+            return response, Outcome.DECODE_FAILED
+        if mismatch is not None:  # decode's own answer to the request: exact, but not forced
+            self._mismatched(mismatch)
         self._log_done(Outcome.OK)
-        return json_response(self.writer.body(pieces, self.usage)), Outcome.OK
+        return web.Response(body=body, content_type="application/json"), Outcome.OK
 
     def _log_done(self, outcome: Outcome) -> None:
-        self.trace |= {
-            "prompt_tokens": self.usage.prompt_tokens,
-            "completion_tokens": self.usage.completion_tokens,
-        }
         logger.debug(
-            "req %s: %s, %d+%d tokens, decode %s, %.1f ms",
+            "req %s: %s, decode %s, %.1f ms",
             self.req_id,
             outcome.value,
-            self.usage.prompt_tokens,
-            self.usage.completion_tokens,
             self.decoder.url if self.continues and self.decoder else "not needed",
             1000 * (time.perf_counter() - self.started),
         )

@@ -1,9 +1,9 @@
 """A client's OpenAI request, checked at the door, and the two requests made of it: prefill's
-(one token, non-streaming, with the DisaggSpec) and decode's (the exact prompt token ids plus the
-first token, as a completion, for the remaining tokens).
+(one token, non-streaming, with the DisaggSpec) and decode's (the client's own request, whose
+first output token must be prefill's, with the same DisaggSpec).
 
-Only the fields the proxy interprets are validated here; every other field goes to prefill as the
-client sent it (vLLM checks those), and the sampling ones go on to decode too. What vLLM would
+Only the fields the proxy interprets are validated here; every other field goes to prefill and
+to decode as the client sent it (vLLM checks those). What vLLM would
 read as transfer parameters is the proxy's alone: a client's ``kv_transfer_params``, and the
 fields vLLM copies into the same place (``vllm_xargs``, whose keys become the sampling params'
 ``extra_args``, where vLLM looks for ``kv_transfer_params``; ``ec_transfer_params``), are refused.
@@ -29,18 +29,6 @@ TokenIds = list[NonNegative]
 # vLLM's default max_tokens for /v1/completions (chat has none: up to the context length).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
-# Fields that decode must see exactly as the client gave them (chat and completions name them
-# alike): the sampling ones, and the prefix-cache salt, without which decode would look for the
-# prompt's blocks in another tenant's cache. min_tokens and max_tokens are adjusted for the
-# token prefill produced.
-SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-    "bad_words", "allowed_token_ids", "user", "priority", "return_tokens_as_token_ids",
-    "cache_salt",
-)  # fmt: skip
-
 # Fields vLLM reads transfer parameters from (``to_sampling_params`` in its completion and chat
 # protocols): the proxy's to set, refused with any value but null.
 TRANSFER_FIELDS = {
@@ -59,8 +47,6 @@ UNSUPPORTED_FIELDS = {
     "best_of": "best_of",
     "use_beam_search": "beam search",
     "prompt_logprobs": "prompt_logprobs",
-    "response_format": "structured output (response_format)",
-    "structured_outputs": "structured output",
     "tools": "tool calling",
     "functions": "function calling",
 }
@@ -199,8 +185,6 @@ class ClientRequest:
     # Output tokens the client wants in all; None: up to the model's context (chat default).
     max_tokens: int | None
     min_tokens: int
-    # Completions-style top-k logprobs to ask decode for; None: no logprobs.
-    logprobs: int | None
 
     @classmethod
     def from_json(cls, endpoint: Endpoint, raw: bytes, served_model: str) -> ClientRequest:
@@ -226,10 +210,8 @@ class ClientRequest:
             )
         if isinstance(fields, _ChatFields):
             max_tokens = fields.max_completion_tokens or fields.max_tokens
-            logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
         else:
             max_tokens = fields.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-            logprobs = fields.logprobs
         return cls(
             endpoint=endpoint,
             body=body,
@@ -238,7 +220,6 @@ class ClientRequest:
             include_usage=bool(fields.stream_options and fields.stream_options.include_usage),
             max_tokens=max_tokens,
             min_tokens=fields.min_tokens or 0,
-            logprobs=logprobs,
         )
 
     @property
@@ -262,19 +243,15 @@ class ClientRequest:
         }
         return body
 
-    def decode_body(
-        self, prompt_token_ids: list[int], first_token: int, kv_transfer_params: KVTransferParams
-    ) -> dict[str, Any]:
-        """A streamed completion that continues after the first token, on the same token ids."""
-        body = {key: self.body[key] for key in SAMPLING_FIELDS if key in self.body}
-        body |= {
-            "model": self.model,
-            "prompt": [*prompt_token_ids, first_token],
-            "max_tokens": None if self.max_tokens is None else self.max_tokens - 1,
-            "min_tokens": max(self.min_tokens - 1, 0),
-            "logprobs": self.logprobs,
-            "stream": True,
-            "stream_options": {"include_usage": True},
+    def decode_body(self, kv_transfer_params: KVTransferParams) -> dict[str, Any]:
+        """The client's own request, its first output token forced to prefill's (the params'
+        ``first_tok``), with the token ids that show it."""
+        return self.body | {
+            "return_token_ids": True,
             "kv_transfer_params": kv_transfer_params.to_dict(),
         }
-        return body
+
+    @property
+    def asks_token_ids(self) -> bool:
+        """Whether the client asked for token ids in its answer (else they are nulled there)."""
+        return self.body.get("return_token_ids") is True

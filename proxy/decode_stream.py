@@ -1,9 +1,9 @@
-"""Decode's stream, asked for at once and read later.
+"""Decode's answer, asked for at once and read later.
 
 The proxy asks decode as soon as it knows the first token: from prefill's engine directly (a
 first-token notice, ``lmcache_pd/first_token.py``) or from prefill's HTTP answer, whichever comes
 first. On a notice, decode's request goes out while the first token itself is still on its way
-to the client, so the request's first read runs as a task of its own; the answer reads the stream
+to the client, so the request's first read runs as a task of its own; the answer reads decode's
 once it has sent the first token, and keeps it only if prefill's answer names the same prompt and
 token (``matches``). Cancelling closes the upstream connection, and vLLM aborts the request.
 """
@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 from lmcache_pd.protocol import DisaggSpec, KVTransferParams
 from lmcache_pd.proxy.client_request import ClientRequest
-from lmcache_pd.proxy.openai_format import Piece, Usage
 from lmcache_pd.proxy.routing import Upstream
 
 if TYPE_CHECKING:
@@ -25,7 +24,8 @@ if TYPE_CHECKING:
 
 
 class DecodeStream:
-    """One decode request continuing ``prompt_token_ids`` + ``first_token``."""
+    """One decode request: the client's own, its first output token ``first_token``, on a
+    prompt whose token ids prefill gave as ``prompt_token_ids``."""
 
     def __init__(
         self,
@@ -39,12 +39,12 @@ class DecodeStream:
     ) -> None:
         """Send the request now (it needs a running event loop)."""
         self.prompt_token_ids, self.first_token = prompt_token_ids, first_token
-        body = client.decode_body(prompt_token_ids, first_token, KVTransferParams(disagg_spec=spec))
+        body = client.decode_body(KVTransferParams(disagg_spec=spec, first_tok=first_token))
         self.sent_at = time.time()
-        self._batches = flow.decode(member, req_id, body)
+        self._batches = flow.relay(member, client, req_id, body)
         self._first = asyncio.get_running_loop().create_task(self._first_batch())
 
-    async def _first_batch(self) -> list[Piece | Usage] | None:
+    async def _first_batch(self) -> list[bytes] | None:
         return await anext(self._batches, None)
 
     def matches(self, prefilled: Prefilled) -> bool:
@@ -54,9 +54,9 @@ class DecodeStream:
             and prefilled.prompt_token_ids == self.prompt_token_ids
         )
 
-    async def batches(self) -> AsyncIterator[list[Piece | Usage]]:
-        """Decode's pieces (then its usage), a list per network read; raises
-        ``UpstreamRejected`` and ``UpstreamFailed`` as ``Disaggregator.decode`` does."""
+    async def batches(self) -> AsyncIterator[list[bytes]]:
+        """Decode's events' data (or its whole JSON answer), a list per network read; raises
+        ``UpstreamRejected`` and ``UpstreamFailed`` as ``Disaggregator.relay`` does."""
         first = await self._first
         if first is None:
             return

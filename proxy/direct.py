@@ -16,11 +16,11 @@ from aiohttp import web
 from lmcache_pd.proxy.client_request import ClientRequest
 from lmcache_pd.proxy.flow import Disaggregator, UpstreamFailed, UpstreamRejected
 from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
-from lmcache_pd.proxy.openai_format import error_body
 from lmcache_pd.proxy.responses import (
     SSE_HEADERS,
     ClientGone,
     close_after_done,
+    error_body,
     error_response,
     sse,
     write,
@@ -50,13 +50,15 @@ async def serve_alone(
     try:
         if not client.stream:
             [body] = [
-                data async for events in flow.alone(member, client, req_id) for data in events
+                data
+                async for events in flow.relay(member, client, req_id, client.body)
+                for data in events
             ]
             metrics.ttft.observe(time.perf_counter() - started)
             trace["first_sent"] = time.time()
             return web.Response(body=body, content_type="application/json"), Outcome.OK
         last = started
-        async for events in flow.alone(member, client, req_id):
+        async for events in flow.relay(member, client, req_id, client.body):
             now = time.perf_counter()
             if response is None:
                 computed()

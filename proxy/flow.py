@@ -1,6 +1,6 @@
 """The proxy's upstream calls: prefill for the first token (retried once on another prefill
-instance if it fails before answering), decode's stream of the rest, and a short prompt's own
-request served by decode alone; and the reading of their answers.
+instance if it fails before answering), and decode's answer to the client's own request (going
+on from that token, or served alone for a short prompt); and the reading of their answers.
 
 Every call has a connect and a read deadline; every failure becomes an ``UpstreamFailed`` that
 names the instance, counted and logged by the caller; the client is told only the role that
@@ -27,7 +27,6 @@ from lmcache_pd.protocol import KVTransferParams, KVTransferReturn
 from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
 from lmcache_pd.proxy.config import Timeouts
 from lmcache_pd.proxy.metrics import ProxyMetrics
-from lmcache_pd.proxy.openai_format import Piece, Usage, piece_from_completion, piece_from_prefill
 from lmcache_pd.proxy.routing import NoHealthyInstance, Pool, Upstream
 
 logger = logging.getLogger(__name__)
@@ -73,20 +72,26 @@ class UpstreamRejected(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Prefilled:
-    """Prefill's answer: the first token, and the prompt's token ids that decode continues."""
+    """Prefill's answer: its JSON (what the client's first token is shown from), the first
+    token, and the prompt's token ids."""
 
-    piece: Piece
+    answer: dict[str, Any]
     prompt_token_ids: list[int]
     first_token: int
-    prompt_tokens: int
     instance: str = ""  # the prefill instance that answered
 
+    @property
+    def goes_on(self) -> bool:
+        """Prefill stopped at its one-token limit: the answer goes on at decode (unless it
+        really ended there: EOS, a stop string)."""
+        return self.answer["choices"][0].get("finish_reason") == "length"
 
-def _prefilled(endpoint: Endpoint, answer: dict[str, Any]) -> Prefilled | None:
+
+def _prefilled(answer: dict[str, Any]) -> Prefilled | None:
     """Read prefill's JSON answer; None if it lacks what decode needs, ``ProtocolError`` if
     its ``kv_transfer_params`` are malformed."""
     choices = answer.get("choices") or []
-    if len(choices) != 1:
+    if len(choices) != 1 or not isinstance(choices[0], dict):
         return None
     choice = choices[0]
     prompt_ids = choice.get("prompt_token_ids") or answer.get("prompt_token_ids")
@@ -95,13 +100,7 @@ def _prefilled(endpoint: Endpoint, answer: dict[str, Any]) -> Prefilled | None:
         first = choice["token_ids"][0]
     if not prompt_ids or not isinstance(first, int):
         return None
-    usage = answer.get("usage") or {}
-    return Prefilled(
-        piece_from_prefill(endpoint, choice),
-        list(prompt_ids),
-        first,
-        usage.get("prompt_tokens", len(prompt_ids)),
-    )
+    return Prefilled(answer, list(prompt_ids), first)
 
 
 class Disaggregator:
@@ -205,51 +204,25 @@ class Disaggregator:
     ) -> Prefilled:
         async with self._call(member, endpoint, req_id, body, self._prefill_timeout) as response:
             await _ensure_ok(member, response)
-            prefilled = _prefilled(endpoint, msgspec.json.decode(await response.read()))
+            prefilled = _prefilled(msgspec.json.decode(await response.read()))
         if prefilled is None:
             raise UpstreamFailed(member, "bad_answer", "answer lacks token ids")
         return prefilled
 
-    async def decode(
-        self, member: Upstream, req_id: str, body: dict[str, Any]
-    ) -> AsyncIterator[list[Piece | Usage]]:
-        """Decode's stream as pieces (then its usage), a list per network read: the caller can
-        pass on with one write what arrived together. Raises ``UpstreamRejected`` if decode
-        refuses the request itself (a 4xx) and ``UpstreamFailed`` on any other failure,
-        including a stream that ends without ``[DONE]``."""
-        endpoint, timeout = Endpoint.COMPLETIONS, self._decode_timeout
-        async with self._call(member, endpoint, req_id, body, timeout) as response:
-            await _ensure_ok(member, response)
-            async for events in _sse_batches(member, response):
-                items: list[Piece | Usage] = []
-                for data in events:
-                    if data == b"[DONE]":
-                        if items:
-                            yield items
-                        # Read the body's end too: a response left unread is not pooled, and
-                        # the next request would pay for a new connection.
-                        await response.content.read()
-                        return
-                    event = msgspec.json.decode(data)
-                    if "error" in event:
-                        raise UpstreamFailed(member, "stream_error", str(event["error"]))
-                    if event.get("usage"):
-                        items.append(Usage(completion_tokens=event["usage"]["completion_tokens"]))
-                    items.extend(piece_from_completion(c) for c in event.get("choices") or ())
-                if items:
-                    yield items
-            raise UpstreamFailed(member, "truncated", "stream ended without [DONE]")
-
-    async def alone(
-        self, member: Upstream, request: ClientRequest, req_id: str
+    async def relay(
+        self,
+        member: Upstream,
+        request: ClientRequest,
+        req_id: str,
+        body: dict[str, Any],
     ) -> AsyncIterator[list[bytes]]:
-        """The client's own request served whole by ``member`` (a decode instance, for a prompt
-        too short to disaggregate): the data of its SSE events, a list per network read, ending
-        with ``[DONE]``; or, not streamed, its JSON body as the one item. Raises
+        """``body`` (the client's own request, or decode's continuation of it) served by
+        ``member``: the data of its SSE events, a list per network read, ending with
+        ``[DONE]``; or, not streamed, its JSON body as the one item. Raises
         ``UpstreamRejected`` for a 4xx and ``UpstreamFailed`` for any other failure, including
         a stream that ends without ``[DONE]``."""
         endpoint, timeout = request.endpoint, self._decode_timeout
-        async with self._call(member, endpoint, req_id, request.body, timeout) as response:
+        async with self._call(member, endpoint, req_id, body, timeout) as response:
             await _ensure_ok(member, response)
             if not request.stream:
                 yield [await response.read()]

@@ -101,6 +101,13 @@ class ProxyMetrics:
             "routed by load (routing kv or cache_aware)",
             registry=self.registry,
         )
+        self.first_token_mismatches = Counter(
+            f"{prefix}_first_token_mismatches",
+            "Disaggregated requests whose decode answer did not go on from prefill's first token "
+            "(its instance lacks the forcing logits processor): a stream ends with an error, a "
+            "whole answer is decode's own",
+            registry=self.registry,
+        )
         self.membership_errors = Counter(
             f"{prefix}_membership_errors",
             "Failed questions to the cluster engine about the pools' members",

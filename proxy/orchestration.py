@@ -2,12 +2,13 @@
 
 The body is checked at the door; where it goes is ``placement.py``'s: a prompt of which the
 chosen decode instance would compute fewer than ``min_disagg_tokens`` goes there alone
-(``direct.py``). Any other goes to prefill for one token, and decode is asked for the rest, on
-the exact prompt token ids plus that token, as soon as the proxy knows the token: from
+(``direct.py``). Any other goes to prefill for one token, and decode is sent the client's own
+request, its first output token forced to that one, as soon as the proxy knows the token: from
 prefill's engine directly (a first-token notice, ``decode_stream.py``) or from prefill's answer,
-whichever comes first. The answer (``answer.py``) sends that token at once and then decode's
-stream. KV pushed for a request that decode will not load is dropped at its consumer when the
-request ends (``kv_drop.py``). The upstream calls themselves are ``flow.py``'s.
+whichever comes first. The answer (``answer.py``) sends that token at once where it can go
+alone, then decode's answer as vLLM wrote it (``continuation.py``). KV pushed for a request
+that decode will not load is dropped at its consumer when the request ends (``kv_drop.py``).
+The upstream calls themselves are ``flow.py``'s.
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ from aiohttp import web
 
 from lmcache_pd.first_token import FirstTokenNotice, NoticeBoard
 from lmcache_pd.protocol import DisaggSpec, KVTransferParams
-from lmcache_pd.proxy.answer import Answer, goes_on
+from lmcache_pd.proxy.answer import Answer
 from lmcache_pd.proxy.client_request import BadRequest, ClientRequest, Endpoint
 from lmcache_pd.proxy.decode_stream import DecodeStream
 from lmcache_pd.proxy.direct import serve_alone
 from lmcache_pd.proxy.flow import Disaggregator, Prefilled, UpstreamFailed, UpstreamRejected
 from lmcache_pd.proxy.kv_drop import KVDropper
 from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
-from lmcache_pd.proxy.openai_format import ResponseWriter
 from lmcache_pd.proxy.placement import Placer, Plan
 from lmcache_pd.proxy.responses import error_response
 from lmcache_pd.proxy.routing import NoHealthyInstance, Upstream
@@ -179,14 +179,11 @@ class Orchestrator:
             return response, Outcome.PREFILL_FAILED, None
         trace |= {"prefill": prefilled.instance, "prefilled": time.time()}
         early = await self._keep_if_continued(early, prefilled, req_id)
-        prefix = "cmpl-" if client.endpoint is Endpoint.COMPLETIONS else "chatcmpl-"
-        writer = ResponseWriter(client.endpoint, client.model, prefix + req_id)
         answer = Answer(
             self._flow,
             self._metrics,
             client,
             req_id,
-            writer,
             prefilled,
             decoder,
             spec,
@@ -267,10 +264,10 @@ class Orchestrator:
         and decode will be asked again if the answer goes on."""
         if early is None:
             return None
-        if goes_on(prefilled) and early.matches(prefilled):
+        if prefilled.goes_on and early.matches(prefilled):
             self._metrics.first_token_notices.labels("used").inc()
             return early
-        outcome = "mismatched" if goes_on(prefilled) else "unused"
+        outcome = "mismatched" if prefilled.goes_on else "unused"
         self._metrics.first_token_notices.labels(outcome).inc()
         if outcome == "mismatched":
             logger.error(

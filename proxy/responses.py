@@ -10,13 +10,16 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from lmcache_pd.proxy.openai_format import error_body
-
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 class ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
+
+
+def error_body(message: str, kind: str, status: int) -> dict[str, Any]:
+    """OpenAI's (and vLLM's) error shape; also sent as a stream's last event."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
 def json_response(body: dict[str, Any], status: int = 200) -> web.Response:

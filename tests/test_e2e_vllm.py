@@ -103,6 +103,9 @@ PROMPTS["tail-1"] = prompt(400, 3903)
 PROMPTS["tail-2"] = PROMPTS["tail-1"] + prompt(300, 3904)
 # Pushed and loaded once, while the time the connector holds vLLM's threads is counted.
 PROMPTS["timed"] = prompt(600, 3905)
+# Sent to decode as the client's own prompt, its first output token forced to prefill's.
+CONTINUED = [31, 257, 1000]
+PROMPTS |= {f"continued-{n}": prompt(n, 4000 + n) for n in CONTINUED}
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +231,18 @@ class PDPair:
         head, tail = answer(first), answer(rest)
         return head[0] + tail[0], head[1] + tail[1]
 
+    def continued(self, name: str, tokens: list[int], force: int | None = None) -> dict:
+        """Prefill on the producer (one token), then the client's own request on the consumer,
+        its first output token forced to prefill's (or to ``force``), as the proxy sends it:
+        decode's whole answer."""
+        spec = self.spec(f"{name}-{time.monotonic_ns()}")
+        first = self.producer.complete(
+            body(self.model, tokens, 1, {"ret_first_tok": True, "disagg_spec": spec})
+        )
+        first_tok = first["kv_transfer_params"]["first_tok"] if force is None else force
+        params = {"disagg_spec": spec, "first_tok": first_tok}
+        return self.consumer.complete(body(self.model, tokens, OUTPUT_TOKENS, params))
+
     def stop(self) -> None:
         self.consumer.stop()
         self.producer.stop()
@@ -288,6 +303,28 @@ def test_consumer_output_equals_one_instance_and_prompt_was_loaded(
         what="pushes counted",
     )
     assert pair.stats("producer")["pushes"] - pushes == steps
+
+
+@pytest.mark.parametrize("length", CONTINUED)
+def test_decode_going_on_from_prefills_token_answers_the_clients_prompt_as_one_instance(
+    pair: PDPair, reference: dict, length: int
+) -> None:
+    """Decode is sent the client's own prompt (not the prompt plus prefill's token) naming
+    prefill's token as its first output: its whole answer is the plain instance's, token for
+    token and logprob for logprob, and by vLLM's own counts it loaded all of the prompt but the
+    last token, which it computed. The control: forcing another token makes that token the
+    answer's first, with the model's own logprob for it (raw, not the mask's), and the answer
+    goes on from it."""
+    name = f"continued-{length}"
+    sources = pair.tokens_by_source()
+    assert answer(pair.continued(name, PROMPTS[name])) == reference[name]
+    after = pair.tokens_by_source()
+    assert after["external_kv_transfer"] - sources["external_kv_transfer"] == length - 1
+    assert after["local_compute"] - sources["local_compute"] == 1
+    want_tokens = reference[name][0]
+    forced_tokens, forced_logprobs = answer(pair.continued(name, PROMPTS[name], force=100))
+    assert forced_tokens[0] != want_tokens[0] and -50 < forced_logprobs[0] < 0
+    assert forced_tokens[1:] != want_tokens[1:]
 
 
 def test_a_batch_of_concurrent_requests_matches_one_instance(pair: PDPair, reference: dict) -> None:

@@ -28,7 +28,7 @@ import zmq
 from lmcache_pd import protocol
 from lmcache_pd.deploy.vllm_server import wait_until_healthy
 from lmcache_pd.harness.app_thread import AppThread, proxy_thread
-from lmcache_pd.harness.standin import Fault, Standin, StandinState, next_token
+from lmcache_pd.harness.standin import FINGERPRINT, Fault, Standin, StandinState, next_token
 from lmcache_pd.protocol import NOTICE_KEY
 from lmcache_pd.proxy.config import proxy_config
 from lmcache_pd.proxy.routing import NoHealthyInstance, Pool, Role, Upstream
@@ -178,7 +178,9 @@ def test_cache_aware_routing_keeps_a_prompts_extensions_on_its_decode_over_real_
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_completion_is_prefill_token_then_decode_tokens_on_the_same_ids(stacks, stream) -> None:
+def test_decode_is_sent_the_clients_own_request_going_on_from_prefills_token(
+    stacks, stream
+) -> None:
     stack = stacks()
     prompt = [5, 6, 7, 8]
     if stream:
@@ -206,10 +208,15 @@ def test_completion_is_prefill_token_then_decode_tokens_on_the_same_ids(stacks, 
     [(_, _, to_decode)] = stack.decode[0].state.received
     first = next_token(prompt)
     assert to_prefill["max_tokens"] == 1 and to_prefill["stream"] is False
-    assert to_decode["prompt"] == [*prompt, first]
-    assert to_decode["max_tokens"] == 4
+    # The client's request as it sent it, but for what names prefill's token and shows it.
+    params = to_decode.pop("kv_transfer_params")
+    assert to_decode.pop("return_token_ids") is True
+    sent = {"model": MODEL, "prompt": prompt, "max_tokens": 5}
+    if stream:
+        sent |= {"stream": True, "stream_options": {"include_usage": True}}
+    assert to_decode == sent
     spec = to_prefill["kv_transfer_params"]["disagg_spec"]
-    assert to_decode["kv_transfer_params"]["disagg_spec"] == spec
+    assert params == {"disagg_spec": spec, "first_tok": first}
     assert spec["req_id"].startswith("pd-")
     stack.wait_counted("ok")
 
@@ -256,9 +263,9 @@ def test_chat_answers_in_chat_shape_streamed_and_whole(stacks) -> None:
     assert whole.choices[0].message.content == streamed
     assert whole.object == "chat.completion" and chunks[0].object == "chat.completion.chunk"
     assert whole.usage.completion_tokens == 3
-    # prefill was asked in chat form (it templates); decode continues on token ids
+    # both were asked the chat request (each templates it)
     assert [path for _, path, _ in stack.prefill[0].state.received] == ["/v1/chat/completions"] * 2
-    assert [path for _, path, _ in stack.decode[0].state.received] == ["/v1/completions"] * 2
+    assert [path for _, path, _ in stack.decode[0].state.received] == ["/v1/chat/completions"] * 2
 
 
 def test_one_token_requests_never_reach_decode_nor_push_kv(stacks) -> None:
@@ -410,7 +417,7 @@ def test_a_prompt_under_min_disagg_tokens_is_served_by_decode_alone(
     [(_, path, to_decode)] = stack.decode[0].state.received
     assert path == f"/v1/{'chat/' if endpoint == 'chat' else ''}completions"
     assert to_decode == {"model": MODEL, "max_tokens": 3, "stream": stream, **short}
-    assert {chunk.id for chunk in chunks if chunk.choices} == {"standin"}  # decode's own answer
+    assert chunks[-1].system_fingerprint == FINGERPRINT  # decode's own answer
     assert stack.metric("lmcache_pd_proxy_served_alone_total") == 1
     stack.wait_counted("ok", path)
     # Control: a prompt of min_disagg_tokens goes through prefill first.
@@ -536,7 +543,8 @@ def test_decode_is_asked_on_prefills_first_token_notice_before_its_answer(
     [(prefill_asked, _, to_prefill)] = prefill.state.received
     [(decode_asked, _, to_decode)] = stack.decode[0].state.received
     assert to_prefill["kv_transfer_params"][NOTICE_KEY].startswith("tcp://127.0.0.1:")
-    assert to_decode["prompt"] == [*prompt, next_token(prompt)]
+    assert to_decode["prompt"] == prompt
+    assert to_decode["kv_transfer_params"]["first_tok"] == next_token(prompt)
     metric = "lmcache_pd_proxy_first_token_notices_total"
     if notice is None:  # the control: decode waits for prefill's answer
         assert decode_asked - prefill_asked >= 0.5
@@ -556,8 +564,8 @@ def test_a_notice_that_disagrees_with_prefills_answer_is_never_what_decode_conti
     prompt = [5, 6, 7, 8]
     assert _text_of(stack, prompt, 5, stream) == "".join(expected_tokens(prompt, 5))
     first = next_token(prompt)
-    asked = [body["prompt"] for _, _, body in decode.state.received]
-    assert asked == [[*prompt, first + 1], [*prompt, first]]
+    asked = [body["kv_transfer_params"]["first_tok"] for _, _, body in decode.state.received]
+    assert asked == [first + 1, first]
     assert decode.state.cancelled == 1
     metric = "lmcache_pd_proxy_first_token_notices_total"
     assert stack.metric(metric, outcome="mismatched") == 1
@@ -567,7 +575,7 @@ def test_an_answer_that_ends_at_its_first_token_cancels_decode_asked_on_its_noti
     stacks,
 ) -> None:
     prefill = Standin(StandinState(first_delay_s=0.5, notice_shift=0, fault=Fault.EOS_FIRST))
-    decode = Standin(StandinState(token_delay_s=0.2))
+    decode = Standin(StandinState(first_delay_s=2))  # still computing when prefill answers
     stack = stacks(prefill=[prefill], decode=[decode])
     answer = stack.client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=5)
     assert (answer.choices[0].text, answer.choices[0].finish_reason) == ("", "stop")

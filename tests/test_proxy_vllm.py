@@ -33,6 +33,7 @@ import yaml
 from lmcache_pd.deploy.vllm_server import VLLMServer
 from lmcache_pd.metrics_scrape import prompt_tokens_by_source, scrape
 from lmcache_pd.proxy.config import MIN_DISAGG_TOKENS
+from tests import conformance
 from tests.helpers import free_port, metric_sample, wait_for
 from tests.vllm_support import SERVER_ARGS, PlainVLLM
 
@@ -441,6 +442,75 @@ def _running(instance_url: str) -> float:
         if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+# ---- API conformance: whole answers, the served pools against one plain vLLM ----
+
+
+def loaded_and_computed(url: str) -> tuple[float, float]:
+    """Prompt tokens decode loaded from a transfer and computed, by vLLM's own counts."""
+    sources = prompt_tokens_by_source(url)
+    return sources.get("external_kv_transfer", 0.0), sources.get("local_compute", 0.0)
+
+
+def assert_conforms(served: Served, plain: VLLMServer, body: dict[str, Any], chat: bool) -> None:
+    """The served answer is the plain one, field for field (``conformance.differences``), and
+    it was disaggregated: decode loaded all of the prompt but its last token."""
+    decode_url = served.proxy_config()["decode"][0]["url"]
+    before = loaded_and_computed(decode_url)
+    got = conformance.ask(client_of(served.url), body, chat)
+    after = loaded_and_computed(decode_url)
+    want = conformance.ask(client_of(plain.url), body, chat)
+    assert not conformance.differences(got, want), conformance.differences(got, want)
+    loaded, computed = (a - b for a, b in zip(after, before, strict=True))
+    assert loaded >= conformance.PROMPT_TOKENS - 1 and computed == 1, (loaded, computed)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("case", conformance.CASES, ids=lambda case: case.name)
+def test_every_request_field_is_answered_as_one_vllm_answers_it(
+    served_and_plain: tuple[Served, VLLMServer], model: Path, case: conformance.Case, stream: bool
+) -> None:
+    """Decode is sent the client's own request, its first token forced to prefill's: the
+    answer, streamed or whole, is one vLLM's, with its KV loaded, not computed."""
+    served, plain = served_and_plain
+    notices = metric_sample(
+        served.url, "lmcache_pd_proxy_first_token_notices_total", outcome="used"
+    )
+    assert_conforms(served, plain, case.body(str(model), stream), case.chat)
+    used = metric_sample(served.url, "lmcache_pd_proxy_first_token_notices_total", outcome="used")
+    assert used == notices + 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_stop_string_across_the_first_two_tokens_stops_as_in_one_vllm(
+    served_and_plain: tuple[Served, VLLMServer], model: Path, stream: bool
+) -> None:
+    """The stop string is the end of the first token and the start of the second (taken from
+    the plain answer): vLLM holds back the first token's text that begins it, so the proxy does
+    not show that token alone. The control: the stop string cuts the plain answer."""
+    served, plain = served_and_plain
+    body = conformance.Case("stop", {"logprobs": 1}, seed=20).body(str(model), False)
+    stop = conformance.stop_spanning_two_tokens(conformance.ask(client_of(plain.url), body, False))
+    body |= {"stop": [stop], "stream": stream}
+    assert_conforms(served, plain, body, chat=False)
+    whole = conformance.ask(client_of(plain.url), body | {"stream": False}, False)
+    assert whole["choices"][0]["finish_reason"] == "stop"
+
+
+def test_the_seed_and_the_penalties_change_one_vllms_answer(
+    served_and_plain: tuple[Served, VLLMServer], model: Path
+) -> None:
+    """The controls of the conformance cases: what they set changes the answer, so an equal
+    answer through the proxy says it was applied there too."""
+    plain = client_of(served_and_plain[1].url)
+
+    def text(**fields: Any) -> str:
+        body = conformance.Case("control", fields, seed=2).body(str(model), False)
+        return conformance.ask(plain, body, False)["choices"][0]["text"]
+
+    assert text(temperature=1.5, seed=7) != text(temperature=1.5, seed=8)
+    assert text(logit_bias={"100": 100}) != text()
 
 
 def test_client_that_disconnects_leaves_nothing_running_upstream(

@@ -317,8 +317,11 @@ class ConsumerScheduler(SchedulerHalf):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
         """All of the prompt past decode's own hit (``num_computed``, which vLLM ends on a block
-        boundary) but its last token (the producer's first output, computed here). A hit that
-        ends inside a chunk is fine: only that chunk's later blocks are loaded."""
+        boundary) but its last token, computed here: the client's prompt's last (a request that
+        names ``first_tok``: its whole prompt's KV was pushed, and the last token's is loaded
+        too, then computed again) or, for a prompt the proxy made of the client's and prefill's
+        first token, that token. A hit that ends inside a chunk is fine: only that chunk's
+        later blocks are loaded."""
         spec = self._door.of(request).disagg_spec
         if request.request_id in self._loaded:
             return self._reload(request, num_computed), False
@@ -342,9 +345,16 @@ class ConsumerScheduler(SchedulerHalf):
                 num_computed,
             )
             return 0, False
-        sync = self._all_landed(spec, len(request.prompt_token_ids or []) - 1)
+        sync = self._all_landed(spec, len(self._pushed_prompt(request)))
         self._sync[request.request_id] = sync
         return external, not sync
+
+    def _pushed_prompt(self, request: Request) -> list[int]:
+        """The tokens whose KV prefill pushed for ``request``: its whole prompt where it is the
+        client's own (it names ``first_tok``), else all of it but the first token the proxy
+        appended."""
+        prompt = list(request.prompt_token_ids or [])
+        return prompt if self._door.of(request).first_tok is not None else prompt[:-1]
 
     def _skipped(self, spec: DisaggSpec) -> int:
         """The leading tokens prefill does not push: the whole chunks decode holds, and where
@@ -380,8 +390,7 @@ class ConsumerScheduler(SchedulerHalf):
 
     def _all_landed(self, spec: DisaggSpec, kv_tokens: int) -> bool:
         """Whether every rank posted every chunk the producer pushes of its prompt
-        (``kv_tokens``: all of decode's prompt but its last token, the producer's first output;
-        less the chunks it skipped) landed."""
+        (``kv_tokens``: ``_pushed_prompt``'s length; less the chunks it skipped) landed."""
         pushed = -(-kv_tokens // self._chunk_size) - spec.skipped_tokens(self._chunk_size) // (
             self._chunk_size
         )
@@ -412,8 +421,8 @@ class ConsumerScheduler(SchedulerHalf):
             # pushes for it are refused, instead of held until the claim timeout.
             self._unneeded.add(spec.req_id)
             return
-        prompt = list(request.prompt_token_ids or [])[:-1]
-        start = len(prompt) - num_external_tokens
+        prompt = self._pushed_prompt(request)
+        start = len(request.prompt_token_ids or []) - 1 - num_external_tokens
         if self._landed is not None:
             self._landed.learn(prompt, request.cache_salt)
         sync = self._sync.pop(request.request_id, False)

@@ -22,6 +22,8 @@ from lmcache_pd.protocol import NOTICE_KEY
 
 EOS = 2
 VOCAB = 1000
+# What its answers say they came from: a test can tell its answer passed on from one rebuilt.
+FINGERPRINT = "standin"
 
 
 class Fault(enum.Enum):
@@ -71,15 +73,28 @@ def _text(token: int) -> str:
     return f" t{token}"
 
 
-def _logprobs(token: int, k: int | None) -> dict[str, Any] | None:
+def _logprobs(tokens: list[int], k: int | None) -> dict[str, Any] | None:
     if k is None:
         return None
+    texts = [_text(token) for token in tokens]
+    logprobs = [-1.0 - token / VOCAB for token in tokens]
+    offsets = [sum(len(text) for text in texts[:index]) for index in range(len(texts))]
     return {
-        "tokens": [_text(token)],
-        "token_logprobs": [-1.0 - token / VOCAB],
-        "top_logprobs": [{_text(token): -1.0 - token / VOCAB}] if k else [None],
-        "text_offset": [0],
+        "tokens": texts,
+        "token_logprobs": logprobs,
+        "top_logprobs": [{t: lp} if k else None for t, lp in zip(texts, logprobs, strict=True)],
+        "text_offset": offsets,
     }
+
+
+def _answer_id(request: web.Request) -> str:
+    """The answer's id as vLLM makes it of the caller's X-Request-Id."""
+    prefix = "chatcmpl-" if request.path.endswith("chat/completions") else "cmpl-"
+    return prefix + request.headers.get("X-Request-Id", "standin")
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
 
 class Standin:
@@ -126,7 +141,7 @@ class Standin:
             await asyncio.sleep(state.first_delay_s)
             if body.get("stream"):
                 return await self._stream(request, body)
-            return self._whole(request, body)
+            return await self._whole(request, body)
         except asyncio.CancelledError:
             state.cancelled += 1
             raise
@@ -145,58 +160,96 @@ class Standin:
     def _first_token(self, prompt: list[int]) -> int:
         return EOS if self.state.fault is Fault.EOS_FIRST else next_token(prompt)
 
-    def _whole(self, request: web.Request, body: dict[str, Any]) -> web.Response:
+    def _tokens(self, body: dict[str, Any], count: int) -> list[int]:
+        """The answer's tokens: its first forced where the request names one (as decode's
+        logits processor does), each next one continuing the prompt and those before it."""
+        context = _prompt_ids(body)
+        forced = (body.get("kv_transfer_params") or {}).get("first_tok")
+        tokens = [forced if isinstance(forced, int) else self._first_token(context)]
+        if tokens[0] == EOS:
+            return tokens
+        while len(tokens) < count:
+            tokens.append(next_token(context + tokens))
+        return tokens
+
+    async def _whole(self, request: web.Request, body: dict[str, Any]) -> web.Response:
         prompt = _prompt_ids(body)
-        token = self._first_token(prompt)
-        finish = "stop" if token == EOS else "length"
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": [token]}
-        text = "" if token == EOS else _text(token)
+        tokens = self._tokens(body, body.get("max_tokens") or 16)
+        if self.state.fault is Fault.DIE_MID_STREAM and len(tokens) > 2:
+            assert request.transport is not None
+            request.transport.close()  # as it would cut a stream: mid-answer
+            raise asyncio.CancelledError
+        await asyncio.sleep(self.state.token_delay_s * len(tokens))
+        finish = "stop" if tokens[-1] == EOS else "length"
+        ids = body.get("return_token_ids") is True
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": finish,
+            "stop_reason": None,
+            "token_ids": tokens if ids else None,
+        }
+        text = "".join("" if token == EOS else _text(token) for token in tokens)
         if request.path.endswith("chat/completions"):
             choice["message"] = {"role": "assistant", "content": text}
             choice["logprobs"] = None
         else:
             choice["text"] = text
-            choice["logprobs"] = _logprobs(token, body.get("logprobs"))
-            choice["prompt_token_ids"] = prompt
+            choice["logprobs"] = _logprobs(tokens, body.get("logprobs"))
+            choice["prompt_token_ids"] = prompt if ids else None
+        params = body.get("kv_transfer_params") or {}
+        chat = request.path.endswith("chat/completions")
         return web.json_response(
             {
-                "id": "standin",
+                "id": _answer_id(request),
+                "object": "chat.completion" if chat else "text_completion",
+                "model": body.get("model"),
                 "choices": [choice],
-                "prompt_token_ids": prompt,
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1},
-                "kv_transfer_params": {"first_tok": token},
+                "prompt_token_ids": prompt if ids else None,
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(tokens)},
+                # A prefill's (asked with params) says its first token; decode's says nothing.
+                "kv_transfer_params": None
+                if not params or "first_tok" in params
+                else {"first_tok": tokens[0]},
+                "system_fingerprint": FINGERPRINT,
             }
         )
 
     async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        context = _prompt_ids(body)
         count = body.get("max_tokens") or 16
-        for index in range(count):
+        chat = request.path.endswith("chat/completions")
+        ids = body.get("return_token_ids") is True
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": _answer_id(request), "object": kind, "model": body.get("model")}
+        if chat:
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            await self._write_event(response, _event(head | {"choices": [role]}))
+        tokens = self._tokens(body, count)
+        for index, token in enumerate(tokens):
             if self.state.fault is Fault.DIE_MID_STREAM and index == 2:
                 assert request.transport is not None
                 request.transport.close()
                 return response
-            token = next_token(context)
-            context.append(token)
-            chunk = {
-                "id": "standin",
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": _text(token),
-                        "logprobs": _logprobs(token, body.get("logprobs")),
-                        "finish_reason": "length" if index == count - 1 else None,
-                    }
-                ],
-            }
-            await self._write_event(response, b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+            choice: dict[str, Any] = {"index": 0, "logprobs": None}
+            if chat:
+                choice["delta"] = {"content": "" if token == EOS else _text(token)}
+            else:
+                choice["text"] = "" if token == EOS else _text(token)
+                choice["logprobs"] = _logprobs([token], body.get("logprobs"))
+            last = index == len(tokens) - 1
+            choice["finish_reason"] = ("stop" if token == EOS else "length") if last else None
+            choice["token_ids"] = [token] if ids else None
+            event = head | {"choices": [choice]}
+            if last:
+                event["system_fingerprint"] = FINGERPRINT
+            await self._write_event(response, _event(event))
             if self.state.token_delay_s:
                 await asyncio.sleep(self.state.token_delay_s)
-        usage = {"prompt_tokens": len(_prompt_ids(body)), "completion_tokens": count}
-        await response.write(b"data: " + msgspec.json.encode({"choices": [], "usage": usage}))
-        await response.write(b"\n\ndata: [DONE]\n\n")
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": len(_prompt_ids(body)), "completion_tokens": len(tokens)}
+            await response.write(_event(head | {"choices": [], "usage": usage}))
+        await response.write(b"data: [DONE]\n\n")
         await asyncio.sleep(self.state.end_delay_s)
         await response.write_eof()
         return response

@@ -1,0 +1,151 @@
+"""The API conformance cases: the same request to the served pools and to one plain vLLM of the
+same model and flags, through the official ``openai`` client, and the whole JSON answers
+compared (streamed: every event), ids and timestamps aside, logprobs within the end-to-end
+tolerance. Every prompt is long enough to be disaggregated (``MIN_DISAGG_TOKENS``)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import openai
+
+from lmcache_pd.proxy.config import MIN_DISAGG_TOKENS
+from tests.vllm_support import LOGPROB_TOLERANCE
+
+# Fields that name one answer, its time and its server, not what it says: vLLM's
+# system_fingerprint hashes the server's whole configuration, KV connector and all.
+NAMING_FIELDS = frozenset({"id", "created", "system_fingerprint"})
+PROMPT_TOKENS = MIN_DISAGG_TOKENS + 44
+OUTPUT_TOKENS = 8
+
+Answer = dict[str, Any] | list[Any]
+
+
+def token_prompt(seed: int) -> list[int]:
+    generator = random.Random(seed)
+    return [generator.randrange(10, 1500) for _ in range(PROMPT_TOKENS)]
+
+
+def chat_messages(seed: int) -> list[dict[str, str]]:
+    """A chat whose template renders past ``MIN_DISAGG_TOKENS`` tokens."""
+    words = random.Random(seed).choices(["alpha", "beta", "gamma", "delta", "list"], k=300)
+    return [
+        {"role": "system", "content": "You answer in JSON."},
+        {"role": "user", "content": " ".join(words)},
+    ]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One request, sent streamed and whole; ``chat`` picks the endpoint."""
+
+    name: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    chat: bool = False
+    seed: int = 0
+
+    def body(self, model: str, stream: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": model, "max_tokens": OUTPUT_TOKENS, "temperature": 0}
+        # A prompt of its own each way: one seen before is held in decode's prefix cache, and
+        # served there alone.
+        seed = 2 * self.seed + stream
+        if self.chat:
+            body["messages"] = chat_messages(seed)
+        else:
+            body["prompt"] = token_prompt(seed)
+        body |= self.fields | {"stream": stream}
+        if not stream:  # vLLM refuses stream options on a whole answer
+            body.pop("stream_options", None)
+        return body
+
+
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "size": {"type": "integer"}},
+    "required": ["name", "size"],
+}
+
+CASES = [
+    Case("greedy_logprobs", {"logprobs": 2}, seed=1),
+    Case("seeded_t1.5", {"temperature": 1.5, "seed": 7, "logprobs": 1}, seed=2),
+    Case("penalties", {"presence_penalty": 1.5, "frequency_penalty": 1.0}, seed=3),
+    Case("repetition_penalty", {"repetition_penalty": 1.5, "logprobs": 1}, seed=4),
+    Case("min_tokens", {"min_tokens": 6, "max_tokens": 7}, seed=5),
+    Case("usage_in_stream", {"stream_options": {"include_usage": True}}, seed=6),
+    Case("token_ids", {"return_token_ids": True}, seed=7),
+    Case("logit_bias", {"logit_bias": {"100": 5.0, "101": -100}}, seed=8),
+    Case("structured_choice", {"structured_outputs": {"choice": ["yes", "no"]}}, seed=9),
+    Case("structured_regex", {"structured_outputs": {"regex": "[a-z]{3}-[0-9]{4}"}}, seed=10),
+    Case("chat_greedy", {"logprobs": True, "top_logprobs": 2}, chat=True, seed=11),
+    Case("chat_json_object", {"response_format": {"type": "json_object"}}, chat=True, seed=12),
+    Case(
+        "chat_json_schema",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "t", "schema": JSON_SCHEMA},
+            }
+        },
+        chat=True,
+        seed=13,
+    ),
+    Case("chat_max_completion_tokens", {"max_completion_tokens": 5}, chat=True, seed=14),
+    Case(
+        "chat_usage_in_stream",
+        {"stream_options": {"include_usage": True, "continuous_usage_stats": False}},
+        chat=True,
+        seed=15,
+    ),
+]
+
+
+def ask(client: openai.OpenAI, body: dict[str, Any], chat: bool) -> Answer:
+    """The raw JSON answer (a stream: its events' JSON, ``[DONE]`` as the string)."""
+    resource = client.chat.completions if chat else client.completions
+    prompt = "messages" if chat else "prompt"
+    known = {name: body[name] for name in ("model", "stream", prompt)}
+    extra = {name: value for name, value in body.items() if name not in known}
+    raw = resource.with_raw_response.create(**known, extra_body=extra)
+    if not body["stream"]:
+        return msgspec.json.decode(raw.http_response.read())
+    events: list[Any] = []
+    for line in raw.http_response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else msgspec.json.decode(data))
+    return events
+
+
+def differences(got: Any, want: Any, where: str = "") -> list[str]:
+    """Where ``got`` is not ``want``: naming fields aside, floats within the tolerance."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        keys = (got.keys() | want.keys()) - NAMING_FIELDS
+        return [
+            found
+            for key in sorted(keys)
+            for found in (
+                differences(got[key], want[key], f"{where}.{key}")
+                if key in got and key in want
+                else [f"{where}.{key}: {'missing' if key in want else 'extra'}"]
+            )
+        ]
+    if isinstance(want, list) and isinstance(got, list):
+        if len(got) != len(want):
+            return [f"{where}: {len(got)} items, not {len(want)}"]
+        return [
+            d
+            for i, (g, w) in enumerate(zip(got, want, strict=True))
+            for d in differences(g, w, f"{where}[{i}]")
+        ]
+    if isinstance(want, float) and isinstance(got, float) and not isinstance(got, bool):
+        return [] if abs(got - want) <= LOGPROB_TOLERANCE else [f"{where}: {got} != {want}"]
+    return [] if got == want else [f"{where}: {got!r:.80} != {want!r:.80}"]
+
+
+def stop_spanning_two_tokens(answer: dict[str, Any]) -> str:
+    """A stop string made of the end of an answer's first token and the start of its second."""
+    tokens = answer["choices"][0]["logprobs"]["tokens"]
+    return tokens[0][-2:] + tokens[1][:2]

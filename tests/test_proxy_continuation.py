@@ -1,0 +1,127 @@
+"""What the client gets of decode's answer: passed on with the token ids it did not ask for
+nulled, decode's chunks up to the first token skipped where the proxy showed it already, and a
+first token that is not prefill's never continued silently."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
+from lmcache_pd.proxy.continuation import (
+    DecodeRelay,
+    FirstTokenMismatch,
+    continued_answer,
+    first_events,
+    shows_first_alone,
+)
+
+FIRST = 42
+
+
+def client(endpoint: Endpoint = Endpoint.COMPLETIONS, **fields: Any) -> ClientRequest:
+    body: dict[str, Any] = {"model": "m", "max_tokens": 4, "stream": True} | fields
+    if endpoint is Endpoint.CHAT:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = [1, 2, 3]
+    return ClientRequest.parse(endpoint, body, "m")
+
+
+def chunk(ids: list[int] | None, text: str = "x") -> bytes:
+    choice = {"index": 0, "text": text, "finish_reason": None, "token_ids": ids}
+    return msgspec.json.encode({"id": "cmpl-r", "choices": [choice], "prompt_token_ids": None})
+
+
+def test_decodes_chunks_up_to_the_first_token_are_skipped_where_it_went_out_already() -> None:
+    relay = DecodeRelay(client(), FIRST, skip_first=True)
+    assert relay.relay(chunk(None, "")) is None  # a chat's role chunk: before the first token
+    assert relay.relay(chunk([FIRST])) is None
+    passed = msgspec.json.decode(relay.relay(chunk([7], "y")))
+    assert passed["choices"][0] == {
+        "index": 0,
+        "text": "y",
+        "finish_reason": None,
+        "token_ids": None,
+    }
+    assert relay.relay(b"[DONE]") is None  # the caller's, once decode's body has ended
+    # Control: shown with decode's stream, nothing is skipped; ids asked for stay.
+    whole = DecodeRelay(client(return_token_ids=True), FIRST, skip_first=False)
+    assert msgspec.json.decode(whole.relay(chunk([FIRST])))["choices"][0]["token_ids"] == [FIRST]
+
+
+@pytest.mark.parametrize("skip_first", [True, False])
+def test_a_first_token_that_is_not_prefills_is_never_passed_on(skip_first: bool) -> None:
+    relay = DecodeRelay(client(), FIRST, skip_first=skip_first)
+    with pytest.raises(FirstTokenMismatch, match="is not prefill's"):
+        relay.relay(chunk([FIRST + 1]))
+    joined = DecodeRelay(client(), FIRST, skip_first=True)
+    with pytest.raises(FirstTokenMismatch, match="joined"):
+        joined.relay(chunk([FIRST, 7]))
+
+
+def test_a_whole_answer_is_decodes_own_with_ids_nulled_and_a_mismatch_named() -> None:
+    answer = {
+        "choices": [{"index": 0, "text": "ab", "token_ids": [FIRST, 7], "prompt_token_ids": None}],
+        "prompt_token_ids": [1, 2, 3],
+        "kv_transfer_params": None,
+    }
+    body, mismatch = continued_answer(msgspec.json.encode(answer), FIRST, client(stream=False))
+    assert mismatch is None
+    got = msgspec.json.decode(body)
+    assert got["prompt_token_ids"] is None and got["choices"][0]["token_ids"] is None
+    assert got["choices"][0]["text"] == "ab"
+    _, mismatch = continued_answer(msgspec.json.encode(answer), FIRST + 1, client(stream=False))
+    assert mismatch is not None
+
+
+def prefill_answer(content: str | None = "a", **message: Any) -> dict[str, Any]:
+    return {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content, **message},
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "token_ids": [FIRST],
+            }
+        ],
+        "prompt_token_ids": [1, 2, 3],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        "system_fingerprint": "fp",
+    }
+
+
+def test_the_first_token_goes_out_alone_only_where_vllm_would_show_it_so() -> None:
+    chat = Endpoint.CHAT
+    assert shows_first_alone(client(chat), prefill_answer())
+    assert not shows_first_alone(client(chat, stop=["x"]), prefill_answer())
+    assert not shows_first_alone(client(chat), prefill_answer(None, tool_calls=[{}]))
+    assert not shows_first_alone(client(chat), prefill_answer("", reasoning="think"))
+    assert not shows_first_alone(client(chat, stream=False), prefill_answer())
+
+
+def test_the_first_events_are_vllms_chat_chunks() -> None:
+    events = first_events(client(Endpoint.CHAT), prefill_answer(), "chatcmpl-r", ends=False)
+    role, token = events
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert token["choices"][0] == {
+        "index": 0,
+        "delta": {"content": "a"},
+        "logprobs": None,
+        "finish_reason": None,
+        "token_ids": None,
+    }
+    assert {event["id"] for event in events} == {"chatcmpl-r"}
+    ended = first_events(
+        client(Endpoint.CHAT, stream_options={"include_usage": True}),
+        prefill_answer(),
+        "chatcmpl-r",
+        ends=True,
+    )
+    assert ended[1]["choices"][0]["finish_reason"] == "length"
+    assert ended[2]["usage"] == {"prompt_tokens": 3, "total_tokens": 4, "completion_tokens": 1}
+    assert ended[2]["system_fingerprint"] == "fp" and "system_fingerprint" not in ended[1]
