@@ -1200,3 +1200,28 @@ def test_prefill_pushes_no_chunk_inside_what_decode_holds(workers: Workers) -> N
     assert workers.producer_stats.totals()["bytes_pushed"] == workers.source["layer.0"][
         0
     ].nbytes * len(workers.source)
+
+
+def test_a_rank_that_gets_more_parts_of_each_chunk_waits_for_every_part(tmp_path: Path) -> None:
+    """Six KV heads from prefill TP 2 to decode TP 3 arrive as 1, 2 and 1 parts a chunk: the
+    middle rank is ready only with both parts of each chunk (counted by rank 0's one part, it
+    looked ready at half, its synchronous load failed and decode recomputed)."""
+    from lmcache_pd.config import PDConfig
+    from lmcache_pd.connector.facade import parts_per_chunk
+    from lmcache_pd.tp_parts import TPLayout
+
+    config = PDConfig(kv_role="kv_consumer", prefill_tp_size=2)
+    parts = parts_per_chunk(TPLayout(6, 3), config)
+    assert parts == (1, 2, 1)
+    assert parts_per_chunk(TPLayout(6, 3), PDConfig(kv_role="kv_consumer")) == (1, 1, 1)
+    paths = [tmp_path / f"rank{rank}" for rank in range(3)]
+    boards = [landed_board.BoardWriter(path) for path in paths]
+    scheduler = ConsumerScheduler(chunk_size=CHUNK, boards=paths, parts_per_chunk=parts)
+    req = request("c", list(range(201)), {"disagg_spec": SPEC})  # 4 chunks of KV
+    for board, landed in zip(boards, (4, 4, 4), strict=True):
+        board.post({"d-1": landed})
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (200, True)  # rank 1: half its parts
+    boards[1].post({"d-1": 8})
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (200, False)
+    for board in boards:
+        board.close()

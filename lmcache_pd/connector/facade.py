@@ -171,18 +171,19 @@ def tp_layout(vllm_config: VllmConfig) -> TPLayout:
     return TPLayout(kv_heads(vllm_config), vllm_config.parallel_config.tensor_parallel_size)
 
 
-def parts_per_chunk(layout: TPLayout, config: PDConfig) -> int:
-    """How many parts each chunk arrives as on a decode rank (1 from a prefill at decode's TP
-    size). ``ConfigError`` at start-up for a ``prefill_tp_size`` that cannot shard the model's
-    heads evenly."""
+def parts_per_chunk(layout: TPLayout, config: PDConfig) -> tuple[int, ...]:
+    """How many parts each chunk arrives as on each decode rank, rank by rank (1 from a prefill
+    at decode's TP size; where neither size divides the other, ranks differ: 6 heads from TP 2
+    to 3 come as 1, 2 and 1 parts). ``ConfigError`` at start-up for a ``prefill_tp_size`` that
+    cannot shard the model's heads evenly."""
     prefill_tp = config.prefill_tp_size
     if prefill_tp is None or prefill_tp == layout.tp_size:
-        return 1
+        return (1,) * layout.tp_size
     try:
         parts = route(layout.kv_heads, prefill_tp, layout.tp_size)
     except ValueError as exc:
         raise ConfigError(f"prefill_tp_size {prefill_tp}: {exc}") from exc
-    return sum(part.dest == 0 for part in parts)
+    return tuple(sum(part.dest == rank for part in parts) for rank in range(layout.tp_size))
 
 
 def kv_heads(vllm_config: VllmConfig) -> int:
@@ -261,9 +262,11 @@ class LMCachePDConnector(KVConnectorBase_V1):
             if publishes:
                 # Before vLLM's scheduler, which makes its publisher after this connector.
                 kv_event_publisher.install(load_keys(self._config.secret_file))
-            parts = 1 if producer else parts_per_chunk(tp_layout(vllm_config), self._config)
+            layout = tp_layout(vllm_config)
+            parts = () if producer else parts_per_chunk(layout, self._config)
             # Chunks landed under keys of the instance's own ranks: not parts of another TP's.
-            landed = self._landed_chunks() if not producer and parts == 1 else None
+            resharded = self._config.prefill_tp_size not in (None, layout.tp_size)
+            landed = self._landed_chunks() if not producer and not resharded else None
             recomputes = producer or loads_recompute(
                 vllm_config.kv_transfer_config.kv_load_failure_policy
             )

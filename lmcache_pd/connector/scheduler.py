@@ -260,7 +260,7 @@ class ConsumerScheduler(SchedulerHalf):
         *,
         chunk_size: int = 256,
         boards: Sequence[Path] = (),
-        parts_per_chunk: int = 1,
+        parts_per_chunk: Sequence[int] = (),
         landed_chunks: LandedChunks | None = None,
         landed: LandedEvents | None = None,
         computed: ComputedPrompts | None = None,
@@ -269,8 +269,10 @@ class ConsumerScheduler(SchedulerHalf):
         """``count`` takes the name of a counter to bump (``StatsRecorder.add``); ``boards``:
         each consumer rank's ``landed_board``, on every one of which a request's chunks must
         all be posted landed for it to be loaded synchronously (none: every load
-        asynchronous); ``parts_per_chunk``: what each chunk arrives as on each rank (several
-        parts from a prefill at a larger TP size, ``tp_parts.py``); ``landed_chunks``: what the
+        asynchronous); ``parts_per_chunk``: what each chunk arrives as on each rank, rank by
+        rank (several parts from a prefill of another TP size, and not as many on every rank
+        where neither size divides the other, ``tp_parts.py``; none given: one part on every
+        rank); ``landed_chunks``: what the
         consumer ranks hold landed, which requests served alone load past decode's own prefix
         cache hit (None: they do not); ``landed``: publishes those chunks as KV events (None:
         they are not published); ``computed``: the prompts of requests served alone, whose
@@ -280,7 +282,9 @@ class ConsumerScheduler(SchedulerHalf):
         self._count = count
         self._door = ParamsDoor(count)
         self._chunk_size = chunk_size
-        self._parts = parts_per_chunk
+        self._parts = tuple(parts_per_chunk) or (1,) * len(boards)
+        if len(self._parts) != len(boards) and boards:
+            raise ValueError(f"parts for {len(self._parts)} ranks, boards for {len(boards)}")
         # Each maps its board once the consumer process made it; a read is memory reads only.
         self._boards = [landed_board.BoardReader(board) for board in boards]
         # Whether each request's load is synchronous, as answered in get_num_new_matched_tokens
@@ -395,7 +399,8 @@ class ConsumerScheduler(SchedulerHalf):
             self._chunk_size
         )
         return bool(self._boards) and all(
-            board.read().get(spec.req_id, 0) >= pushed * self._parts for board in self._boards
+            board.read().get(spec.req_id, 0) >= pushed * parts
+            for board, parts in zip(self._boards, self._parts, strict=True)
         )
 
     def update_state_after_alloc(
