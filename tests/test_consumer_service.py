@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +20,11 @@ from pathlib import Path
 import pytest
 
 from lmcache_pd.config import load_config
+from lmcache_pd.errors import PeerTimeout
 from lmcache_pd.harness.producer_process import ProducerProcess
 from lmcache_pd.kernels.integrity import checksum
 from lmcache_pd.transfer.consumer import Consumer
-from lmcache_pd.transfer.consumer_service import ConsumerService, LoadQuery
+from lmcache_pd.transfer.consumer_service import ConsumerService, ConsumerServiceBusy, LoadQuery
 from lmcache_pd.transfer.receive_buffer import LandedChunk
 from tests.helpers import CHUNK_SIZE, consumer_fields, make_keyer, wait_for, write_config
 
@@ -192,3 +194,40 @@ def alive(pid: int) -> bool:
             return stat.read().split(") ", 1)[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_stopped_consumer_process_never_blocks_its_worker() -> None:
+    """SIGSTOP the process, then claims of 200 keys each in a loop from a thread: they once
+    blocked it as soon as the socket's buffer was full (still blocked after 5 s); now the ones
+    past the outbox are refused at once (``ConsumerServiceBusy``: what they were for fails), a
+    progress question goes unanswered without a wait past its own, and a synchronous load
+    fails by its deadline. Continued, the process reads its backlog and answers again."""
+    service = ConsumerService(load_config(None, environ={}, **consumer_fields()), make_keyer())
+    refused: list[str] = []
+
+    def claims() -> None:
+        keys = frozenset(os.urandom(16) for _ in range(200))
+        for index in range(2000):
+            try:
+                service.claim(f"stopped-{index}", keys)
+            except ConsumerServiceBusy:
+                refused.append(f"stopped-{index}")
+
+    try:
+        os.kill(service.pid, signal.SIGSTOP)
+        thread = threading.Thread(target=claims, daemon=True)
+        thread.start()
+        thread.join(5.0)
+        assert not thread.is_alive()
+        assert refused and service.refused == len(refused)
+        started = time.monotonic()
+        assert service.progress([LoadQuery("x", 0, [b"k" * 16])]) is None
+        with pytest.raises(PeerTimeout):
+            service.load_now("now", frozenset(), [b"k" * 16], 0.3)
+        assert time.monotonic() - started < 1.0
+    finally:
+        os.kill(service.pid, signal.SIGCONT)
+    try:
+        wait_for(lambda: service.progress([]) is not None, 30, "answers again once continued")
+    finally:
+        service.close()

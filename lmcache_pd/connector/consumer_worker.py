@@ -62,6 +62,7 @@ from lmcache_pd.tp_parts import TPLayout, part_keyer, rank_heads, route
 from lmcache_pd.trace import TraceFile
 from lmcache_pd.transfer.consumer_service import (
     ConsumerService,
+    ConsumerServiceBusy,
     ConsumerServiceDown,
     LoadQuery,
     LoadState,
@@ -84,6 +85,9 @@ KEEP_ROOM_WAIT_S = 0.05
 # How long a synchronous load waits for its chunks' checksums, taken on other threads (1 GiB of
 # XXH3 takes ~0.1 s); past it the load fails and vLLM recomputes the prompt.
 SYNC_CHECK_WAIT_S = 2.0
+# Releases kept to send again while the consumer's process reads nothing; past this many, the
+# pages lapse at its claim timeout instead.
+MAX_UNRELEASED = 4096
 
 
 @dataclass(slots=True)
@@ -180,6 +184,10 @@ class ConsumerWorker(WorkerHalf):
         self._aborted: set[str] = set()
         self._consumer_counts: dict[str, int] = {}
         self._service_down = False
+        # Loads whose claim could not be sent, failed at the next report; releases not sent,
+        # sent again then (the process read nothing: ``ConsumerServiceBusy``).
+        self._unclaimed: set[str] = set()
+        self._unreleased: set[str] = set()
         self._load_errors: set[int] = set()
         # Chunks decode computes are kept from a CPU cache of this rank's own keys only (a GPU
         # cache's copy out is asynchronous; parts of another TP size are not whole chunks).
@@ -218,7 +226,9 @@ class ConsumerWorker(WorkerHalf):
                 self._load_now(pending, not_needed)
                 continue
             # Claimed at once: its pages stay past the claim timeout while it waits.
-            self._send(self._service.claim, load.disagg_req_id, not_needed)
+            if not self._send(self._service.claim, load.disagg_req_id, not_needed):
+                # Never waited for: it fails at this step's report, and is recomputed.
+                self._unclaimed.add(load.disagg_req_id)
             self._pending.append(pending)
         for disagg_req_id in meta.unneeded:
             self._release(disagg_req_id)
@@ -371,6 +381,10 @@ class ConsumerWorker(WorkerHalf):
     def _progress(self) -> dict[str, LoadState]:
         """What the consumer's process said of the pending loads since the last step; a
         process that is down fails them all (they are recomputed)."""
+        self._release_again()
+        unclaimed, self._unclaimed = self._unclaimed, set()
+        refused = LoadState("", 0, "its consumer process read nothing (claim not sent)", [])
+        states = dict.fromkeys(unclaimed, refused)
         try:
             reply = self._service.progress([pending.query() for pending in self._pending])
         except ConsumerServiceDown as exc:
@@ -379,16 +393,35 @@ class ConsumerWorker(WorkerHalf):
                 self._stats.add("consumer_process_down")
             down = LoadState("", 0, str(exc), [])
             return {pending.load.disagg_req_id: down for pending in self._pending}
-        return {} if reply is None else {state.req_id: state for state in reply.loads}
+        if reply is not None:
+            states = {state.req_id: state for state in reply.loads} | states
+        return states
 
-    def _send(self, action: Callable[..., None], *args: object) -> None:
-        """A one-way message to the consumer's process. If it is down, the loads concerned
-        fail at the next step (``_progress``): nothing more to do here."""
-        with contextlib.suppress(ConsumerServiceDown):
+    def _send(self, action: Callable[..., None], *args: object) -> bool:
+        """A one-way message to the consumer's process; False where it could not be queued
+        (the process reads nothing now: counted). If it is down, the loads concerned fail at
+        the next step (``_progress``): nothing more to do here."""
+        try:
             action(*args)
+        except ConsumerServiceBusy as exc:
+            self._stats.add("consumer_messages_refused")
+            logger.warning("%s", exc)
+            return False
+        except ConsumerServiceDown:
+            pass
+        return True
 
     def _release(self, disagg_req_id: str) -> None:
-        self._send(self._service.release, disagg_req_id)
+        """Hand the request's pages back; while the process reads nothing, again next step (a
+        bounded set: past it, the pages lapse at the consumer's claim timeout)."""
+        sent = self._send(self._service.release, disagg_req_id)
+        if not sent and len(self._unreleased) < MAX_UNRELEASED:
+            self._unreleased.add(disagg_req_id)
+
+    def _release_again(self) -> None:
+        unreleased, self._unreleased = self._unreleased, set()
+        for disagg_req_id in unreleased:
+            self._release(disagg_req_id)
 
     def _report_consumer(self) -> None:
         """The consumer rank's counters (kept by its process) as this step's deltas,

@@ -73,6 +73,9 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "(the most one producer keeps is 64).",
         "consumer_process_down": "Times the consumer rank's own process was found gone; "
         "every load of that rank is recomputed from then on.",
+        "consumer_messages_refused": "Messages to the consumer rank's own process that its "
+        "outbox had no room for (the process read nothing: stopped, or not scheduled): the "
+        "load a claim was for is recomputed, a release is sent again next step.",
         # What the connector costs vLLM's own threads: the time its hooks hold them.
         "model_thread_microseconds": "Microseconds the connector's worker hooks held vLLM's "
         "model-runner thread (loads, copies out, keeps, results): the step waits meanwhile.",

@@ -11,13 +11,15 @@ service allocates on the worker's device and the worker opens by CUDA IPC: ``cud
 process that registers memory with NIXL owns it, so UCX never has to re-export an imported
 mapping): the service registers it with NIXL and lands chunks in it; the worker scatters from it,
 and reads only pages its request holds (they keep their bytes until it releases them). Control is
-msgpack over a socketpair: ``claim`` and ``release`` are one-way, and the worker's one question per
-engine step, ``Progress``, asks how far every pending load got and gets the consumer's counters
-with the answer. The worker waits for that answer only briefly (``REPLY_WAIT_S``) and otherwise
-reads it at its next step, so a service that is slow to be scheduled delays loads by a step, never
-vLLM's model thread. The one question the worker waits for is ``LoadNow``, for a request whose KV
-had all landed when vLLM scheduled it (as the service posted on its ``landed_board``): it is loaded
-before the step's forward pass, and the wait has a deadline.
+msgpack over a socketpair, never blocking the worker (``service_channel.py``: a bounded outbox;
+a message it has no room for fails what it was for): ``claim`` and ``release`` are one-way, and
+the worker's one question per engine step, ``Progress``, asks how far every pending load got and
+gets the consumer's counters with the answer. The worker waits for that answer only briefly
+(``REPLY_WAIT_S``) and otherwise reads it at its next step, so a service that is slow to be
+scheduled delays loads by a step, never vLLM's model thread. The one question the worker waits
+for is ``LoadNow``, for a request whose KV had all landed when vLLM scheduled it (as the service
+posted on its ``landed_board``): it is loaded before the step's forward pass, and the wait has a
+deadline.
 
 The service exits when its worker does: on end of file from the socketpair, or when its parent
 process changes (checked every ``PARENT_CHECK_S``), or on SIGTERM, which the launcher sends the
@@ -54,6 +56,7 @@ from lmcache_pd.transfer import cuda_ipc
 from lmcache_pd.transfer.consumer import Consumer
 from lmcache_pd.transfer.cuda_ipc import CudaBufferHandle
 from lmcache_pd.transfer.receive_buffer import LandedChunk, landed_view, receive_buffer_bytes
+from lmcache_pd.transfer.service_channel import ServiceChannel
 from lmcache_pd.transfer.service_logging import queued_logging
 
 logger = logging.getLogger(__name__)
@@ -176,6 +179,11 @@ class ConsumerServiceDown(PDError):
     """The consumer's process is gone: no KV will land for this decode instance."""
 
 
+class ConsumerServiceBusy(PeerTimeout):
+    """The consumer rank's process reads nothing now and the message could not be queued: what
+    it was for fails (a load is recomputed), nothing waits."""
+
+
 class ConsumerService:
     """Starts the consumer rank's process and talks to it; the worker's only way to it."""
 
@@ -193,6 +201,8 @@ class ConsumerService:
         ``board``: where the process posts landed chunks for decode's scheduler."""
         self.page_bytes = config.page_bytes
         self.stats: dict[str, int] = {}
+        # Messages refused because the process read nothing (``ConsumerServiceBusy``).
+        self.refused = 0
         self._awaiting = False
         # The answer to the last progress question, read while waiting for a LoadNowReply.
         self._answered: ProgressReply | None = None
@@ -217,7 +227,7 @@ class ConsumerService:
                     pass_fds=(memory, theirs.fileno()),
                     stdin=subprocess.DEVNULL,
                 )
-            self._connection = Connection(ours.detach())
+            self._channel = ServiceChannel(ours)
             try:
                 self._send(
                     Setup(
@@ -256,10 +266,14 @@ class ConsumerService:
 
     def progress(self, loads: Sequence[LoadQuery]) -> ProgressReply | None:
         """The answer to the last progress question, asking ``loads`` if none is out; None if
-        it has not come yet (ask again next step). Raises ``ConsumerServiceDown``."""
+        it has not come yet, or could not be asked (ask again next step). Raises
+        ``ConsumerServiceDown``."""
         if self._answered is None:
             if not self._awaiting:
-                self._send(Progress(list(loads)))
+                try:
+                    self._send(Progress(list(loads)))
+                except ConsumerServiceBusy:
+                    return None  # asked again next step
                 self._awaiting = True
             wait_s = REPLY_WAIT_S if loads else 0.0
             while self._answered is None and self._answer_ready(wait_s):
@@ -304,7 +318,12 @@ class ConsumerService:
         self._send(Kept(req_id, alloc_id, checksums))
 
     def _answer_ready(self, wait_s: float) -> bool:
-        return self._down is not None or self._connection.poll(wait_s)
+        if self._down is not None:
+            return True
+        try:
+            return self._channel.poll(wait_s)
+        except (EOFError, OSError):
+            return True  # ``_receive`` says how it went down
 
     def _take(self, answer: Answer) -> None:
         """Keep a progress answer for ``progress``; a LoadNow or Keep answer that comes after
@@ -328,7 +347,7 @@ class ConsumerService:
             except subprocess.TimeoutExpired:
                 logger.warning("consumer service %d did not stop, killing it", self.pid)
         self._kill()
-        self._connection.close()
+        self._channel.close()
 
     def _kill(self) -> None:
         if self._process.poll() is None:
@@ -336,20 +355,28 @@ class ConsumerService:
         self._process.wait(PROCESS_EXIT_TIMEOUT_S)
 
     def _send(self, message: msgspec.Struct) -> None:
+        """Queue ``message``; never blocks. Raises ``ConsumerServiceBusy`` where the outbox has
+        no room (the process reads nothing: stopped, or not scheduled), ``ConsumerServiceDown``
+        where the process is gone."""
         if self._down is None:
             try:
-                self._connection.send_bytes(msgspec.msgpack.encode(message))
-                return
-            except OSError as exc:
-                self._went_down(f"cannot reach it: {exc}")
+                if self._channel.send(msgspec.msgpack.encode(message)):
+                    return
+            except (EOFError, OSError) as exc:
+                self._went_down(f"cannot reach it: {exc or 'end of file'}")
+            else:
+                self.refused += 1
+                raise ConsumerServiceBusy(
+                    f"consumer service {self.pid} reads nothing: {type(message).__name__} not sent"
+                )
         raise ConsumerServiceDown(f"consumer service {self.pid} is down: {self._down}")
 
     def _receive(self, timeout_s: float, kind: type[Reply], what: str) -> Reply:
         if self._down is None:
             try:
-                if not self._connection.poll(timeout_s):
+                if not self._channel.poll(timeout_s):
                     raise PeerTimeout(f"consumer service {self.pid}: no answer to {what}")
-                return msgspec.msgpack.decode(self._connection.recv_bytes(), type=kind)
+                return msgspec.msgpack.decode(self._channel.recv(), type=kind)
             except (EOFError, OSError) as exc:
                 self._went_down(f"its connection ended ({exc or 'end of file'})")
             except msgspec.DecodeError as exc:  # a bug of ours: the channel cannot be trusted
