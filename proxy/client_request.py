@@ -212,6 +212,13 @@ class ClientRequest:
             max_tokens = fields.max_completion_tokens or fields.max_tokens
         else:
             max_tokens = fields.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        min_tokens = fields.min_tokens or 0
+        if max_tokens is not None and min_tokens > max_tokens:
+            # vLLM's own check and words, before prefill is spent on a request decode refuses.
+            raise BadRequest(
+                f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+                f"got {min_tokens}."
+            )
         return cls(
             endpoint=endpoint,
             body=body,
@@ -219,7 +226,7 @@ class ClientRequest:
             stream=bool(fields.stream),
             include_usage=bool(fields.stream_options and fields.stream_options.include_usage),
             max_tokens=max_tokens,
-            min_tokens=fields.min_tokens or 0,
+            min_tokens=min_tokens,
         )
 
     @property

@@ -10,6 +10,7 @@ loading fails.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections import defaultdict
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import torch
 import yaml
@@ -103,6 +105,8 @@ PROMPTS["tail-1"] = prompt(400, 3903)
 PROMPTS["tail-2"] = PROMPTS["tail-1"] + prompt(300, 3904)
 # Pushed and loaded once, while the time the connector holds vLLM's threads is counted.
 PROMPTS["timed"] = prompt(600, 3905)
+# Pushed while decode's consumer process is stopped.
+PROMPTS["consumer-stopped"] = prompt(600, 3906)
 # Sent to decode as the client's own prompt, its first output token forced to prefill's.
 CONTINUED = [31, 257, 1000]
 PROMPTS |= {f"continued-{n}": prompt(n, 4000 + n) for n in CONTINUED}
@@ -606,6 +610,46 @@ def test_kv_that_never_comes_is_recomputed_within_the_deadline(
     assert after["tokens_loaded"] == before["tokens_loaded"]
     assert after["consumer_used_pages"] == 0
     # and it keeps serving disaggregated requests
+    assert pair.disaggregated("len-257", PROMPTS["len-257"]) == reference["len-257"]
+
+
+def stream_gaps(server: VLLMServer, model: Path, tokens: int) -> list[float]:
+    """The gaps between a streamed answer's events (decode serving it alone)."""
+    request = body(model, prompt(40, 3907), tokens) | {"stream": True, "ignore_eos": True}
+    stamps = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=request, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                stamps.append(time.monotonic())
+    return [later - earlier for earlier, later in itertools.pairwise(stamps)]
+
+
+def test_a_stopped_consumer_process_never_stalls_decodes_engine(
+    pair: PDPair, reference: dict
+) -> None:
+    """Decode's consumer process is stopped (SIGSTOP) for 10 s while decode serves: a request
+    pushed meanwhile waits out its load deadline, is recomputed and answered right; a stream
+    decode serves alone meanwhile never pauses a second (vLLM's model thread never waits on
+    the stopped process); continued, the process serves loads again."""
+    services = [
+        child
+        for child in psutil.Process(pair.consumer.pid).children(recursive=True)
+        if "lmcache_pd.transfer.consumer_service" in " ".join(child.cmdline())
+    ]
+    assert services
+    before = pair.stats()
+    for service in services:
+        service.suspend()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            gaps = pool.submit(stream_gaps, pair.consumer, pair.model, 120)
+            got = answer(pair.continued("consumer-stopped", PROMPTS["consumer-stopped"]))
+            assert max(gaps.result()) < 1.0
+    finally:
+        for service in services:
+            service.resume()
+    assert_close_answer(got, reference["consumer-stopped"])
+    assert pair.stats_after_a_step()["loads_failed"] > before["loads_failed"]
     assert pair.disaggregated("len-257", PROMPTS["len-257"]) == reference["len-257"]
 
 

@@ -567,3 +567,21 @@ def test_decode_is_chosen_and_served_alone_for_the_chunks_landed_in_it(past_a_pr
     assert (url1, url0) == ("http://d1", "http://d0")
     assert on_d1.alone and on_d1.decode_holds() == (size if past_a_prefix else 0)
     assert on_d1.alone_computes == 6  # the landed chunk is loaded, not computed
+
+
+def test_kv_events_published_beyond_loopback_without_a_secret_are_said_loudly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """They carry every cached prompt's token ids: a SECURITY warning naming the address, and
+    True (the connector shows it as ``kv_events_unauthenticated`` 1). The controls: with the
+    secret, or on loopback, neither."""
+    from lmcache_pd.connector import kv_event_publisher
+    from lmcache_pd.connector.counters import GAUGES
+
+    keys = DeploymentKeys.from_secret(generate_secret())
+    with caplog.at_level("INFO"):
+        assert kv_event_publisher.install(None, ("tcp://*:5557", None))
+    assert "SECURITY" in caplog.text and "tcp://*:5557" in caplog.text
+    assert not kv_event_publisher.install(keys, ("tcp://*:5557",))
+    assert not kv_event_publisher.install(None, ("tcp://127.0.0.1:5557", "tcp://[::1]:5558"))
+    assert "kv_events_unauthenticated" in GAUGES

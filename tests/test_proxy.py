@@ -309,6 +309,11 @@ def test_eos_as_first_token_ends_the_answer_without_decode(stacks, stream) -> No
         (b'{"model": "tiny", "prompt": ["a", "b"]}', 400, "batched"),
         (b'{"model": "tiny", "prompt": [1, -3]}', 400, "token ids"),
         (b'{"model": "tiny", "prompt": "x", "echo": true}', 400, "echo"),
+        (
+            b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "min_tokens": 3}',
+            400,
+            "min_tokens must be less than or equal to max_tokens=2, got 3.",
+        ),
     ],
 )
 def test_bad_requests_get_a_clear_error_and_the_proxy_keeps_serving(

@@ -86,7 +86,12 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
     }
 )
 GAUGES: Mapping[str, str] = MappingProxyType(
-    {CONSUMER_PREFIX + name: text for name, text in EXPORTED_GAUGES.items()}
+    {
+        "kv_events_unauthenticated": "1 while the scheduler publishes KV events beyond "
+        "loopback with no deployment secret: anyone who connects reads every cached prompt's "
+        "token ids.",
+        **{CONSUMER_PREFIX + name: text for name, text in EXPORTED_GAUGES.items()},
+    }
 )
 
 # Keys of PDConnectorStats.data.

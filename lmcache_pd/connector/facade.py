@@ -261,7 +261,9 @@ class LMCachePDConnector(KVConnectorBase_V1):
             publishes = events is not None and events.enable_kv_cache_events
             if publishes:
                 # Before vLLM's scheduler, which makes its publisher after this connector.
-                kv_event_publisher.install(load_keys(self._config.secret_file))
+                endpoints = (events.endpoint, events.replay_endpoint)
+                if kv_event_publisher.install(load_keys(self._config.secret_file), endpoints):
+                    self._stats.set_gauge("kv_events_unauthenticated", 1)
             layout = tp_layout(vllm_config)
             parts = () if producer else parts_per_chunk(layout, self._config)
             # Chunks landed under keys of the instance's own ranks: not parts of another TP's.

@@ -18,7 +18,7 @@ import logging
 import zmq
 from vllm.distributed.kv_events import EventPublisherFactory, ZmqEventPublisher
 
-from lmcache_pd.auth import DeploymentKeys
+from lmcache_pd.auth import SECRET_ENV, DeploymentKeys, is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +48,31 @@ class AuthenticatedEventPublisher(ZmqEventPublisher):
         return socket
 
 
-def install(keys: DeploymentKeys | None) -> None:
+def install(keys: DeploymentKeys | None, endpoints: tuple[str | None, ...] = ()) -> bool:
     """Make vLLM's ``"zmq"`` publisher this one, in this process (vLLM's registry is per
-    process; each engine installs its own)."""
+    process; each engine installs its own); True, with a loud warning, where it will publish
+    without a secret on one of ``endpoints`` (its PUB and replay addresses) that another host
+    can reach: every prompt's token ids then go to anyone who connects."""
     # register_publisher refuses a name it has; "zmq" is the only one its config accepts.
     registry = EventPublisherFactory._registry
     registry[VLLM_PUBLISHER] = functools.partial(AuthenticatedEventPublisher, keys=keys)
-    logger.info(
-        "kv events published by CURVE sockets" if keys else "kv events published unauthenticated"
-    )
+    open_to = [e for e in endpoints if e and not is_loopback(_host(e))] if keys is None else []
+    if open_to:
+        logger.warning(
+            "SECURITY: KV events are published on %s with no deployment secret: anyone who "
+            "connects reads the token ids of every prompt this instance caches. Set %s or "
+            "secret_file (`lmcache-pd serve` makes one for its own pools).",
+            ", ".join(open_to),
+            SECRET_ENV,
+        )
+    else:
+        logger.info(
+            "kv events published by CURVE sockets" if keys else "kv events published on loopback"
+        )
+    return bool(open_to)
+
+
+def _host(endpoint: str) -> str:
+    """The host of a ZMQ "tcp://host:port" endpoint (other transports: their whole address)."""
+    address = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+    return address.strip("[]")
