@@ -117,7 +117,9 @@ def _decode_sources(before: dict[str, float], after: dict[str, float], requests:
     it received per request (any connector's, from its own counters)."""
     moved = {source: after.get(source, 0.0) - before.get(source, 0.0) for source in after}
     loaded, computed = moved.get("external_kv_transfer", 0.0), moved.get("local_compute", 0.0)
-    # Each request computes its last prompt token (prefill's first output) on decode.
+    # Each request computes one prompt token on decode: its last (lmcache-pd, vLLM's
+    # NixlConnector) or prefill's first output appended to it (connectors that send decode the
+    # prompt plus that token).
     lacked = loaded + computed - requests
     return {
         "decode_tokens_loaded": loaded,

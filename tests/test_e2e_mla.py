@@ -133,10 +133,10 @@ def test_an_mla_prefill_and_decode_answer_like_one_plain_vllm(
             )
     for name, got in zip(together, answers, strict=True):
         assert_close_answer(got, reference[name], name)
-    # Every prompt's KV was loaded, none computed twice: vLLM counted the prompt as external,
-    # and decode computed one token a request (prefill's first token, appended to its prompt).
+    # Every prompt's KV was loaded, none computed twice: vLLM counted all of the prompt but its
+    # last token as external, and decode computed that one token a request.
     count = len(names) + len(together)
-    loaded = sum(len(PROMPTS[n]) for n in (*names, *together))
+    loaded = sum(len(PROMPTS[n]) - 1 for n in (*names, *together))
 
     def delta(source: str) -> float:
         return sources().get(source, 0) - before.get(source, 0)

@@ -245,7 +245,8 @@ class PDPair:
         )
         first_tok = first["kv_transfer_params"]["first_tok"] if force is None else force
         params = {"disagg_spec": spec, "first_tok": first_tok}
-        return self.consumer.complete(body(self.model, tokens, OUTPUT_TOKENS, params))
+        request = body(self.model, tokens, OUTPUT_TOKENS, params) | {"return_token_ids": True}
+        return self.consumer.complete(request)
 
     def stop(self) -> None:
         self.consumer.stop()
@@ -321,14 +322,16 @@ def test_decode_going_on_from_prefills_token_answers_the_clients_prompt_as_one_i
     goes on from it."""
     name = f"continued-{length}"
     sources = pair.tokens_by_source()
-    assert answer(pair.continued(name, PROMPTS[name])) == reference[name]
+    continued = pair.continued(name, PROMPTS[name])
+    assert answer(continued) == reference[name]
     after = pair.tokens_by_source()
     assert after["external_kv_transfer"] - sources["external_kv_transfer"] == length - 1
     assert after["local_compute"] - sources["local_compute"] == 1
-    want_tokens = reference[name][0]
-    forced_tokens, forced_logprobs = answer(pair.continued(name, PROMPTS[name], force=100))
-    assert forced_tokens[0] != want_tokens[0] and -50 < forced_logprobs[0] < 0
-    assert forced_tokens[1:] != want_tokens[1:]
+    want = continued["choices"][0]["token_ids"]
+    forced = pair.continued(name, PROMPTS[name], force=(want[0] + 1) % 1000)
+    ids, logprobs = forced["choices"][0]["token_ids"], answer(forced)[1]
+    assert ids[0] == (want[0] + 1) % 1000 and -50 < logprobs[0] < 0
+    assert logprobs[0] != reference[name][1][0] and ids[1:] != want[1:]
 
 
 def test_a_batch_of_concurrent_requests_matches_one_instance(pair: PDPair, reference: dict) -> None:
