@@ -13,8 +13,13 @@ requests where nothing is held. So an instance that restarts re-enters the index
 replay.
 
 Both sockets are CURVE clients of the instance's publisher (``auth.py``): only instances of
-this deployment are heard. Every frame is checked before use; a malformed batch is counted and
-skipped, never raised. Runs on the proxy's event loop, one task per instance.
+this deployment are heard, and a handshake the instance refuses (another secret) is said as
+such, not as silence. Every frame is checked before use; a malformed batch, or event, is counted
+and skipped, never raised: the rest of its batch is applied. Each replay asks on a socket of its
+own, so a late answer to one is never read as the next one's. A long replay yields to the event
+loop between batches. Runs on the proxy's event loop, one task per instance; a task that ends
+for any other reason clears its instance's index (``alive`` says so), and the KV index starts
+it again (``kv_index.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from lmcache_pd.auth import DeploymentKeys
 from lmcache_pd.kv_events import BATCHES, MAX_BATCH_BYTES
@@ -42,6 +48,14 @@ END_OF_REPLAY = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
 REPLAY_TIMEOUT_S = 2.0
 # Batches read per turn of the feed, so that a connection's replay is never long delayed.
 MAX_BATCHES_PER_TURN = 64
+# Batches a replay applies between two yields to the event loop (requests route meanwhile).
+BATCHES_PER_YIELD = 64
+# The subscription's handshake outcomes the feed watches.
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 class EventFeed:
@@ -66,7 +80,13 @@ class EventFeed:
         self._next_seq: int | None = None  # the batch expected next; None: none seen yet
         self._last_live: int | None = None  # the last batch the subscription delivered
         self._connected = False  # the subscription connected once already
+        self._refused = False  # its last handshake failed (said once per spell)
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def alive(self) -> bool:
+        """Started and still following (not ended by an error)."""
+        return self._task is not None and not self._task.done()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(
@@ -83,25 +103,17 @@ class EventFeed:
         subscriber.setsockopt(zmq.SUBSCRIBE, b"")
         # Every (re)connection may be to a new publisher (the instance restarted, on the same
         # address): each is followed by a replay of all the publisher has.
-        connections = subscriber.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        handshakes = subscriber.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
         subscriber.connect(self._address.endpoint(self._address.port))
-        replay = self._socket(zmq.DEALER)
-        replay.connect(self._address.endpoint(self._address.replay_port))
         poller = zmq.asyncio.Poller()
         poller.register(subscriber, zmq.POLLIN)
-        poller.register(connections, zmq.POLLIN)
+        poller.register(handshakes, zmq.POLLIN)
         try:
             while True:
                 ready = dict(await poller.poll())
-                if connections in ready:
-                    while await connections.poll(0):
-                        await connections.recv_multipart()
-                    if self._connected:
-                        logger.info("%s: its events reconnected: resync", self._name)
-                        self._count("reconnects")
-                    self._connected = True
+                if handshakes in ready and await self._handshakes(handshakes):
                     self._next_seq = self._last_live = None
-                    await self._resync(replay, 0, None)
+                    await self._resync(0, None)
                 for _ in range(MAX_BATCHES_PER_TURN if subscriber in ready else 0):
                     try:
                         frames = await subscriber.recv_multipart(zmq.NOBLOCK)
@@ -109,14 +121,39 @@ class EventFeed:
                         break
                     batch = self._read(frames)
                     if batch is not None:
-                        await self._on_batch(replay, *batch)
-        except zmq.ZMQError:
-            logger.exception("kv events of %s stopped; routing goes on without them", self._name)
+                        await self._on_batch(*batch)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # ZMQ's, or a bug of ours: its index is cleared, the index restarts it
+            logger.exception("kv events of %s stopped; its index is cleared", self._name)
+            self._count("feed_errors")
+            self.blocks.clear()
         finally:
             subscriber.disable_monitor()
-            connections.close(linger=0)
+            handshakes.close(linger=0)
             subscriber.close(linger=0)
-            replay.close(linger=0)
+
+    async def _handshakes(self, handshakes: zmq.asyncio.Socket) -> bool:
+        """Read the subscription's handshake outcomes; True if it (re)connected."""
+        connected = False
+        while await handshakes.poll(0):
+            event = parse_monitor_message(await handshakes.recv_multipart())["event"]
+            if event & HANDSHAKE_FAILED:
+                self._count("handshakes_refused")
+                if not self._refused:
+                    logger.warning(
+                        "%s refuses the proxy's handshake for its KV events: is the proxy's "
+                        "deployment secret the instance's?",
+                        self._name,
+                    )
+                self._refused = True
+                continue
+            self._refused = False
+            if self._connected:
+                logger.info("%s: its events reconnected: resync", self._name)
+                self._count("reconnects")
+            self._connected = connected = True
+        return connected
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
         socket = self._context.socket(kind)
@@ -126,28 +163,31 @@ class EventFeed:
             self._keys.connect(socket)
         return socket
 
-    async def _on_batch(self, replay: zmq.asyncio.Socket, seq: int, payload: bytes) -> None:
+    async def _on_batch(self, seq: int, payload: bytes) -> None:
         expected = self._next_seq
         if self._last_live is not None and seq <= self._last_live:
             # Live batches come in order: a number not above the last is a new publisher.
             logger.info("%s: its events restarted (instance restarted?): resync", self._name)
             self._count("restarts")
-            await self._resync(replay, 0, seq)
+            await self._resync(0, seq)
         elif expected is not None and seq < expected:
             return  # had already, from a replay
         elif expected is None or seq > expected:
-            await self._resync(replay, expected or 0, seq)
+            await self._resync(expected or 0, seq)
         self._apply(payload)
         self._next_seq = seq + 1
         self._last_live = seq
 
-    async def _resync(self, replay: zmq.asyncio.Socket, start: int, live: int | None) -> None:
+    async def _resync(self, start: int, live: int | None) -> None:
         """Apply the replay of batches ``start`` up to ``live`` (exclusive; None: all there
-        are); clear the index first when any of them cannot be had."""
+        are); clear the index first when any of them cannot be had. Asked on a socket of its
+        own: an answer to an earlier replay, late, never mixes in."""
         if start == 0:
             self.blocks.clear()
         self._count("resyncs")
         batches: list[tuple[int, bytes]] = []
+        replay = self._socket(zmq.DEALER)
+        replay.connect(self._address.endpoint(self._address.replay_port))
         try:
             await replay.send_multipart([b"", start.to_bytes(SEQ_BYTES, "big")])
             while True:
@@ -163,6 +203,8 @@ class EventFeed:
             self._count("replay_failures")
             self.blocks.clear()
             return
+        finally:
+            replay.close(linger=0)
         if live is None:  # all there are: up to the last one replayed
             live = batches[-1][0] + 1 if batches else start
             self._next_seq = live if batches else None
@@ -172,8 +214,10 @@ class EventFeed:
             logger.info("%s: events %d-%d not all replayable: index reset", self._name, start, live)
             self._count("replay_gaps")
             self.blocks.clear()
-        for _, payload in tail:
+        for index, (_, payload) in enumerate(tail, 1):
             self._apply(payload)
+            if index % BATCHES_PER_YIELD == 0:
+                await asyncio.sleep(0)  # requests route meanwhile
 
     def _read(self, frames: list[bytes]) -> tuple[int, bytes] | None:
         """``[topic, seq, payload]`` as (seq, payload); None, counted, if malformed."""
@@ -184,14 +228,20 @@ class EventFeed:
         return int.from_bytes(frames[1], "big"), frames[2]
 
     def _apply(self, payload: bytes) -> None:
+        """Apply a batch, event by event: one the index cannot take (a token id past 64 bits,
+        say) is counted and skipped, and the rest of the batch applied."""
         try:
             batch = BATCHES.decode(payload)
-            for event in batch.events:
-                self.blocks.apply(event)
         except (msgspec.DecodeError, ValueError) as exc:
             self._count("malformed")
             logger.warning("%s: a malformed KV event batch ignored: %s", self._name, exc)
             return
+        for event in batch.events:
+            try:
+                self.blocks.apply(event)
+            except Exception as exc:  # the instance's bytes: never a reason to stop following
+                self._count("malformed")
+                logger.warning("%s: a KV event the index cannot take ignored: %r", self._name, exc)
         self._count("batches")
 
 

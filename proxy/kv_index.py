@@ -51,8 +51,9 @@ class KVIndex:
         return not any(len(feed.blocks) for feed in self._feeds.values())
 
     async def sync(self) -> None:
-        """Start a feed for every instance that publishes and has none; stop those of
-        instances gone."""
+        """Start a feed for every instance that publishes and has none, or whose feed ended
+        (an error: its index was cleared, and is rebuilt by the new feed's replay); stop those
+        of instances gone."""
         wanted = {
             (member.url, member.kv_events): member
             for member in self._upstreams()
@@ -61,6 +62,10 @@ class KVIndex:
         for key in [key for key in self._feeds if key not in wanted]:
             await self._feeds.pop(key).stop()
             logger.info("kv events of %s no longer followed", key[0])
+        for key in [key for key, feed in self._feeds.items() if not feed.alive]:
+            await self._feeds.pop(key).stop()
+            self._count("feed_restarts")
+            logger.warning("kv events of %s: its feed ended; following them anew", key[0])
         for key in wanted.keys() - self._feeds.keys():
             url, address = key
             assert address is not None
@@ -143,8 +148,11 @@ class _IndexMetrics(Collector):
             orphans.add_metric([url], instance.orphans)
         events = CounterMetricFamily(
             f"{prefix}_feed_events",
-            "KV event feeds: batches applied, malformed ones ignored, resyncs (replays asked), "
-            "replay_gaps and replay_failures (an instance's index was cleared), restarts",
+            "KV event feeds: batches applied, malformed batches or events ignored, resyncs "
+            "(replays asked), replay_gaps and replay_failures (an instance's index was cleared), "
+            "restarts and reconnects (an instance's publisher anew), handshakes_refused (the "
+            "instance refuses the proxy's secret), feed_errors and feed_restarts (a feed ended, "
+            "its index cleared, and was started again)",
             labels=["what"],
         )
         for what, count in sorted(self._index.counts.items()):

@@ -208,6 +208,69 @@ def test_a_subscriber_without_the_secret_hears_nothing() -> None:
             [lambda: pub.publish(batch(stored([11, 12], None, PROMPT[:8])))] * 2,
         )
     assert len(blocks) == 0 and "batches" not in counts
+    assert counts["handshakes_refused"] >= 1  # said as a refusal, not as silence
+
+
+def test_an_event_the_index_cannot_take_is_skipped_and_the_feed_goes_on() -> None:
+    """A token id past 64 bits raised OverflowError in the index, which ended the feed's task
+    (only ZMQ errors were caught): its instance's index froze. Now that event is counted and
+    skipped, the rest of its batch applied, and later batches too."""
+    keys = DeploymentKeys.from_secret(generate_secret())
+    address = KVEventsAddress("127.0.0.1", free_port(), free_port())
+    hostile = stored([99], None, [2**63, 1, 2, 3])
+    with publisher(address, keys) as pub:
+        blocks, counts = follow(
+            address,
+            keys,
+            [
+                lambda: None,
+                lambda: pub.publish(batch(hostile, stored([11, 12], None, PROMPT[:8]))),
+                lambda: pub.publish(batch(stored([13], 12, PROMPT[8:12]))),
+            ],
+        )
+    assert blocks.held_tokens(prefix_keys(PROMPT, BLOCK)) == 12
+    assert counts["malformed"] == 1 and counts["batches"] == 2
+
+
+def test_a_feed_that_ends_is_followed_anew_within_one_sync(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A feed whose task ends on an error (a bug of ours, here) clears its instance's index at
+    once (never routing by blocks it can no longer see go), and the next sync follows the
+    instance anew: its replay rebuilds the index, and routing reads it again."""
+    keys = DeploymentKeys.from_secret(generate_secret())
+    address = KVEventsAddress("127.0.0.1", free_port(), free_port())
+    member = Upstream("http://d0", Role.DECODE, kv_events=address)
+    real = EventFeed._on_batch
+    failures = [RuntimeError("a bug")]
+
+    async def once_broken(feed: EventFeed, seq: int, payload: bytes) -> None:
+        if failures and seq == 1:
+            raise failures.pop()
+        await real(feed, seq, payload)
+
+    monkeypatch.setattr(EventFeed, "_on_batch", once_broken)
+
+    def held(index: KVIndex) -> int:
+        return index.held_tokens(member, lambda size: prefix_keys(PROMPT, size))
+
+    async def run(pub: object) -> list[int]:
+        index = KVIndex(lambda: [member], keys, 1000)
+        await index.sync()
+        await asyncio.sleep(0.5)  # the subscription connects (ZMQ's slow joiner)
+        pub.publish(batch(stored([11, 12, 13], None, PROMPT[:12])))  # seq 0
+        await until(lambda: held(index) == 12, "the first batch indexed")
+        pub.publish(batch(stored([21], None, PROMPT[:4])))  # seq 1: the feed fails on it
+        await until(lambda: held(index) == 0, "the failed feed's index cleared")
+        assert index.counts["feed_errors"] == 1
+        await index.sync()
+        await until(lambda: held(index) == 12, "the index rebuilt by the new feed's replay")
+        seen = [index.counts["feed_restarts"], held(index)]
+        await index.close()
+        return seen
+
+    with publisher(address, keys) as pub:
+        assert asyncio.run(run(pub)) == [1, 12]
 
 
 def test_a_restarted_instance_reenters_the_index_within_one_resync() -> None:
