@@ -40,15 +40,19 @@ TRANSFER_FIELDS = {
 # Keys of ``chat_template_kwargs`` that vLLM refuses (``resolve_chat_template_kwargs``).
 RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})
 
-# Fields whose meaning would change if split between two instances; refused with a clear 400.
-UNSUPPORTED_FIELDS = {
-    "echo": "echo",
-    "suffix": "suffix",
+# Fields with which a request is served by decode alone, its own request unchanged (exact, as
+# one vLLM serves it; not disaggregated), named as ``not_disaggregated`` counts them: what spans
+# several choices (one first token from prefill cannot start them all), what needs the prompt
+# computed where it is answered (vLLM reads no cached or loaded KV for prompt logprobs), and
+# tools (a one-token tool call does not parse at prefill).
+ALONE_FIELDS = {
     "best_of": "best_of",
-    "use_beam_search": "beam search",
+    "use_beam_search": "beam_search",
+    "echo": "echo",
     "prompt_logprobs": "prompt_logprobs",
-    "tools": "tool calling",
-    "functions": "function calling",
+    "suffix": "suffix",
+    "tools": "tools",
+    "functions": "tools",
 }
 
 
@@ -75,13 +79,13 @@ class _Common(msgspec.Struct, kw_only=True):
     cache_salt: Annotated[str, msgspec.Meta(min_length=1)] | None = None
     stream: bool | None = None
     stream_options: _StreamOptions | None = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = None
+    n: Annotated[int, msgspec.Meta(ge=1)] | None = None
     min_tokens: NonNegative | None = None
     max_tokens: Positive | None = None
 
 
 class _CompletionFields(_Common):
-    # A text, token ids, or a batch of one of either (checked in ``_one_prompt``).
+    # A text, token ids, or a batch of either (checked in ``_check_prompts``).
     prompt: str | list[Any]
     logprobs: NonNegative | None = None
 
@@ -115,15 +119,9 @@ def _validate(endpoint: Endpoint, body: dict[str, Any]) -> _CompletionFields | _
     try:
         fields = msgspec.convert(body, fields_type)
     except msgspec.ValidationError as exc:
-        message = str(exc)
-        if "n`" in message:
-            message = f"only n=1 is served by the disaggregating proxy ({message})"
-        raise BadRequest(message) from exc
-    for name, what in UNSUPPORTED_FIELDS.items():
-        if body.get(name) not in (None, False, [], {}):
-            raise BadRequest(f"{what} is not supported by the disaggregating proxy")
+        raise BadRequest(str(exc)) from exc
     if isinstance(fields, _CompletionFields):
-        _one_prompt(fields.prompt)
+        _check_prompts(fields.prompt)
     else:
         _template_kwargs(fields.chat_template_kwargs or {})
     # The prompt is checked: a text or token ids, at most two deep. The rest is walked.
@@ -155,22 +153,32 @@ def completion_prompt(prompt: str | list[Any]) -> str | list[Any]:
     return prompt
 
 
-def _one_prompt(prompt: str | list[Any]) -> None:
-    """Refuse batches and malformed prompts; vLLM would answer n prompts with n choices."""
-    if isinstance(prompt, str):
-        return
-    if len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-        if isinstance(prompt, str):
-            return
-    elif prompt and isinstance(prompt[0], str | list):
-        raise BadRequest("one prompt per request: batched prompts are not supported")
-    try:
-        msgspec.convert(prompt, Annotated[TokenIds, msgspec.Meta(min_length=1)])
-    except msgspec.ValidationError as exc:
-        raise BadRequest(
-            f"prompt must be a text, a list of token ids, or a list of one of them: {exc}"
-        ) from exc
+def _check_prompts(prompt: str | list[Any]) -> None:
+    """Refuse a malformed prompt: a text, token ids, or a batch of either (each checked)."""
+    batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+    for one in prompt if batch else [prompt]:
+        if isinstance(one, str):
+            continue
+        try:
+            msgspec.convert(one, Annotated[TokenIds, msgspec.Meta(min_length=1)])
+        except msgspec.ValidationError as exc:
+            raise BadRequest(
+                f"prompt must be a text, a list of token ids, or a list of either: {exc}"
+            ) from exc
+
+
+def _alone_reason(body: dict[str, Any], fields: _CompletionFields | _ChatFields) -> str | None:
+    """Why decode serves the request alone, its own request unchanged (``ALONE_FIELDS``, more
+    than one choice or prompt); None: it is disaggregated."""
+    if (fields.n or 1) > 1:
+        return "n"
+    prompt = getattr(fields, "prompt", None)
+    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list):
+        return "batch"
+    for name, reason in ALONE_FIELDS.items():
+        if body.get(name) not in (None, False, [], {}):
+            return reason
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +193,8 @@ class ClientRequest:
     # Output tokens the client wants in all; None: up to the model's context (chat default).
     max_tokens: int | None
     min_tokens: int
+    # Why decode serves it alone, unchanged (``ALONE_FIELDS``); None: disaggregated.
+    alone_reason: str | None = None
 
     @classmethod
     def from_json(cls, endpoint: Endpoint, raw: bytes, served_model: str) -> ClientRequest:
@@ -227,6 +237,7 @@ class ClientRequest:
             include_usage=bool(fields.stream_options and fields.stream_options.include_usage),
             max_tokens=max_tokens,
             min_tokens=min_tokens,
+            alone_reason=_alone_reason(body, fields),
         )
 
     @property

@@ -82,6 +82,14 @@ class ProxyMetrics:
             "Requests whose prompt was under min_disagg_tokens, served by decode alone",
             registry=self.registry,
         )
+        self.not_disaggregated = Counter(
+            f"{prefix}_not_disaggregated",
+            "Requests served by decode alone, unchanged, for a field no first token from prefill "
+            "can serve exactly: n (more than one choice), batch (several prompts), best_of, "
+            "beam_search, echo, prompt_logprobs, suffix, tools",
+            ["reason"],
+            registry=self.registry,
+        )
         self.prefill_retries = Counter(
             f"{prefix}_prefill_retries",
             "Requests retried on another prefill instance before their first token",

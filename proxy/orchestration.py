@@ -115,7 +115,10 @@ class Orchestrator:
         decoder = plan.decoder
         trace |= plan.trace()
         if decoder is not None and plan.alone:
-            self._metrics.served_alone.inc()
+            if client.alone_reason is None:
+                self._metrics.served_alone.inc()
+            else:
+                self._metrics.not_disaggregated.labels(client.alone_reason).inc()
             with decoder.busy(plan.alone_computes) as computed:
                 return await serve_alone(
                     http,

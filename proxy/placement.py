@@ -105,6 +105,8 @@ class Placer:
 
     async def plan(self, client: ClientRequest) -> Plan:
         """``NoHealthyInstance`` if decode is needed and none is up."""
+        if client.alone_reason is not None:  # served unchanged by decode, by load
+            return Plan(self._decode.pick(), alone=True)
         if self._sent is not None and self._tokens is not None and client.needs_decode:
             token_ids = await self._tokens.of(client, self._model)
             if token_ids is not None:

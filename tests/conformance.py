@@ -46,6 +46,9 @@ class Case:
     fields: dict[str, Any] = field(default_factory=dict)
     chat: bool = False
     seed: int = 0
+    # Why the proxy serves it by decode alone (``ClientRequest.alone_reason``); None: it is
+    # disaggregated.
+    alone: str | None = None
 
     def body(self, model: str, stream: bool) -> dict[str, Any]:
         body: dict[str, Any] = {"model": model, "max_tokens": OUTPUT_TOKENS, "temperature": 0}
@@ -54,6 +57,8 @@ class Case:
         seed = 2 * self.seed + stream
         if self.chat:
             body["messages"] = chat_messages(seed)
+        elif self.alone == "batch":
+            body["prompt"] = [token_prompt(seed), token_prompt(seed + 1000)]
         else:
             body["prompt"] = token_prompt(seed)
         body |= self.fields | {"stream": stream}
@@ -93,6 +98,11 @@ CASES = [
         seed=13,
     ),
     Case("chat_max_completion_tokens", {"max_completion_tokens": 5}, chat=True, seed=14),
+    Case("n2_seeded", {"n": 2, "temperature": 1.0, "seed": 3, "logprobs": 1}, seed=16, alone="n"),
+    Case("batch", {"logprobs": 1}, seed=17, alone="batch"),
+    Case("echo", {"echo": True, "max_tokens": 3}, seed=18, alone="echo"),
+    Case("prompt_logprobs", {"prompt_logprobs": 1}, seed=19, alone="prompt_logprobs"),
+    Case("chat_n2", {"n": 2, "temperature": 1.0, "seed": 5}, chat=True, seed=21, alone="n"),
     Case(
         "chat_usage_in_stream",
         {"stream_options": {"include_usage": True, "continuous_usage_stats": False}},

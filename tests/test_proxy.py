@@ -305,10 +305,9 @@ def test_eos_as_first_token_ends_the_answer_without_decode(stacks, stream) -> No
         (b'{"prompt": "x"}', 400, "model"),
         (b'{"model": "tiny"}', 400, "prompt"),
         (b'{"model": "tiny", "prompt": "x", "max_tokens": "many"}', 400, "max_tokens"),
-        (b'{"model": "tiny", "prompt": "x", "n": 2}', 400, "n=1"),
-        (b'{"model": "tiny", "prompt": ["a", "b"]}', 400, "batched"),
+        (b'{"model": "tiny", "prompt": "x", "n": 0}', 400, "n"),
+        (b'{"model": "tiny", "prompt": ["a", [-1]]}', 400, "token ids"),
         (b'{"model": "tiny", "prompt": [1, -3]}', 400, "token ids"),
-        (b'{"model": "tiny", "prompt": "x", "echo": true}', 400, "echo"),
         (
             b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "min_tokens": 3}',
             400,
@@ -328,6 +327,37 @@ def test_bad_requests_get_a_clear_error_and_the_proxy_keeps_serving(
     assert stack.metric(
         "lmcache_pd_proxy_requests_total", endpoint="/v1/completions", outcome="bad_request"
     )
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"n": 2}, "n"),
+        ({"prompt": [[5, 6, 7], [8, 9]]}, "batch"),
+        ({"prompt": ["a b", "c d"]}, "batch"),
+        ({"best_of": 2}, "best_of"),
+        ({"echo": True}, "echo"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"suffix": "x"}, "suffix"),
+        ({"use_beam_search": True}, "beam_search"),
+    ],
+)
+def test_fields_no_first_token_can_serve_go_to_decode_alone_unchanged(
+    stacks, fields: dict[str, Any], reason: str
+) -> None:
+    """More than one choice or prompt, a prompt computed where it is answered (prompt
+    logprobs, echo), tools: decode gets the client's own request as it was sent, prefill
+    nothing, and the reason is counted (once refused with 400)."""
+    stack = stacks()
+    body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 3} | fields
+    response = stack.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert stack.prefill[0].state.received == []
+    [(_, _, to_decode)] = stack.decode[0].state.received
+    assert to_decode == body
+    name = "lmcache_pd_proxy_not_disaggregated_total"
+    assert stack.metric(name, reason=reason) == 1
+    assert stack.metric("lmcache_pd_proxy_served_alone_total") == 0
 
 
 def test_a_body_over_the_limit_is_refused(stacks) -> None:

@@ -178,7 +178,7 @@ HOSTILE: dict[str, tuple[str, bytes, str]] = {
     "stream a string": ("completions", raw(completion_body(stream="yes")), "stream"),
     "stream_options a number": ("chat", raw(chat_body(stream_options=5)), "stream_options"),
     "max_tokens negative": ("completions", raw(completion_body(max_tokens=-1)), "max_tokens"),
-    "n of 2": ("chat", raw(chat_body(n=2)), "n=1"),
+    "n of 0": ("chat", raw(chat_body(n=0)), "n"),
     "cache_salt a number": ("completions", raw(completion_body(cache_salt=5)), "cache_salt"),
     "cache_salt empty": ("chat", raw(chat_body(cache_salt="")), "cache_salt"),
     "messages an object": ("chat", raw({"model": MODEL, "messages": {}}), "messages"),
@@ -194,8 +194,7 @@ HOSTILE: dict[str, tuple[str, bytes, str]] = {
     "content parts past the depth": ("chat", raw(chat_body([{"type": "text", "text": "x",
                                      "x": json.loads(deep(MAX_JSON_DEPTH))}])), "messages"),
     "an unknown model": ("completions", raw(completion_body() | {"model": "other"}), "other"),
-    "echo": ("completions", raw(completion_body(echo=True)), "echo"),
-    "tools": ("chat", raw(chat_body(tools=[{"type": "function"}])), "tool"),
+    "a batch with negative ids": ("completions", raw(completion_body(["a", [-3]])), "prompt"),
     "vllm_xargs": ("chat", raw(chat_body(vllm_xargs={"kv_transfer_params": "x"})), "vllm_xargs"),
     "over max_body_bytes": ("completions", raw(completion_body("x" * 70_000)), "body size"),
 }  # fmt: skip

@@ -459,9 +459,17 @@ def notices(served: Served) -> dict[str, float]:
     return {o: metric_sample(served.url, name, outcome=o) for o in ("used", "after_answer")}
 
 
-def assert_conforms(served: Served, plain: VLLMServer, body: dict[str, Any], chat: bool) -> None:
+def not_disaggregated(served: Served, reason: str | None) -> float:
+    name = "lmcache_pd_proxy_not_disaggregated_total"
+    return 0.0 if reason is None else metric_sample(served.url, name, reason=reason)
+
+
+def assert_conforms(
+    served: Served, plain: VLLMServer, body: dict[str, Any], chat: bool, alone: bool = False
+) -> None:
     """The served answer is the plain one, field for field (``conformance.differences``), and
-    it was disaggregated: decode loaded all of the prompt but its last token."""
+    it was disaggregated: decode loaded all of the prompt but its last token; or, ``alone``,
+    decode computed it all."""
     decode_url = served.proxy_config()["decode"][0]["url"]
     before = loaded_and_computed(decode_url)
     got = conformance.ask(client_of(served.url), body, chat)
@@ -469,7 +477,10 @@ def assert_conforms(served: Served, plain: VLLMServer, body: dict[str, Any], cha
     want = conformance.ask(client_of(plain.url), body, chat)
     assert not conformance.differences(got, want), conformance.differences(got, want)
     loaded, computed = (a - b for a, b in zip(after, before, strict=True))
-    assert loaded >= conformance.PROMPT_TOKENS - 1 and computed == 1, (loaded, computed)
+    if alone:
+        assert loaded == 0 and computed >= conformance.PROMPT_TOKENS, (loaded, computed)
+    else:
+        assert loaded >= conformance.PROMPT_TOKENS - 1 and computed == 1, (loaded, computed)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -480,9 +491,12 @@ def test_every_request_field_is_answered_as_one_vllm_answers_it(
     """Decode is sent the client's own request, its first token forced to prefill's: the
     answer, streamed or whole, is one vLLM's, with its KV loaded, not computed."""
     served, plain = served_and_plain
-    before = notices(served)
-    assert_conforms(served, plain, case.body(str(model), stream), case.chat)
+    before, alone = notices(served), not_disaggregated(served, case.alone)
+    assert_conforms(served, plain, case.body(str(model), stream), case.chat, case.alone is not None)
     after = notices(served)
+    if case.alone is not None:  # served by decode alone, unchanged: counted by its reason
+        assert not_disaggregated(served, case.alone) == alone + 1
+        return
     # decode was asked on prefill's notice, or on its answer where that came first
     assert after["used"] + after["after_answer"] == before["used"] + before["after_answer"] + 1
 

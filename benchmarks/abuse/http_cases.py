@@ -242,11 +242,11 @@ def proxy_cases(c: Context) -> list[HttpCase]:
             "ec_transfer_params", frozenset({400}), (Call(c.completion(ec_transfer_params={})),)
         ),
         HttpCase(
-            "unsupported_fields",
+            "bad_fields",
             frozenset({400}),
             (
-                Call(c.completion(n=2)),
-                Call(c.completion(echo=True)),
+                Call(c.completion(n=0)),
+                Call(c.completion(prompt=["a", [-1]])),
                 Call(c.completion(cache_salt="")),
             ),
         ),
