@@ -158,7 +158,9 @@ class Answer:
         """Decode's events, passed on one write per network read (its ``[DONE]`` too); the gaps
         between writes, from ``last`` (the first token's, ``perf_counter``; None: not sent yet)
         on, are the inter-token latencies. A failure ends the stream with an error event."""
-        relay = DecodeRelay(self.client, self.prefilled.first_token, skip_first=shown)
+        choice = self.prefilled.answer["choices"][0]
+        first_text = (choice.get("message") or {}).get("content", choice.get("text"))
+        relay = DecodeRelay(self.client, self.prefilled.first_token, first_text if shown else None)
         try:
             async with contextlib.aclosing(self._decoded()) as decoded:
                 async for batch in decoded:

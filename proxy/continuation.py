@@ -43,6 +43,24 @@ def _null_token_ids(answer: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
+def _drop_first(event: dict[str, Any], first_text: str) -> bool:
+    """Take the first token out of a streamed event that holds more (its text, logprobs and
+    token ids); False, the event unchanged, where its text does not begin with ``first_text``."""
+    choice = event["choices"][0]
+    holder, key = (choice["delta"], "content") if "delta" in choice else (choice, "text")
+    text = holder.get(key)
+    if not isinstance(text, str) or not text.startswith(first_text):
+        return False
+    holder[key] = text[len(first_text) :]
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict):
+        for name, values in logprobs.items():
+            if isinstance(values, list):  # content (chat); tokens, token_logprobs, ... (text)
+                logprobs[name] = values[1:]
+    choice["token_ids"] = choice["token_ids"][1:]
+    return True
+
+
 def _output_ids(answer: dict[str, Any]) -> list[int]:
     choices = answer.get("choices") or ()
     ids = choices[0].get("token_ids") if choices else None
@@ -147,13 +165,18 @@ def first_events(
 class DecodeRelay:
     """Decode's streamed events as the client gets them, one at a time."""
 
-    def __init__(self, client: ClientRequest, first_token: int, skip_first: bool) -> None:
-        """``skip_first``: the client has the first token already (``first_events``): decode's
-        events up to and including it are not passed on."""
+    def __init__(
+        self, client: ClientRequest, first_token: int, first_text: str | None = None
+    ) -> None:
+        """``first_text``: where the client has the first token already (``first_events``),
+        its text: decode's events up to and including it are not passed on, and one that
+        joins it with the next tokens (vLLM joins a stream's outputs while its reader lags) is
+        passed on without it."""
         self._asked_ids = client.asks_token_ids
         self._first_token = first_token
         self._checked = False
-        self._skipping = skip_first
+        self._first_text = first_text
+        self._skipping = first_text is not None
 
     def relay(self, data: bytes) -> bytes | None:
         """The event's data for the client, or None where it is skipped (``[DONE]`` too: a
@@ -172,7 +195,12 @@ class DecodeRelay:
                 self._skipping = False
                 if len(ids) == 1:
                     return None
-                raise FirstTokenMismatch("decode's stream joined its first token with the next")
+                assert self._first_text is not None
+                if not _drop_first(event, self._first_text):
+                    raise FirstTokenMismatch(
+                        "decode's stream joined its first token with the next, in text that "
+                        "does not begin with the first token's"
+                    )
         if self._skipping:
             return None
         if not self._asked_ids:
