@@ -113,12 +113,17 @@ CASES = [
 
 
 def ask(client: openai.OpenAI, body: dict[str, Any], chat: bool) -> Answer:
-    """The raw JSON answer (a stream: its events' JSON, ``[DONE]`` as the string)."""
+    """The raw JSON answer (a stream: its events' JSON, ``[DONE]`` as the string; the events
+    of several choices in choice order, each choice's in its own: how vLLM interleaves them is
+    a matter of timing); a refusal as its status and body."""
     resource = client.chat.completions if chat else client.completions
     prompt = "messages" if chat else "prompt"
     known = {name: body[name] for name in ("model", "stream", prompt)}
     extra = {name: value for name, value in body.items() if name not in known}
-    raw = resource.with_raw_response.create(**known, extra_body=extra)
+    try:
+        raw = resource.with_raw_response.create(**known, extra_body=extra)
+    except openai.APIStatusError as exc:
+        return {"status": exc.status_code, "refusal": exc.response.json()}
     if not body["stream"]:
         return msgspec.json.decode(raw.http_response.read())
     events: list[Any] = []
@@ -126,7 +131,12 @@ def ask(client: openai.OpenAI, body: dict[str, Any], chat: bool) -> Answer:
         if line.startswith("data: "):
             data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else msgspec.json.decode(data))
-    return events
+    return sorted(events, key=_choice_index)
+
+
+def _choice_index(event: Any) -> float:
+    choices = event.get("choices") if isinstance(event, dict) else None
+    return choices[0]["index"] if choices else float("inf")
 
 
 def differences(got: Any, want: Any, where: str = "") -> list[str]:
