@@ -82,6 +82,7 @@ class Proxy:
                 members,
                 {Role.PREFILL: self.prefill, Role.DECODE: self.decode},
                 self.metrics.membership_errors.inc,
+                self.metrics.forget_instance,
             )
         )
         self._session: aiohttp.ClientSession | None = None

@@ -61,9 +61,16 @@ class Membership:
     """Keeps ``pools`` equal to what ``source`` says, every ``interval_s``."""
 
     def __init__(
-        self, source: MemberSource, pools: dict[Role, Pool], on_failure: Callable[[], None]
+        self,
+        source: MemberSource,
+        pools: dict[Role, Pool],
+        on_failure: Callable[[], None],
+        on_leave: Callable[[Upstream], None] = lambda _: None,
     ) -> None:
+        """``on_failure``: the source did not answer; ``on_leave``: an instance left its pool
+        (what is kept of it, its metrics series, can go)."""
         self._source = source
+        self._on_leave = on_leave
         self._pools = pools
         self._interval_s = source.interval_s
         self._on_failure = on_failure
@@ -112,6 +119,7 @@ class Membership:
             url = upstream.url
             if current.get(url) is not upstream:
                 logger.info("%s instance %s left the pool", pool.role.value, url)
+                self._on_leave(upstream)
                 if upstream.outstanding:
                     self._leaving[url] = upstream
         for url, member in wanted.items():

@@ -128,11 +128,20 @@ class ProxyMetrics:
             ["reason"],
             registry=self.registry,
         )
+        # Per instance URL, the (role, kind) series of upstream_errors it has.
+        self._error_series: dict[str, set[tuple[str, str]]] = {}
         self.registry.register(_InstanceGauges(upstreams))
         self.registry.register(_InFlightGauge(in_flight))
 
     def upstream_error(self, member: Upstream, kind: str) -> None:
         self.upstream_errors.labels(member.role.value, member.url, kind).inc()
+        self._error_series.setdefault(member.url, set()).add((member.role.value, kind))
+
+    def forget_instance(self, member: Upstream) -> None:
+        """Drop the error series of an instance that left its pool: a cluster engine's pools
+        change, and series of instances long gone would grow without bound."""
+        for role, kind in self._error_series.pop(member.url, ()):
+            self.upstream_errors.remove(role, member.url, kind)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -203,3 +203,24 @@ def test_an_instance_back_with_other_kv_event_ports_is_followed_there() -> None:
     asyncio.run(membership.refresh())
     [second] = pools[Role.PREFILL].members
     assert second is not first and second.kv_events == new
+
+
+def test_an_instance_that_leaves_takes_its_error_series_with_it() -> None:
+    """``upstream_errors`` is labelled by instance URL: on a cluster engine, whose instances
+    come and go on new addresses, series of instances long gone grew without bound. One that
+    leaves its pool loses them; the control: one that stays keeps them."""
+    from lmcache_pd.proxy.metrics import ProxyMetrics
+
+    members = [Member(f"d{i}", "decode", f"http://127.0.0.1:{9000 + i}") for i in range(2)]
+    pools = {Role.PREFILL: Pool(Role.PREFILL, []), Role.DECODE: Pool(Role.DECODE, [])}
+    metrics = ProxyMetrics(lambda: pools[Role.DECODE].members, lambda: 0)
+    source = Source(members)
+    membership = Membership(source, pools, lambda: None, metrics.forget_instance)
+    assert asyncio.run(membership.refresh())
+    for upstream in pools[Role.DECODE].members:
+        metrics.upstream_error(upstream, "timeout")
+        metrics.upstream_error(upstream, "connect")
+    source.answer = members[1:]
+    asyncio.run(membership.refresh())
+    text = metrics.exposition().decode()
+    assert "127.0.0.1:9000" not in text and text.count('instance="http://127.0.0.1:9001"') >= 2
