@@ -1,5 +1,5 @@
-"""The proxy's door: who may call its ``/v1/*`` endpoints (the clients' key) and how many
-requests it serves at once (the admission limit), both decided before a request's body is read.
+"""The proxy's door: who may call its endpoints (the clients' key) and how many requests it
+serves at once (the admission limit), both decided before a request's body is read.
 
 A client without the key gets 401, one past ``max_in_flight`` gets 503 with ``Retry-After``,
 each an OpenAI-shaped error body, counted by reason. ``/health`` and ``/metrics`` stay open:
@@ -18,7 +18,8 @@ from lmcache_pd.proxy.responses import error_response
 
 logger = logging.getLogger(__name__)
 
-GUARDED_PREFIX = "/v1/"
+# Probes and scrapers carry no key; every other path asks for it.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 # What a client refused for a full proxy is told to wait: requests end in seconds.
 RETRY_AFTER_S = 1
 
@@ -40,7 +41,7 @@ class Door:
         self._full = False
 
     async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not request.path.startswith(GUARDED_PREFIX):
+        if request.path in OPEN_PATHS:
             return await handler(request)
         if self._key is not None and not self._key.admits(request.headers.get("Authorization", "")):
             self._refused("unauthorized")

@@ -360,6 +360,24 @@ def test_fields_no_first_token_can_serve_go_to_decode_alone_unchanged(
     assert stack.metric("lmcache_pd_proxy_served_alone_total") == 0
 
 
+def test_vllms_other_routes_are_forwarded_to_an_instance_as_they_are(stacks) -> None:
+    """/tokenize, /detokenize and /version: nothing to disaggregate, answered by an instance
+    as it answers them (its status too), with a body the instances' guard would refuse
+    refused here."""
+    stack = stacks()
+    asked = {"model": MODEL, "prompt": "abc"}
+    response = stack.post("/tokenize", json=asked)
+    assert response.json() == {"count": 3, "tokens": [97, 98, 99], "max_model_len": 4096}
+    assert httpx.get(f"{stack.proxy.url}/version", timeout=5).json() == {"version": FINGERPRINT}
+    assert stack.post("/detokenize", json={"model": MODEL, "tokens": [1]}).status_code == 404
+    deep = b'{"model": "tiny", "prompt": ' + b"[" * 100 + b"]" * 100 + b"}"
+    assert stack.post("/tokenize", content=deep).status_code == 400
+    received = [
+        path for standin in (*stack.prefill, *stack.decode) for _, path, _ in standin.state.received
+    ]
+    assert sorted(received) == ["/tokenize", "/version"]
+
+
 def test_a_body_over_the_limit_is_refused(stacks) -> None:
     stack = stacks(max_body_bytes=4096)
     response = stack.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 10_000})

@@ -311,8 +311,13 @@ def test_with_an_api_key_only_clients_that_send_it_are_served(stacks) -> None:
         response = stack.post("/v1/chat/completions", json=chat_body(), headers=headers)
         assert response.status_code == 401 and response.headers["WWW-Authenticate"] == "Bearer"
         assert openai_error(response)["type"] == "AuthenticationError"
-    assert sum(len(s.state.received) for s in (*stack.prefill, *stack.decode)) == asked
-    assert stack.metric("lmcache_pd_proxy_refused_total", reason="unauthorized") == 7
+    # The routes forwarded to an instance ask for it too.
+    assert stack.post("/tokenize", json={"model": MODEL, "prompt": "x"}).status_code == 401
+    assert httpx.get(f"{stack.proxy.url}/version").status_code == 401
+    keyed = {"Authorization": f"Bearer {CLIENT_KEY}"}
+    assert httpx.get(f"{stack.proxy.url}/version", headers=keyed).status_code == 200
+    assert sum(len(s.state.received) for s in (*stack.prefill, *stack.decode)) == asked + 1
+    assert stack.metric("lmcache_pd_proxy_refused_total", reason="unauthorized") == 9
     # Probes and scrapers carry no key.
     assert httpx.get(f"{stack.proxy.url}/health").status_code == 200
     assert httpx.get(f"{stack.proxy.url}/metrics").status_code == 200

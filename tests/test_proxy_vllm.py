@@ -518,6 +518,24 @@ def test_a_stop_string_across_the_first_two_tokens_stops_as_in_one_vllm(
     assert whole["choices"][0]["finish_reason"] == "stop"
 
 
+def test_vllms_other_routes_answer_through_the_proxy_as_from_one_vllm(
+    served_and_plain: tuple[Served, VLLMServer], model: Path
+) -> None:
+    """/tokenize (a text and a chat), /detokenize and /version, forwarded to an instance (with
+    its key: the instances refuse the proxy's callers without it)."""
+    served, plain = served_and_plain
+    asks = [
+        ("POST", "/tokenize", {"model": str(model), "prompt": "def f(x):"}),
+        ("POST", "/tokenize", {"model": str(model), "messages": chat_messages("routes")}),
+        ("POST", "/detokenize", {"model": str(model), "tokens": [100, 200, 300]}),
+        ("GET", "/version", None),
+    ]
+    for method, path, body in asks:
+        got = httpx.request(method, f"{served.url}{path}", json=body, timeout=30)
+        want = httpx.request(method, f"{plain.url}{path}", json=body, timeout=30)
+        assert (got.status_code, got.json()) == (want.status_code, want.json()), path
+
+
 def test_decode_was_asked_on_first_token_notices(served: Served) -> None:
     """Across the conformance cases, most of decode's requests went out on prefill's notice,
     before its answer (the rest on the answer, which came first)."""

@@ -110,6 +110,8 @@ class Standin:
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_get("/version", self._version)
         app.on_cleanup.append(self._close)
         return app
 
@@ -118,6 +120,16 @@ class Standin:
 
     async def _health(self, _: web.Request) -> web.Response:
         return web.json_response({})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        self.state.received.append((time.monotonic(), request.path, body))
+        tokens = _prompt_ids(body)
+        return web.json_response({"count": len(tokens), "tokens": tokens, "max_model_len": 4096})
+
+    async def _version(self, request: web.Request) -> web.Response:
+        self.state.received.append((time.monotonic(), request.path, {}))
+        return web.json_response({"version": FINGERPRINT})
 
     async def _models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "standin"}]})
