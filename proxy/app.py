@@ -136,7 +136,7 @@ class Proxy:
                 )
             else:
                 self._notices.start()
-        self._dropper = KVDropper(keys)
+        self._dropper = KVDropper(keys, self.metrics.kv_drops_skipped.inc)
         placer = Placer(self.decode, self._sizer)
         if self.config.routing != "load":
             tokens = self._tokens = PromptTokens(

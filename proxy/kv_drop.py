@@ -5,13 +5,15 @@ When decode is then never asked (the client left, prefill failed, the answer end
 token) or the request ends badly, the proxy says so on decode's alloc port (``KVAbandoned``,
 reason ``client_gone``): decode frees the pages now instead of at its claim timeout and refuses
 late pushes of that request. Best effort and bounded: one short-lived ZMQ socket per notice, a
-deadline, never on the client's path.
+deadline, never on the client's path, and at most ``MAX_DROPS_IN_FLIGHT`` notices at once (past
+it a notice is skipped, counted: the request's pages come back at decode's claim timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -24,19 +26,35 @@ logger = logging.getLogger(__name__)
 
 # As the producer's cancel: the notice goes to a peer that may be gone.
 DROP_TIMEOUT_S = protocol.CANCEL_TIMEOUT_S
+# Notices sent at once (each a socket, for up to DROP_TIMEOUT_S): a burst of ended requests
+# toward a decode that does not answer would otherwise open sockets without bound.
+MAX_DROPS_IN_FLIGHT = 256
 
 
 class KVDropper:
     """Sends drop notices from the proxy's event loop; owns its ZMQ context and tasks."""
 
-    def __init__(self, keys: DeploymentKeys | None = None) -> None:
-        """``keys``: reach only decode instances of this deployment (``auth.py``)."""
+    def __init__(
+        self, keys: DeploymentKeys | None = None, skipped: Callable[[], None] = lambda: None
+    ) -> None:
+        """``keys``: reach only decode instances of this deployment (``auth.py``); ``skipped``
+        counts a notice not sent (``MAX_DROPS_IN_FLIGHT`` were in flight)."""
         self._keys = keys
+        self._skipped = skipped
         self._context = zmq.asyncio.Context()
         self._tasks: set[asyncio.Task] = set()
 
     def drop(self, spec: protocol.DisaggSpec, detail: str) -> None:
         """Send the notice in the background (safe to call from a cancelled handler)."""
+        if len(self._tasks) >= MAX_DROPS_IN_FLIGHT:
+            self._skipped()
+            logger.warning(
+                "req %s: %d drop notices in flight: not telling decode (its pages come back "
+                "at its claim timeout)",
+                spec.req_id,
+                len(self._tasks),
+            )
+            return
         task = asyncio.get_running_loop().create_task(self._send(spec, detail))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -77,6 +77,12 @@ class ProxyMetrics:
             "request ended badly)",
             registry=self.registry,
         )
+        self.kv_drops_skipped = Counter(
+            f"{prefix}_kv_drops_skipped",
+            "Drop notices not sent: as many were in flight as the proxy sends at once (the "
+            "request's pages come back at decode's claim timeout)",
+            registry=self.registry,
+        )
         self.served_alone = Counter(
             f"{prefix}_served_alone",
             "Requests whose prompt was under min_disagg_tokens, served by decode alone",
