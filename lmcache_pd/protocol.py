@@ -215,6 +215,14 @@ class DisaggSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_d
         except msgspec.ValidationError as exc:
             raise ProtocolError(f"invalid disagg_spec: {exc}") from exc
 
+    def for_attempt(self, attempt: int) -> DisaggSpec:
+        """The spec of prefill attempt ``attempt`` (0: this one): a request id of its own, so
+        that nothing said of one attempt's push (a producer's abandon notice, re-sent for
+        seconds; a drop) touches another's."""
+        return self if attempt == 0 else msgspec.structs.replace(
+            self, req_id=f"{self.req_id}~{attempt}"
+        )
+
     @property
     def ranks(self) -> int:
         """How many consumer ranks the spec names (1 for single ports)."""

@@ -38,7 +38,7 @@ class DecodeStream:
         first_token: int,
     ) -> None:
         """Send the request now (it needs a running event loop)."""
-        self.prompt_token_ids, self.first_token = prompt_token_ids, first_token
+        self.prompt_token_ids, self.first_token, self.spec = prompt_token_ids, first_token, spec
         body = client.decode_body(KVTransferParams(disagg_spec=spec, first_tok=first_token))
         self.sent_at = time.time()
         self._batches = flow.relay(member, client, req_id, body)
@@ -48,10 +48,12 @@ class DecodeStream:
         return await anext(self._batches, None)
 
     def matches(self, prefilled: Prefilled) -> bool:
-        """Whether this stream continues the prompt and token of prefill's answer."""
+        """Whether this stream continues the prompt and token of prefill's answer, on the KV of
+        the attempt that answered (another's may have been pushed, then dropped)."""
         return (
             prefilled.first_token == self.first_token
             and prefilled.prompt_token_ids == self.prompt_token_ids
+            and prefilled.spec == self.spec
         )
 
     async def batches(self) -> AsyncIterator[list[bytes]]:

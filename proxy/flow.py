@@ -23,7 +23,7 @@ import msgspec
 
 from lmcache_pd.errors import ProtocolError
 from lmcache_pd.first_token import NoticeBoard
-from lmcache_pd.protocol import KVTransferParams, KVTransferReturn
+from lmcache_pd.protocol import DisaggSpec, KVTransferParams, KVTransferReturn
 from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
 from lmcache_pd.proxy.config import Timeouts
 from lmcache_pd.proxy.metrics import ProxyMetrics
@@ -79,6 +79,7 @@ class Prefilled:
     prompt_token_ids: list[int]
     first_token: int
     instance: str = ""  # the prefill instance that answered
+    spec: DisaggSpec | None = None  # the answering attempt's (``DisaggSpec.for_attempt``)
 
     @property
     def goes_on(self) -> bool:
@@ -136,12 +137,15 @@ class Disaggregator:
         req_id: str,
         kv_transfer_params: KVTransferParams,
         work: Callable[[Upstream], int] | None = None,
+        attempted: Callable[[DisaggSpec], None] = lambda _: None,
     ) -> Prefilled:
         """The first token, from the prefill instance that ``work`` (the prompt tokens each
         would compute; None: unknown) and load make cheapest, or from a second one if the first
-        fails without answering. A 4xx is the client's problem and is not retried."""
+        fails without answering. A 4xx is the client's problem and is not retried. Each
+        attempt pushes under a spec of its own (``DisaggSpec.for_attempt``), told to
+        ``attempted`` before it is sent."""
         failed: UpstreamFailed | None = None
-        for _ in range(PREFILL_ATTEMPTS):
+        for attempt in range(PREFILL_ATTEMPTS):
             try:
                 member = self._prefill.pick(exclude=failed.member if failed else None, work=work)
             except NoHealthyInstance:
@@ -154,14 +158,18 @@ class Disaggregator:
                     "req %s: retrying prefill on %s after: %s", req_id, member.url, failed
                 )
             params = kv_transfer_params
-            if self._notices is not None and params.disagg_spec is not None:
-                address = self._notices.address_for(member.url)
-                params = msgspec.structs.replace(params, first_tok_to=address)
+            if params.disagg_spec is not None:
+                spec = params.disagg_spec.for_attempt(attempt)
+                attempted(spec)
+                params = msgspec.structs.replace(params, disagg_spec=spec)
+                if self._notices is not None:
+                    address = self._notices.address_for(member.url)
+                    params = msgspec.structs.replace(params, first_tok_to=address)
             body = request.prefill_body(params)
             try:
                 with member.busy(0 if work is None else work(member)):
                     prefilled = await self._prefill_once(member, request.endpoint, req_id, body)
-                return dataclasses.replace(prefilled, instance=member.url)
+                return dataclasses.replace(prefilled, instance=member.url, spec=params.disagg_spec)
             except UpstreamFailed as exc:
                 self._metrics.upstream_error(member, exc.kind)
                 failed = exc

@@ -139,21 +139,36 @@ class Orchestrator:
             spec = DisaggSpec(req_id, host, init_port, alloc_port, plan.decode_holds())
         answer: Answer | None = None
         outcome = Outcome.INTERNAL_ERROR
+        # Each prefill attempt's spec, in order: each pushes under an id of its own.
+        attempts: list[DisaggSpec] = []
         try:
             with decoder.busy() if decoder is not None else contextlib.nullcontext():
                 response, outcome, answer = await self._answer(
-                    http, client, req_id, plan, spec, started, trace
+                    http, client, req_id, plan, spec, attempts, started, trace
                 )
                 return response, outcome
         except asyncio.CancelledError:  # the client went away: say so in the drop notice
             outcome = Outcome.CLIENT_DISCONNECTED
             raise
         finally:
-            # Pushed KV that decode will not load: freed now rather than at its claim timeout
-            # (also when the client's cancellation brings us here).
-            if spec is not None and not (outcome is Outcome.OK and answer and answer.decode_asked):
-                self._metrics.kv_drops.inc()
+            self._drop_unloaded(attempts or ([spec] if spec is not None else []), answer, outcome)
+
+    def _drop_unloaded(
+        self, pushed: list[DisaggSpec], answer: Answer | None, outcome: Outcome
+    ) -> None:
+        """Tell decode to drop the KV of every prefill attempt it will not load, freed now
+        rather than at its claim timeout (also when the client's cancellation brings us here):
+        all but the answering attempt's, once decode was asked for it."""
+        asked = outcome is Outcome.OK and answer is not None and answer.decode_asked
+        loaded = answer.spec if asked and answer is not None else None
+        for spec in pushed:
+            if spec == loaded:
+                continue
+            self._metrics.kv_drops.inc()
+            if spec is pushed[-1]:
                 self._dropper.drop(spec, f"request ended ({outcome.value}) before decode loaded")
+            else:
+                self._dropper.drop(spec, "its prefill attempt failed; another was made")
 
     async def _answer(
         self,
@@ -162,13 +177,15 @@ class Orchestrator:
         req_id: str,
         plan: Plan,
         spec: DisaggSpec | None,
+        attempts: list[DisaggSpec],
         started: float,
         trace: dict[str, Any],
     ) -> tuple[web.StreamResponse, Outcome, Answer | None]:
-        """Prefill for the first token, then the answer (streamed or whole) with decode's rest."""
+        """Prefill for the first token (each attempt's spec added to ``attempts``), then the
+        answer (streamed or whole) with decode's rest."""
         decoder = plan.decoder
         try:
-            prefilled, early = await self._first_token(client, req_id, plan, spec, trace)
+            prefilled, early = await self._first_token(client, req_id, plan, spec, attempts, trace)
         except NoHealthyInstance as exc:
             return error_response(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE, None
         except UpstreamRejected as exc:
@@ -189,7 +206,7 @@ class Orchestrator:
             req_id,
             prefilled,
             decoder,
-            spec,
+            prefilled.spec,
             trace,
             started,
             early,
@@ -210,6 +227,7 @@ class Orchestrator:
         req_id: str,
         plan: Plan,
         spec: DisaggSpec | None,
+        attempts: list[DisaggSpec],
         trace: dict[str, Any],
     ) -> tuple[Prefilled, DecodeStream | None]:
         """Prefill's answer, and decode's stream if it was asked on a first-token notice that
@@ -217,7 +235,7 @@ class Orchestrator:
         params = KVTransferParams(ret_first_tok=True, disagg_spec=spec)
         decoder = plan.decoder
         prefill = asyncio.get_running_loop().create_task(
-            self._flow.prefill(client, req_id, params, plan.work)
+            self._flow.prefill(client, req_id, params, plan.work, attempts.append)
         )
         early: DecodeStream | None = None
         answered = False

@@ -841,3 +841,30 @@ def test_the_proxy_runs_on_the_cpus_it_is_given(cpus: str | None, tmp_path: Path
             assert allowed and "0" not in allowed, allowed  # control: every CPU
         else:
             assert allowed == {cpus}, allowed
+
+
+def test_a_retried_prefill_pushes_under_an_id_of_its_own_and_only_the_failed_ones_kv_is_dropped(
+    stacks, alloc_channel: AllocChannel
+) -> None:
+    """The first prefill fails (500) after it may have pushed; the retry on the other pushes
+    under an id of its own, decode loads under that one, and the proxy drops the failed
+    attempt's KV only. With one id for both, the failed attempt's abandon notice (a producer
+    re-sends it for seconds) dropped the retry's KV, and decode recomputed after every retry."""
+    broken, good = Standin(StandinState(fault=Fault.STATUS_500)), Standin()
+    stack = stacks(prefill=[broken, good], alloc_port=alloc_channel.port, health_interval_s=60)
+    for _ in range(2):  # whichever is picked first, one request meets the broken one first
+        answer = stack.client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=4)
+        assert answer.choices[0].text == "".join(expected_tokens([5, 6], 4))
+
+    def ids(standin: Standin) -> set[str]:
+        return {
+            b["kv_transfer_params"]["disagg_spec"]["req_id"] for _, _, b in standin.state.received
+        }
+
+    failed = ids(broken)
+    assert failed and {f"{first}~1" for first in failed} <= ids(good)
+    loaded = ids(stack.decode[0])
+    assert {f"{first}~1" for first in failed} <= loaded and not failed & loaded
+    notices = alloc_channel.receive(timeout_s=2)
+    assert {notice.req_id for notice in notices} == failed
+    assert all("attempt failed" in notice.detail for notice in notices)
