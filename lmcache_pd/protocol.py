@@ -219,8 +219,10 @@ class DisaggSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_d
         """The spec of prefill attempt ``attempt`` (0: this one): a request id of its own, so
         that nothing said of one attempt's push (a producer's abandon notice, re-sent for
         seconds; a drop) touches another's."""
-        return self if attempt == 0 else msgspec.structs.replace(
-            self, req_id=f"{self.req_id}~{attempt}"
+        return (
+            self
+            if attempt == 0
+            else msgspec.structs.replace(self, req_id=f"{self.req_id}~{attempt}")
         )
 
     @property
