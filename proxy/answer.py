@@ -20,6 +20,7 @@ from lmcache_pd.proxy.continuation import (
     FirstTokenMismatch,
     continued_answer,
     first_events,
+    first_text,
     shows_first_alone,
     whole_answer,
 )
@@ -158,9 +159,8 @@ class Answer:
         """Decode's events, passed on one write per network read (its ``[DONE]`` too); the gaps
         between writes, from ``last`` (the first token's, ``perf_counter``; None: not sent yet)
         on, are the inter-token latencies. A failure ends the stream with an error event."""
-        choice = self.prefilled.answer["choices"][0]
-        first_text = (choice.get("message") or {}).get("content", choice.get("text"))
-        relay = DecodeRelay(self.client, self.prefilled.first_token, first_text if shown else None)
+        shown_text = first_text(self.prefilled.answer) if shown else None
+        relay = DecodeRelay(self.client, self.prefilled.first_token, shown_text)
         try:
             async with contextlib.aclosing(self._decoded()) as decoded:
                 async for batch in decoded:

@@ -67,6 +67,14 @@ def _output_ids(answer: dict[str, Any]) -> list[int]:
     return ids if isinstance(ids, list) else []
 
 
+def first_text(prefill_answer: dict[str, Any]) -> str | None:
+    """The first token's text in prefill's answer (a chat's message content, a completion's
+    text)."""
+    choice = prefill_answer["choices"][0]
+    message = choice.get("message")
+    return message.get("content") if isinstance(message, dict) else choice.get("text")
+
+
 def shows_first_alone(client: ClientRequest, prefill_answer: dict[str, Any]) -> bool:
     """Whether a stream's first token can go out before decode's stream, exactly as vLLM would
     stream it: not where stop strings are set (vLLM holds back text that may begin one), nor
@@ -184,6 +192,8 @@ class DecodeRelay:
         ``FirstTokenMismatch`` at a first token that is not prefill's."""
         if data == b"[DONE]":
             return None  # the caller's to send, once decode's answer has ended
+        if self._as_sent():
+            return data
         event = msgspec.json.decode(data)
         if not self._checked and (ids := _output_ids(event)):
             self._checked = True
@@ -206,3 +216,8 @@ class DecodeRelay:
         if not self._asked_ids:
             _null_token_ids(event)
         return msgspec.json.encode(event)
+
+    def _as_sent(self) -> bool:
+        """Past the first token, with the token ids the client asked for: events go on as
+        decode wrote them, not decoded again (per token)."""
+        return self._checked and not self._skipping and self._asked_ids

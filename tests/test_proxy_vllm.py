@@ -545,7 +545,7 @@ def test_decode_was_asked_on_first_token_notices(served: Served) -> None:
     assert found["used"] >= found["after_answer"] and found["used"] > 0, found
 
 
-def test_the_seed_and_the_penalties_change_one_vllms_answer(
+def test_the_seed_and_logit_bias_change_one_vllms_answer(
     served_and_plain: tuple[Served, VLLMServer], model: Path
 ) -> None:
     """The controls of the conformance cases: what they set changes the answer, so an equal

@@ -353,6 +353,7 @@ class ConsumerWorker(WorkerHalf):
         self._aborted = set()
         self._release_copied()
         failed: set[str] = set()
+        self._release_again()
         states = self._progress()
         still: list[_PendingLoad] = []
         for pending in self._pending:
@@ -381,7 +382,6 @@ class ConsumerWorker(WorkerHalf):
     def _progress(self) -> dict[str, LoadState]:
         """What the consumer's process said of the pending loads since the last step; a
         process that is down fails them all (they are recomputed)."""
-        self._release_again()
         unclaimed, self._unclaimed = self._unclaimed, set()
         refused = LoadState("", 0, "its consumer process read nothing (claim not sent)", [])
         states = dict.fromkeys(unclaimed, refused)
