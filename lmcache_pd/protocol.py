@@ -36,6 +36,8 @@ Protocol history:
   (no version change) ``KVTransferParams.first_tok``: decode is sent the client's own request
      (its prompt, not the prompt plus prefill's first token) and must make ``first_tok`` its
      first output token; the KV it loads is then the whole prompt's but for its last token.
+  (no version change) ``KVTransferParams.next_toks``: the output tokens after ``first_tok``,
+     forced too: a stream that broke on one decode goes on on another (``proxy/migration.py``).
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ MAX_PAGE_BYTES = 1 << 31
 MAX_STACK_ID_CHARS = 256
 # Token ids past any vocabulary (vLLM's own are int32).
 MAX_TOKEN_ID = 1 << 31
+# Output tokens one request may have forced (``KVTransferParams.next_toks``): a continued
+# stream's tokens so far; more than any model's context holds.
+MAX_FORCED_TOKENS = 1 << 20
 MAX_RESERVED_PAGES = 64  # pages one Reservation may hand out
 MAX_TP_RANKS = 64  # ranks of one tensor-parallel instance a DisaggSpec or config may name
 # A consumer's state per peer and per request, each bounded whatever its peers send: requests
@@ -284,6 +289,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # Decode: the request is the client's own and its first output token must be this one
     # (prefill's); its prompt's KV, but for the last token, comes from the DisaggSpec's push.
     first_tok: int | None = None
+    # Decode: the output tokens that must follow ``first_tok`` (what a client already has of a
+    # stream continued here after another decode failed under it).
+    next_toks: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object for a request body."""
@@ -311,25 +319,47 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
             disagg_spec=None if spec is None else DisaggSpec.from_dict(spec),
             first_tok_to=address if is_notice_address(address) else None,
             first_tok=first,
+            next_toks=_next_tokens(raw.get("next_toks"), first),
         )
 
+    @property
+    def forced(self) -> tuple[int, ...]:
+        """The tokens the request's output must begin with (none: nothing is forced)."""
+        return () if self.first_tok is None else (self.first_tok, *self.next_toks)
+
     @classmethod
-    def forced_first_token(cls, extra_args: object) -> int | None:
-        """The token a request's first output must be (``first_tok``), read from vLLM's
-        ``SamplingParams.extra_args`` (where vLLM puts ``kv_transfer_params``); None for a
-        request without one, or whose parameters the connector refuses too (it then serves the
-        request without disaggregation, so nothing is forced)."""
+    def forced_tokens(cls, extra_args: object) -> tuple[int, ...]:
+        """The tokens a request's output must begin with (``forced``), read from vLLM's
+        ``SamplingParams.extra_args`` (where vLLM puts ``kv_transfer_params``); none for a
+        request without them, or whose parameters the connector refuses too (it then serves
+        the request without disaggregation, so nothing is forced)."""
         raw = extra_args.get("kv_transfer_params") if isinstance(extra_args, Mapping) else None
         try:
-            return cls.from_dict(raw).first_tok
+            return cls.from_dict(raw).forced
         except ProtocolError:
-            return None
+            return ()
 
     @staticmethod
     def notice_address_refused(raw: object) -> bool:
         """Whether ``raw`` (an object ``from_dict`` read) named a notice address it left out."""
         asked = raw.get(NOTICE_KEY) if isinstance(raw, Mapping) else None
         return asked is not None and not is_notice_address(asked)
+
+
+def _next_tokens(raw: object, first: int | None) -> tuple[int, ...]:
+    """``next_toks`` checked: token ids, at most ``MAX_FORCED_TOKENS``, only after a
+    ``first_tok``."""
+    if raw is None:
+        return ()
+    if first is None:
+        raise ProtocolError("kv_transfer_params.next_toks comes only with a first_tok")
+    if not isinstance(raw, list) or len(raw) > MAX_FORCED_TOKENS:
+        raise ProtocolError(
+            f"kv_transfer_params.next_toks must be a list of at most {MAX_FORCED_TOKENS} token ids"
+        )
+    if not all(map(_is_token_id, raw)):
+        raise ProtocolError("kv_transfer_params.next_toks holds something that is no token id")
+    return tuple(raw)
 
 
 def _is_token_id(value: object) -> bool:

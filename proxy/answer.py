@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -27,6 +27,7 @@ from lmcache_pd.proxy.continuation import (
 from lmcache_pd.proxy.decode_stream import DecodeStream
 from lmcache_pd.proxy.flow import Disaggregator, Prefilled, UpstreamFailed, UpstreamRejected
 from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
+from lmcache_pd.proxy.migration import Migrations
 from lmcache_pd.proxy.responses import (
     SSE_HEADERS,
     ClientGone,
@@ -47,6 +48,7 @@ class Answer:
     def __init__(
         self,
         flow: Disaggregator,
+        migrations: Migrations,
         metrics: ProxyMetrics,
         client: ClientRequest,
         req_id: str,
@@ -60,7 +62,7 @@ class Answer:
         """``started`` is the request's arrival (``perf_counter``); ``trace`` holds its phase
         times (wall clock) for the proxy's trace file, from ``arrived`` on. ``early`` is decode's
         answer if it was asked on a notice (and continues ``prefilled``)."""
-        self.flow, self.metrics = flow, metrics
+        self.flow, self.migrations, self.metrics = flow, migrations, metrics
         self.client, self.req_id = client, req_id
         self.prefilled, self.decoder, self.spec = prefilled, decoder, spec
         self.trace, self.started = trace, started
@@ -73,31 +75,34 @@ class Answer:
         prefix = "cmpl-" if client.endpoint is Endpoint.COMPLETIONS else "chatcmpl-"
         self.response_id = prefix + req_id
 
-    async def _decoded(self) -> AsyncIterator[list[bytes]]:
-        """Decode's events' data (or its whole answer), a list per network read."""
+    async def _decoded(self, resume: Callable[[], tuple[int, ...]]) -> AsyncIterator[list[bytes]]:
+        """Decode's events' data (or its whole answer), a list per network read; where decode
+        fails under it, going on elsewhere forced through ``resume()``'s tokens
+        (``migration.py``)."""
         assert self.decoder is not None and self.spec is not None
+        first = (self.prefilled.first_token,)
         stream = self.early or DecodeStream(
             self.flow,
             self.client,
             self.decoder,
             self.req_id,
             self.spec,
+            first,
             self.prefilled.prompt_token_ids,
-            self.prefilled.first_token,
         )
         self.trace |= {"decode": self.decoder.url, "decode_sent": stream.sent_at}
         self.decode_asked = True
-        try:
-            async for items in stream.batches():
+        decoded = self.migrations.decoded(self.client, self.req_id, stream, resume)
+        async with contextlib.aclosing(decoded):
+            async for items in decoded:
                 if "decode_first" not in self.trace:  # once, not per token
                     self.trace["decode_first"] = time.time()
                 yield items
-        finally:
-            await stream.cancel()
 
-    def _decode_failed(self, exc: UpstreamFailed) -> None:
-        self.metrics.upstream_error(exc.member, exc.kind)
-        logger.error("req %s: decode failed after the first token: %s", self.req_id, exc)
+    def _decode_lost(self, exc: UpstreamFailed) -> None:
+        """Decode failed and the answer could not go on elsewhere (``migration.py`` counted
+        and logged each failure)."""
+        logger.error("req %s: lost after the first token: %s", self.req_id, exc)
 
     def _decode_refused(self, exc: UpstreamRejected) -> None:
         """Decode refused what prefill took (vLLM checks some limits, such as ``max_tokens``
@@ -160,9 +165,9 @@ class Answer:
         between writes, from ``last`` (the first token's, ``perf_counter``; None: not sent yet)
         on, are the inter-token latencies. A failure ends the stream with an error event."""
         shown_text = first_text(self.prefilled.answer) if shown else None
-        relay = DecodeRelay(self.client, self.prefilled.first_token, shown_text)
+        relay = DecodeRelay(self.client, (self.prefilled.first_token,), shown_text)
         try:
-            async with contextlib.aclosing(self._decoded()) as decoded:
+            async with contextlib.aclosing(self._decoded(relay.resume)) as decoded:
                 async for batch in decoded:
                     out = [data for data in map(relay.relay, batch) if data is not None]
                     if not out:
@@ -183,7 +188,7 @@ class Answer:
             await write(response, sse(_refusal_event(exc)) + sse("[DONE]"))
             return Outcome.UPSTREAM_REJECTED
         except UpstreamFailed as exc:
-            self._decode_failed(exc)
+            self._decode_lost(exc)
             error = error_body(exc.client_message(self.req_id), "BadGateway", 502)
             await write(response, sse(error) + sse("[DONE]"))
             return Outcome.DECODE_FAILED
@@ -201,9 +206,10 @@ class Answer:
             body = whole_answer(self.prefilled.answer, self.client)
             return web.Response(body=body, content_type="application/json"), Outcome.OK
         try:
-            async with contextlib.aclosing(self._decoded()) as decoded:
+            first = (self.prefilled.first_token,)  # the client has nothing yet
+            async with contextlib.aclosing(self._decoded(lambda: first)) as decoded:
                 [raw] = [data async for batch in decoded for data in batch]
-            body, mismatch = continued_answer(raw, self.prefilled.first_token, self.client)
+            body, mismatch = continued_answer(raw, first, self.client)
         except UpstreamRejected as exc:
             self._decode_refused(exc)
             refused = web.Response(
@@ -211,12 +217,13 @@ class Answer:
             )
             return refused, Outcome.UPSTREAM_REJECTED
         except UpstreamFailed as exc:
-            self._decode_failed(exc)
+            self._decode_lost(exc)
             response = error_response(exc.client_message(self.req_id), "BadGateway", 502)
             return response, Outcome.DECODE_FAILED
         except (msgspec.DecodeError, ValueError) as exc:  # one item, and JSON, from vLLM
             assert self.decoder is not None
-            self._decode_failed(UpstreamFailed(self.decoder, "bad_answer", repr(exc)))
+            self.metrics.upstream_error(self.decoder, "bad_answer")
+            self._decode_lost(UpstreamFailed(self.decoder, "bad_answer", repr(exc)))
             response = error_response(
                 f"decode's answer was unreadable (req {self.req_id})", "BadGateway", 502
             )

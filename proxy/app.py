@@ -31,6 +31,7 @@ from lmcache_pd.proxy.kv_index import KVIndex
 from lmcache_pd.proxy.local_tokenizer import LocalTokenizer
 from lmcache_pd.proxy.membership import Membership, MemberSource
 from lmcache_pd.proxy.metrics import ProxyMetrics
+from lmcache_pd.proxy.migration import Migrations
 from lmcache_pd.proxy.orchestration import Orchestrator
 from lmcache_pd.proxy.placement import Placer
 from lmcache_pd.proxy.prompt_size import PromptSizer
@@ -160,17 +161,19 @@ class Proxy:
             placer = Placer(
                 self.decode, self._sizer, self._index, tokens, self.config.model, self.prefill
             )
+        flow = Disaggregator(
+            self._session,
+            self.prefill,
+            self.config.timeouts,
+            self.metrics,
+            self._notices,
+            self._instance_headers,
+        )
         self._orchestrator = Orchestrator(
             model=self.config.model,
-            flow=Disaggregator(
-                self._session,
-                self.prefill,
-                self.config.timeouts,
-                self.metrics,
-                self._notices,
-                self._instance_headers,
-            ),
+            flow=flow,
             placer=placer,
+            migrations=Migrations(flow, placer, self.metrics, self.config.decode_migrations),
             metrics=self.metrics,
             dropper=self._dropper,
             notices=self._notices,

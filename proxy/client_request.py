@@ -262,12 +262,16 @@ class ClientRequest:
         return body
 
     def decode_body(self, kv_transfer_params: KVTransferParams) -> dict[str, Any]:
-        """The client's own request, its first output token forced to prefill's (the params'
-        ``first_tok``), with the token ids that show it."""
-        return self.body | {
-            "return_token_ids": True,
-            "kv_transfer_params": kv_transfer_params.to_dict(),
-        }
+        """The client's own request, with the token ids that show decode's output, and the
+        params (where they say anything: the KV pushed for it, the tokens its output must
+        begin with). A request served alone for a field (``alone_reason``) goes as it is: its
+        answer is passed on unread."""
+        if self.alone_reason is not None:
+            return self.body
+        body = self.body | {"return_token_ids": True}
+        if kv_transfer_params != KVTransferParams():
+            body["kv_transfer_params"] = kv_transfer_params.to_dict()
+        return body
 
     @property
     def asks_token_ids(self) -> bool:

@@ -121,6 +121,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # prompt is disaggregated). The default is where PD's first token stops costing more than
     # decode's own on this project's machines (benchmarks/selective.py).
     min_disagg_tokens: Annotated[int, msgspec.Meta(ge=0)] = MIN_DISAGG_TOKENS
+    # Times one request's answer may go on on another decode instance after its decode fails
+    # under it (proxy/migration.py; 0: the answer ends with an error).
+    decode_migrations: Annotated[int, msgspec.Meta(ge=0, le=8)] = 2
     # How instances are chosen: "kv" scores each by the prompt tokens its prefix cache holds
     # (from the KV events of the instances that publish them) against its load, and serves a
     # prompt whose uncached part is under min_disagg_tokens by decode alone; "load": the

@@ -43,24 +43,6 @@ def _null_token_ids(answer: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
-def _drop_first(event: dict[str, Any], first_text: str) -> bool:
-    """Take the first token out of a streamed event that holds more (its text, logprobs and
-    token ids); False, the event unchanged, where its text does not begin with ``first_text``."""
-    choice = event["choices"][0]
-    holder, key = (choice["delta"], "content") if "delta" in choice else (choice, "text")
-    text = holder.get(key)
-    if not isinstance(text, str) or not text.startswith(first_text):
-        return False
-    holder[key] = text[len(first_text) :]
-    logprobs = choice.get("logprobs")
-    if isinstance(logprobs, dict):
-        for name, values in logprobs.items():
-            if isinstance(values, list):  # content (chat); tokens, token_logprobs, ... (text)
-                logprobs[name] = values[1:]
-    choice["token_ids"] = choice["token_ids"][1:]
-    return True
-
-
 def _output_ids(answer: dict[str, Any]) -> list[int]:
     choices = answer.get("choices") or ()
     ids = choices[0].get("token_ids") if choices else None
@@ -98,17 +80,20 @@ def whole_answer(prefill_answer: dict[str, Any], client: ClientRequest) -> bytes
 
 
 def continued_answer(
-    raw: bytes, first_token: int, client: ClientRequest
+    raw: bytes, forced: tuple[int, ...], client: ClientRequest
 ) -> tuple[bytes, FirstTokenMismatch | None]:
-    """Decode's whole answer as the client gets it, and how its first token is not prefill's,
-    if it is not (the answer is still decode's own exact answer to the client's request)."""
+    """Decode's whole answer as the client gets it, and how its output does not begin with the
+    ``forced`` tokens, if it does not (the answer is still decode's own exact answer to the
+    client's request). One served alone for a field is passed on as it is."""
+    if client.alone_reason is not None:
+        return raw, None
     answer = msgspec.json.decode(raw)
     ids = _output_ids(answer)
     mismatch = None
-    if ids[:1] != [first_token]:
+    if tuple(ids[: len(forced)]) != forced:
         mismatch = FirstTokenMismatch(
-            f"decode's first token {ids[:1]} is not prefill's {first_token}; its own answer "
-            "was passed on"
+            f"decode's output {ids[: len(forced)]} does not begin with the forced {list(forced)}; "
+            "its own answer was passed on"
         )
     body = answer if client.asks_token_ids else _null_token_ids(answer)
     return msgspec.json.encode(body), mismatch
@@ -170,54 +155,158 @@ def first_events(
     return events
 
 
+class CannotContinue(Exception):
+    """A stream that the client has part of cannot go on on another decode exactly; the
+    message says why."""
+
+
 class DecodeRelay:
-    """Decode's streamed events as the client gets them, one at a time."""
+    """Decode's streamed events as the client gets them, one at a time, and what the client
+    has of the answer: so that, when decode fails under the stream, another decode can be
+    forced through the same tokens (``resume``) and its events passed on from where the client
+    is, none twice, none missing."""
 
     def __init__(
-        self, client: ClientRequest, first_token: int, first_text: str | None = None
+        self, client: ClientRequest, forced: tuple[int, ...], first_text: str | None = None
     ) -> None:
-        """``first_text``: where the client has the first token already (``first_events``),
-        its text: decode's events up to and including it are not passed on, and one that
-        joins it with the next tokens (vLLM joins a stream's outputs while its reader lags) is
-        passed on without it."""
+        """``forced``: the tokens decode's output must begin with (prefill's first token; none
+        for a request decode serves alone). ``first_text``: where the client has the first
+        token already (``first_events``), its text: decode's events up to and including it are
+        not passed on, and one that joins it with the next tokens (vLLM joins a stream's
+        outputs while its reader lags) is passed on without it."""
         self._asked_ids = client.asks_token_ids
-        self._first_token = first_token
-        self._checked = False
-        self._first_text = first_text
-        self._skipping = first_text is not None
+        self._forced = forced
+        # What the client has: output token ids, text, whether any event, a finish reason.
+        self._sent_ids: list[int] = list(forced[:1]) if first_text is not None else []
+        self._sent_text: list[str] = [first_text] if first_text else []
+        self._started = first_text is not None
+        self._finished = False
+        # Whether every event so far is one choice's plain text (no tool call or reasoning
+        # delta, no second choice): only then is a stream cut at a token continued exactly.
+        self._plain = True
+        self._restart()
+
+    def _restart(self) -> None:
+        """Read a new decode stream from its start: its events up to what the client has are
+        checked against that and skipped."""
+        self._seen_ids = 0
+        self._seen_text = 0
+        self._skip_ids = len(self._sent_ids)
+        self._skip_text = "".join(self._sent_text)
+        self._skipping = self._started
+
+    @property
+    def started(self) -> bool:
+        """Whether the client has any event of the answer."""
+        return self._started
+
+    def resume(self) -> tuple[int, ...]:
+        """After decode failed: the tokens the next decode's output must begin with (what the
+        client has, or at least the forced ones); its stream is then read from its start.
+        Raises ``CannotContinue`` where the client's part cannot be matched token by token."""
+        if self._started and not self._plain:
+            raise CannotContinue("the stream has more than one choice's plain text")
+        self._forced = tuple(self._sent_ids) or self._forced
+        self._restart()
+        return self._forced
 
     def relay(self, data: bytes) -> bytes | None:
         """The event's data for the client, or None where it is skipped (``[DONE]`` too: a
         client that has it may hang up, and decode's body is read to its end first). Raises
-        ``FirstTokenMismatch`` at a first token that is not prefill's."""
+        ``FirstTokenMismatch`` where decode's output is not what the client has."""
         if data == b"[DONE]":
             return None  # the caller's to send, once decode's answer has ended
-        if self._as_sent():
-            return data
         event = msgspec.json.decode(data)
-        if not self._checked and (ids := _output_ids(event)):
-            self._checked = True
-            if ids[0] != self._first_token:
-                raise FirstTokenMismatch(
-                    f"decode's first token {ids[0]} is not prefill's {self._first_token}"
-                )
-            if self._skipping:
-                self._skipping = False
-                if len(ids) == 1:
-                    return None
-                assert self._first_text is not None
-                if not _drop_first(event, self._first_text):
-                    raise FirstTokenMismatch(
-                        "decode's stream joined its first token with the next, in text that "
-                        "does not begin with the first token's"
-                    )
+        choices = event.get("choices") or []
+        ids: list[int] = []
+        text = ""
+        if choices:
+            self._plain = self._plain and len(choices) == 1 and _plain(choices[0])
+            ids = choices[0].get("token_ids") or []
+            text = _text(choices[0])
+            self._check(ids)
+        changed = False
         if self._skipping:
-            return None
+            kept = self._skip(event, ids, text)
+            if kept is None:
+                return None
+            changed, ids, text = True, *kept
+        self._seen_ids += len(ids)
+        self._seen_text += len(text)
+        self._sent_ids += ids
+        if text:
+            self._sent_text.append(text)
+        self._started = True
+        self._finished = self._finished or any(c.get("finish_reason") for c in choices)
         if not self._asked_ids:
             _null_token_ids(event)
-        return msgspec.json.encode(event)
+            changed = True
+        return msgspec.json.encode(event) if changed else data
 
-    def _as_sent(self) -> bool:
-        """Past the first token, with the token ids the client asked for: events go on as
-        decode wrote them, not decoded again (per token)."""
-        return self._checked and not self._skipping and self._asked_ids
+    def _check(self, ids: list[int]) -> None:
+        """Raise ``FirstTokenMismatch`` where ``ids``, at the stream's position, are not the
+        forced tokens."""
+        start = self._seen_ids
+        for position, token in enumerate(ids[: max(len(self._forced) - start, 0)], start):
+            if token != self._forced[position]:
+                raise FirstTokenMismatch(
+                    f"decode's output token {position} is {token}, not the forced "
+                    f"{self._forced[position]}"
+                )
+
+    def _skip(
+        self, event: dict[str, Any], ids: list[int], text: str
+    ) -> tuple[list[int], str] | None:
+        """While the client has what this event holds: None, the event skipped (its text checked
+        against the client's); the event that goes past it is cut to what is new (its ids, text
+        and logprobs) and the skipping ends. Events without tokens before it (a chat's role
+        chunk) are skipped."""
+        drop_ids = min(len(ids), self._skip_ids - self._seen_ids)
+        expected = self._skip_text[self._seen_text :]
+        drop_text = min(len(text), len(expected))
+        if text[:drop_text] != expected[:drop_text]:
+            raise FirstTokenMismatch("decode's text does not go on from what the client has")
+        self._seen_ids += drop_ids
+        self._seen_text += drop_text
+        if not ids or self._seen_ids < self._skip_ids:
+            return None
+        self._skipping = False
+        choice = event["choices"][0]
+        rest_ids, rest_text = ids[drop_ids:], text[drop_text:]
+        if not rest_ids and not (choice.get("finish_reason") and not self._finished):
+            return None
+        _cut(choice, drop_ids, rest_text)
+        return rest_ids, rest_text
+
+
+def _plain(choice: dict[str, Any]) -> bool:
+    """Whether a streamed choice is the first choice's plain text (a completion's text, a chat's
+    content and role)."""
+    delta = choice.get("delta")
+    extra = () if delta is None else (v for k, v in delta.items() if k not in ("role", "content"))
+    return choice.get("index", 0) == 0 and not any(extra)
+
+
+def _text(choice: dict[str, Any]) -> str:
+    """A streamed choice's text: a chat delta's content, a completion's text."""
+    delta = choice.get("delta")
+    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
+def _cut(choice: dict[str, Any], drop_ids: int, rest_text: str) -> None:
+    """Take a streamed choice's first ``drop_ids`` tokens out (their ids and logprobs; the
+    prompt's ids, which only a stream's first event carries), leaving ``rest_text``."""
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        delta["content"] = rest_text
+    else:
+        choice["text"] = rest_text
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict):
+        for name, values in logprobs.items():
+            if isinstance(values, list):  # content (chat); tokens, token_logprobs, ... (text)
+                logprobs[name] = values[drop_ids:]
+    choice["token_ids"] = choice["token_ids"][drop_ids:]
+    if choice.get("prompt_token_ids") is not None:
+        choice["prompt_token_ids"] = None

@@ -6,6 +6,8 @@ first. On a notice, decode's request goes out while the first token itself is st
 to the client, so the request's first read runs as a task of its own; the answer reads decode's
 once it has sent the first token, and keeps it only if prefill's answer names the same prompt and
 token (``matches``). Cancelling closes the upstream connection, and vLLM aborts the request.
+A stream continued on another decode after one failed (``migration.py``) is one of these too,
+with no KV pushed for it and more tokens forced.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ if TYPE_CHECKING:
 
 
 class DecodeStream:
-    """One decode request: the client's own, its first output token ``first_token``, on a
-    prompt whose token ids prefill gave as ``prompt_token_ids``."""
+    """One decode request: the client's own, its output beginning with the ``forced`` tokens
+    (prefill's first token, and after a failed decode what the client has), loading the KV
+    pushed under ``spec`` (None: none was pushed to this decode; it computes the prompt)."""
 
     def __init__(
         self,
@@ -33,13 +36,18 @@ class DecodeStream:
         client: ClientRequest,
         member: Upstream,
         req_id: str,
-        spec: DisaggSpec,
-        prompt_token_ids: list[int],
-        first_token: int,
+        spec: DisaggSpec | None,
+        forced: tuple[int, ...],
+        prompt_token_ids: list[int] | None = None,
     ) -> None:
-        """Send the request now (it needs a running event loop)."""
-        self.prompt_token_ids, self.first_token, self.spec = prompt_token_ids, first_token, spec
-        body = client.decode_body(KVTransferParams(disagg_spec=spec, first_tok=first_token))
+        """Send the request now (it needs a running event loop); ``prompt_token_ids``: the
+        prompt's, as prefill gave them (for ``matches``)."""
+        self.member, self.spec, self.forced = member, spec, forced
+        self.prompt_token_ids = prompt_token_ids
+        params = KVTransferParams(
+            disagg_spec=spec, first_tok=forced[0] if forced else None, next_toks=forced[1:]
+        )
+        body = client.decode_body(params)
         self.sent_at = time.time()
         self._batches = flow.relay(member, client, req_id, body)
         self._first = asyncio.get_running_loop().create_task(self._first_batch())
@@ -51,7 +59,7 @@ class DecodeStream:
         """Whether this stream continues the prompt and token of prefill's answer, on the KV of
         the attempt that answered (another's may have been pushed, then dropped)."""
         return (
-            prefilled.first_token == self.first_token
+            (prefilled.first_token,) == self.forced
             and prefilled.prompt_token_ids == self.prompt_token_ids
             and prefilled.spec == self.spec
         )

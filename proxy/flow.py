@@ -147,7 +147,7 @@ class Disaggregator:
         failed: UpstreamFailed | None = None
         for attempt in range(PREFILL_ATTEMPTS):
             try:
-                member = self._prefill.pick(exclude=failed.member if failed else None, work=work)
+                member = self._prefill.pick(exclude=[failed.member] if failed else [], work=work)
             except NoHealthyInstance:
                 if failed is None:
                     raise

@@ -101,6 +101,21 @@ class ProxyMetrics:
             "Requests retried on another prefill instance before their first token",
             registry=self.registry,
         )
+        self.decode_migrations = Counter(
+            f"{prefix}_decode_migrations",
+            "Answers gone on on another decode instance after theirs failed under them, by the "
+            "failure: connect, timeout, broken, truncated, status, bad_answer, unauthorized",
+            ["cause"],
+            registry=self.registry,
+        )
+        self.migrations_refused = Counter(
+            f"{prefix}_migrations_refused",
+            "Answers whose decode failed and that could not go on elsewhere, by why: limit "
+            "(decode_migrations reached), no_instance, not_plain (the client has part of a "
+            "stream that is not one choice's plain text)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.first_token_notices = Counter(
             f"{prefix}_first_token_notices",
             "Disaggregated requests by what prefill's first-token notice did: used (decode was "
@@ -117,9 +132,9 @@ class ProxyMetrics:
         )
         self.first_token_mismatches = Counter(
             f"{prefix}_first_token_mismatches",
-            "Disaggregated requests whose decode answer did not go on from prefill's first token "
-            "(its instance lacks the forcing logits processor): a stream ends with an error, a "
-            "whole answer is decode's own",
+            "Answers whose decode did not go on from the tokens it was forced through (prefill's "
+            "first token; after a migration, what the client had): its instance lacks the forcing "
+            "logits processor. A stream ends with an error, a whole answer is decode's own",
             registry=self.registry,
         )
         self.membership_errors = Counter(

@@ -31,6 +31,7 @@ from lmcache_pd.proxy.direct import serve_alone
 from lmcache_pd.proxy.flow import Disaggregator, Prefilled, UpstreamFailed, UpstreamRejected
 from lmcache_pd.proxy.kv_drop import KVDropper
 from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
+from lmcache_pd.proxy.migration import Migrations
 from lmcache_pd.proxy.placement import Placer, Plan
 from lmcache_pd.proxy.responses import error_response
 from lmcache_pd.proxy.routing import NoHealthyInstance, Upstream
@@ -50,6 +51,7 @@ class Orchestrator:
         model: str,
         flow: Disaggregator,
         placer: Placer,
+        migrations: Migrations,
         metrics: ProxyMetrics,
         dropper: KVDropper,
         notices: NoticeBoard | None,
@@ -60,6 +62,7 @@ class Orchestrator:
         self._model = model
         self._flow = flow
         self._placer = placer
+        self._migrations = migrations
         self._metrics = metrics
         self._dropper = dropper
         self._notices = notices
@@ -123,6 +126,7 @@ class Orchestrator:
                 return await serve_alone(
                     http,
                     self._flow,
+                    self._migrations,
                     self._metrics,
                     client,
                     req_id,
@@ -201,6 +205,7 @@ class Orchestrator:
         early = await self._keep_if_continued(early, prefilled, req_id)
         answer = Answer(
             self._flow,
+            self._migrations,
             self._metrics,
             client,
             req_id,
@@ -274,7 +279,7 @@ class Orchestrator:
         got: FirstTokenNotice = notice.result()
         trace["notice"] = time.time()
         return DecodeStream(
-            self._flow, client, decoder, req_id, spec, got.prompt_token_ids, got.token
+            self._flow, client, decoder, req_id, spec, (got.token,), got.prompt_token_ids
         )
 
     async def _keep_if_continued(
@@ -295,7 +300,7 @@ class Orchestrator:
                 "req %s: the first-token notice (token %d) disagrees with prefill's answer "
                 "(token %d); decode is asked again",
                 req_id,
-                early.first_token,
+                early.forced[0],
                 prefilled.first_token,
             )
         await early.cancel()

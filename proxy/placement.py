@@ -24,7 +24,7 @@ for comparison.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from lmcache_pd.kv_events import prefix_keys
@@ -139,6 +139,12 @@ class Placer:
         computes = 0 if decoder is None else receive(decoder)
         alone = decoder is not None and self._alone(computes, prefill_least)
         return Plan(decoder, alone, work, len(token_ids), computes if alone else 0)
+
+    def elsewhere(self, failed: Collection[Upstream]) -> Upstream:
+        """Another decode for a request whose decode instances in ``failed`` failed under it
+        (``migration.py``), by load: none was pushed its KV, and it computes the prompt.
+        ``NoHealthyInstance`` if there is none."""
+        return self._decode.pick(exclude=failed)
 
     def _alone(self, own: int, prefill_least: int | None) -> bool:
         """Whether decode, which would compute ``own`` prompt tokens, serves the request alone:

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -114,15 +114,16 @@ class Pool:
         self._cursor %= max(len(members), 1)
 
     def pick(
-        self, exclude: Upstream | None = None, work: Callable[[Upstream], int] | None = None
+        self, exclude: Collection[Upstream] = (), work: Callable[[Upstream], int] | None = None
     ) -> Upstream:
-        """The healthy instance of least cost among those within the load bound, ``work`` being
+        """The healthy instance of least cost, but those in ``exclude`` (they failed this
+        request), among those within the load bound, ``work`` being
         the prompt tokens each would compute (without it: of fewest outstanding requests); costs
         within ``TOKENS_PER_OUTSTANDING`` of the least are equal, and equals go least
         outstanding, then round-robin."""
         count = len(self.members)
         rotated = self.members[self._cursor :] + self.members[: self._cursor]
-        healthy = [member for member in rotated if member.healthy and member is not exclude]
+        healthy = [member for member in rotated if member.healthy and member not in exclude]
         if not healthy:
             raise NoHealthyInstance(f"no healthy {self.role.value} instance")
         if work is None:

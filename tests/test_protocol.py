@@ -243,22 +243,31 @@ def test_kv_transfer_params_refuse_a_bad_spec_and_leave_out_a_bad_notice_address
     assert protocol.KVTransferReturn.from_dict({"first_tok": 3, "other": 1}).first_tok == 3
 
 
-def test_decodes_forced_first_token_is_a_token_id_or_the_params_are_refused() -> None:
+def test_decodes_forced_tokens_are_token_ids_or_the_params_are_refused() -> None:
     """``first_tok`` names decode's first output token (the client's own request goes on from
-    it): a token id, read by the connector and by the forcing logits processor alike; anything
-    else refuses the params (the request is then served without disaggregation, nothing
-    forced)."""
+    it), ``next_toks`` the ones after it (a stream continued elsewhere): token ids, read by the
+    connector and by the forcing logits processor alike; anything else refuses the params (the
+    request is then served without disaggregation, nothing forced)."""
     spec = {"req_id": "r", "receiver_host": "h", "receiver_init_port": 1, "receiver_alloc_port": 2}
     read = protocol.KVTransferParams.from_dict
     params = read({"disagg_spec": spec, "first_tok": 7})
-    assert params.first_tok == 7
+    assert params.first_tok == 7 and params.forced == (7,)
     assert params.to_dict() == {"disagg_spec": spec, "first_tok": 7}
-    assert read({"disagg_spec": spec}).first_tok is None
-    forced = protocol.KVTransferParams.forced_first_token
-    assert forced({"kv_transfer_params": {"disagg_spec": spec, "first_tok": 7}}) == 7
+    assert read({"disagg_spec": spec}).forced == ()
+    continued = read({"first_tok": 7, "next_toks": [3, 4]})
+    assert continued.forced == (7, 3, 4)
+    assert read(msgspec.json.decode(msgspec.json.encode(continued.to_dict()))) == continued
+    forced = protocol.KVTransferParams.forced_tokens
+    assert forced({"kv_transfer_params": {"disagg_spec": spec, "first_tok": 7}}) == (7,)
     for bad in (-1, 1 << 31, True, 7.0, "7", [7]):
         with pytest.raises(ProtocolError, match="first_tok"):
             read({"disagg_spec": spec, "first_tok": bad})
-        assert forced({"kv_transfer_params": {"first_tok": bad}}) is None
+        assert forced({"kv_transfer_params": {"first_tok": bad}}) == ()
+        with pytest.raises(ProtocolError, match="next_toks"):
+            read({"first_tok": 7, "next_toks": [3, bad]})
+    too_many = [1] * (protocol.MAX_FORCED_TOKENS + 1)
+    for bad_next in ({"next_toks": [3]}, {"first_tok": 7, "next_toks": too_many}):
+        with pytest.raises(ProtocolError, match="next_toks"):
+            read(bad_next)
     for nothing in (None, {}, {"kv_transfer_params": None}, {"kv_transfer_params": "x"}, "x"):
-        assert forced(nothing) is None
+        assert forced(nothing) == ()

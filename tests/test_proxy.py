@@ -137,7 +137,7 @@ def test_pick_prefers_fewest_outstanding_then_goes_round_robin() -> None:
     assert [pool.pick() for _ in range(4)] == [members[0], members[1], members[2], members[0]]
     members[0].outstanding = members[1].outstanding = 2
     assert pool.pick() is members[2]
-    assert pool.pick(exclude=members[2]) in members[:2]
+    assert pool.pick(exclude=[members[2]]) in members[:2]
 
 
 def test_pick_skips_instances_marked_down_and_fails_when_none_is_left() -> None:
@@ -146,7 +146,7 @@ def test_pick_skips_instances_marked_down_and_fails_when_none_is_left() -> None:
     members[0].mark(False, "test")
     assert {pool.pick() for _ in range(3)} == {members[1]}
     with pytest.raises(NoHealthyInstance):
-        pool.pick(exclude=members[1])
+        pool.pick(exclude=[members[1]])
 
 
 def test_cache_aware_routing_keeps_a_prompts_extensions_on_its_decode_over_real_http(
@@ -454,8 +454,9 @@ def test_failed_decode_is_a_clear_error_within_the_read_deadline(stacks, decode,
 def test_a_prompt_under_min_disagg_tokens_is_served_by_decode_alone(
     stacks, stream: bool, endpoint: str
 ) -> None:
-    """The client's own request goes to decode unchanged, no KV is involved, and decode's answer
-    reaches the client as decode wrote it; a prompt at the threshold is disaggregated."""
+    """The client's own request goes to decode (asking the token ids that show where a stream
+    is, nulled for the client), no KV is involved, and decode's answer reaches the client as
+    decode wrote it; a prompt at the threshold is disaggregated."""
     stack = stacks(min_disagg_tokens=8)
     if endpoint == "chat":
         short: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
@@ -469,7 +470,8 @@ def test_a_prompt_under_min_disagg_tokens_is_served_by_decode_alone(
     assert stack.prefill[0].state.received == []
     [(_, path, to_decode)] = stack.decode[0].state.received
     assert path == f"/v1/{'chat/' if endpoint == 'chat' else ''}completions"
-    assert to_decode == {"model": MODEL, "max_tokens": 3, "stream": stream, **short}
+    asked = {"model": MODEL, "max_tokens": 3, "stream": stream, "return_token_ids": True}
+    assert to_decode == asked | short
     assert chunks[-1].system_fingerprint == FINGERPRINT  # decode's own answer
     assert stack.metric("lmcache_pd_proxy_served_alone_total") == 1
     stack.wait_counted("ok", path)

@@ -36,7 +36,7 @@ def chunk(ids: list[int] | None, text: str = "x") -> bytes:
 
 
 def test_decodes_chunks_up_to_the_first_token_are_skipped_where_it_went_out_already() -> None:
-    relay = DecodeRelay(client(), FIRST, "x")
+    relay = DecodeRelay(client(), (FIRST,), "x")
     assert relay.relay(chunk(None, "")) is None  # a chat's role chunk: before the first token
     assert relay.relay(chunk([FIRST])) is None
     passed = msgspec.json.decode(relay.relay(chunk([7], "y")))
@@ -48,14 +48,14 @@ def test_decodes_chunks_up_to_the_first_token_are_skipped_where_it_went_out_alre
     }
     assert relay.relay(b"[DONE]") is None  # the caller's, once decode's body has ended
     # Control: shown with decode's stream, nothing is skipped; ids asked for stay.
-    whole = DecodeRelay(client(return_token_ids=True), FIRST)
+    whole = DecodeRelay(client(return_token_ids=True), (FIRST,))
     assert msgspec.json.decode(whole.relay(chunk([FIRST])))["choices"][0]["token_ids"] == [FIRST]
 
 
 @pytest.mark.parametrize("first_text", ["x", None])
 def test_a_first_token_that_is_not_prefills_is_never_passed_on(first_text: str | None) -> None:
-    relay = DecodeRelay(client(), FIRST, first_text)
-    with pytest.raises(FirstTokenMismatch, match="is not prefill's"):
+    relay = DecodeRelay(client(), (FIRST,), first_text)
+    with pytest.raises(FirstTokenMismatch, match="not the forced"):
         relay.relay(chunk([FIRST + 1]))
 
 
@@ -63,7 +63,7 @@ def test_a_chunk_joining_the_first_token_with_the_next_is_passed_on_without_it()
     """vLLM joins a stream's outputs while its reader lags: the first token the client has
     already is taken out of the chunk (text, logprobs, ids), the rest passed on; text that does
     not begin with the first token's cannot be split, and is never passed on."""
-    relay = DecodeRelay(client(logprobs=1), FIRST, "ab")
+    relay = DecodeRelay(client(logprobs=1), (FIRST,), "ab")
     event = msgspec.json.decode(chunk([FIRST, 7], "abcd"))
     event["choices"][0]["logprobs"] = {
         "text_offset": [0, 2],
@@ -79,8 +79,8 @@ def test_a_chunk_joining_the_first_token_with_the_next_is_passed_on_without_it()
         "tokens": ["cd"],
         "top_logprobs": [{"cd": -2.0}],
     }
-    unsplittable = DecodeRelay(client(), FIRST, "zz")
-    with pytest.raises(FirstTokenMismatch, match="joined"):
+    unsplittable = DecodeRelay(client(), (FIRST,), "zz")
+    with pytest.raises(FirstTokenMismatch, match="does not go on"):
         unsplittable.relay(chunk([FIRST, 7], "abcd"))
 
 
@@ -90,12 +90,12 @@ def test_a_whole_answer_is_decodes_own_with_ids_nulled_and_a_mismatch_named() ->
         "prompt_token_ids": [1, 2, 3],
         "kv_transfer_params": None,
     }
-    body, mismatch = continued_answer(msgspec.json.encode(answer), FIRST, client(stream=False))
+    body, mismatch = continued_answer(msgspec.json.encode(answer), (FIRST,), client(stream=False))
     assert mismatch is None
     got = msgspec.json.decode(body)
     assert got["prompt_token_ids"] is None and got["choices"][0]["token_ids"] is None
     assert got["choices"][0]["text"] == "ab"
-    _, mismatch = continued_answer(msgspec.json.encode(answer), FIRST + 1, client(stream=False))
+    _, mismatch = continued_answer(msgspec.json.encode(answer), (FIRST + 1,), client(stream=False))
     assert mismatch is not None
 
 

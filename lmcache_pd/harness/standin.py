@@ -173,12 +173,15 @@ class Standin:
         return EOS if self.state.fault is Fault.EOS_FIRST else next_token(prompt)
 
     def _tokens(self, body: dict[str, Any], count: int) -> list[int]:
-        """The answer's tokens: its first forced where the request names one (as decode's
-        logits processor does), each next one continuing the prompt and those before it."""
+        """The answer's tokens: its first ones forced where the request names them (as
+        decode's logits processor does), each next one continuing the prompt and those before
+        it."""
         context = _prompt_ids(body)
-        forced = (body.get("kv_transfer_params") or {}).get("first_tok")
-        tokens = [forced if isinstance(forced, int) else self._first_token(context)]
-        if tokens[0] == EOS:
+        params = body.get("kv_transfer_params") or {}
+        forced = params.get("first_tok")
+        tokens = [forced] if isinstance(forced, int) else [self._first_token(context)]
+        tokens += params.get("next_toks") or []
+        if tokens[-1] == EOS:
             return tokens
         while len(tokens) < count:
             tokens.append(next_token(context + tokens))

@@ -1,6 +1,7 @@
-"""Decode's forcing logits processor on vLLM's own batch updates: the named token alone at
-output position 0, nothing after, nothing for requests that name none. (Its effect on a real
-engine, the raw logprobs and the seeded draws, is checked end to end in test_e2e_vllm.py.)"""
+"""Decode's forcing logits processor on vLLM's own batch updates: the named tokens alone at
+the first output positions, nothing after, nothing for requests that name none. (Its effect on
+a real engine, the raw logprobs and the seeded draws, is checked end to end in
+test_e2e_vllm.py.)"""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 
-from lmcache_pd.connector.forced_first import ForcedFirstToken
+from lmcache_pd.connector.forced_tokens import ForcedTokens
 
 pytestmark = pytest.mark.processes  # importing vLLM starts a process
 VOCAB = 16
 
 
-def added(index: int, first_tok: object, output: list[int]) -> tuple:
-    params = SamplingParams(extra_args={"kv_transfer_params": {"first_tok": first_tok}})
-    return (index, params, [1, 2, 3], output)
+def added(index: int, first_tok: object, output: list[int], then: tuple = ()) -> tuple:
+    params = {"first_tok": first_tok} | ({"next_toks": list(then)} if then else {})
+    return (index, SamplingParams(extra_args={"kv_transfer_params": params}), [1, 2, 3], output)
 
 
 def update(*adds: tuple, removed: tuple[int, ...] = ()) -> BatchUpdate:
@@ -25,7 +26,7 @@ def update(*adds: tuple, removed: tuple[int, ...] = ()) -> BatchUpdate:
 
 
 def test_only_the_named_token_is_left_at_the_first_output_position() -> None:
-    processor = ForcedFirstToken(None, torch.device("cpu"), False)  # type: ignore[arg-type]
+    processor = ForcedTokens(None, torch.device("cpu"), False)  # type: ignore[arg-type]
     forced, plain, hostile = [], [], []
     processor.update_state(
         update(added(0, 5, forced), (1, SamplingParams(), None, plain), added(2, 10**6, hostile))
@@ -43,8 +44,22 @@ def test_only_the_named_token_is_left_at_the_first_output_position() -> None:
 
 
 def test_a_request_removed_or_moved_is_forced_where_it_is_now() -> None:
-    processor = ForcedFirstToken(None, torch.device("cpu"), False)  # type: ignore[arg-type]
+    processor = ForcedTokens(None, torch.device("cpu"), False)  # type: ignore[arg-type]
     processor.update_state(update(added(0, 3, []), added(1, 4, [])))
     processor.update_state(update(removed=(0,)))
     out = processor.apply(torch.zeros(4, VOCAB))
     assert not torch.isinf(out[0]).any() and out[1].argmax() == 4
+
+
+def test_a_continued_stream_is_forced_token_by_token_then_left_alone() -> None:
+    """A stream continued on another decode (``next_toks``): each forced token in turn at its
+    position, whatever the output list held when the request joined the batch."""
+    processor = ForcedTokens(None, torch.device("cpu"), False)  # type: ignore[arg-type]
+    output: list[int] = []
+    processor.update_state(update(added(0, 5, output, then=(9, 2))))
+    for token in (5, 9, 2):
+        assert processor.apply(torch.randn(4, VOCAB))[0].argmax() == token
+        output.append(token)
+        processor.update_state(None)
+    logits = torch.randn(4, VOCAB)
+    assert torch.equal(processor.apply(logits.clone()), logits)
