@@ -560,6 +560,50 @@ def test_the_seed_and_logit_bias_change_one_vllms_answer(
     assert text(logit_bias={"100": 100}) != text()
 
 
+FORCED = 10  # tokens of an answer forced on its continuation (what a client had)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_an_answer_forced_through_its_first_tokens_goes_on_as_that_answer(
+    served_and_plain: tuple[Served, VLLMServer], model: Path, sampling: str
+) -> None:
+    """What a decode migration relies on (``proxy/migration.py``): the client's request sent
+    again to an instance that computes the prompt, its first ``FORCED`` output tokens forced to
+    an answer's (``first_tok``, ``next_toks``; every vLLM here loads the processor), answers
+    that answer: the same tokens, logprobs within the end-to-end tolerance, the same usage.
+    Seeded sampling at temperature 1.5 with penalties too: the forced positions draw as they
+    did. Control: other forced tokens change what follows."""
+    url = served_and_plain[1].url
+    body: dict[str, Any] = {
+        "model": str(model),
+        "prompt": "The history of the printing press",
+        "max_tokens": 3 * FORCED,
+        "logprobs": 2,
+        "return_token_ids": True,
+    }
+    body["temperature"] = 0.0
+    if sampling == "seeded":
+        body |= {"temperature": 1.5, "seed": 7, "presence_penalty": 0.8, "frequency_penalty": 0.5}
+
+    def ask(**params: Any) -> dict[str, Any]:
+        extra = {"kv_transfer_params": params} if params else {}
+        answer = httpx.post(f"{url}/v1/completions", json=body | extra, timeout=120)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    want = ask()
+    ids = want["choices"][0]["token_ids"]
+    assert len(ids) == 3 * FORCED
+    got = ask(first_tok=ids[0], next_toks=ids[1:FORCED])
+    assert got["choices"][0]["token_ids"] == ids
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert got["usage"] == want["usage"]
+    assert not conformance.differences(got, want), conformance.differences(got, want)
+    other = [*ids[: FORCED - 1], (ids[FORCED - 1] + 1) % 1000]
+    changed = ask(first_tok=other[0], next_toks=other[1:])
+    assert changed["choices"][0]["token_ids"][FORCED:] != ids[FORCED:]
+
+
 def test_client_that_disconnects_leaves_nothing_running_upstream(
     served: Served, model: Path
 ) -> None:
