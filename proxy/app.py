@@ -26,6 +26,7 @@ from lmcache_pd.proxy.client_request import Endpoint
 from lmcache_pd.proxy.config import ProxyConfig
 from lmcache_pd.proxy.door import Door
 from lmcache_pd.proxy.flow import MAX_EVENT_BYTES, UPSTREAM_KEEPALIVE_S, Disaggregator
+from lmcache_pd.proxy.forwarding import Forwarder
 from lmcache_pd.proxy.kv_drop import KVDropper
 from lmcache_pd.proxy.kv_index import KVIndex
 from lmcache_pd.proxy.local_tokenizer import LocalTokenizer
@@ -38,13 +39,9 @@ from lmcache_pd.proxy.prompt_size import PromptSizer
 from lmcache_pd.proxy.prompt_tokens import PromptTokens
 from lmcache_pd.proxy.responses import error_response, json_response
 from lmcache_pd.proxy.routing import HealthChecker, NoHealthyInstance, Pool, Role, Upstream
-from lmcache_pd.request_body import refusal
 from lmcache_pd.trace import TraceFile
 
 logger = logging.getLogger(__name__)
-
-# vLLM's routes the proxy forwards as they are (method by path): not generation, nothing to split.
-FORWARDED_ROUTES = {"/tokenize": "POST", "/detokenize": "POST", "/version": "GET"}
 
 
 class Proxy:
@@ -75,6 +72,14 @@ class Proxy:
             ],
         )
         self.metrics = ProxyMetrics(self._upstreams, lambda: self.door.in_flight)
+        self._forwarder = Forwarder(
+            self._http,
+            self._upstreams,
+            self.decode,
+            self._instance_headers,
+            config.timeouts,
+            self.metrics,
+        )
         self.door = Door(
             config.client_key(),
             config.max_in_flight,
@@ -105,8 +110,7 @@ class Proxy:
         app.router.add_post(Endpoint.COMPLETIONS.value, self.completions)
         app.router.add_post(Endpoint.CHAT.value, self.chat)
         app.router.add_get("/v1/models", self.models)
-        for path, method in FORWARDED_ROUTES.items():
-            app.router.add_route(method, path, self.forward)
+        self._forwarder.add_routes(app)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.on_startup.append(self._start)
@@ -196,6 +200,11 @@ class Proxy:
             [m.url for m in self.decode.members],
         )
 
+    def _http(self) -> aiohttp.ClientSession:
+        """The upstream session (the app has started)."""
+        assert self._session is not None
+        return self._session
+
     def _upstreams(self) -> list[Upstream]:
         return [*self.prefill.members, *self.decode.members]
 
@@ -247,35 +256,6 @@ class Proxy:
                 return web.Response(body=body, content_type="application/json")
             logger.warning("/v1/models: %s answered %d: %r", member.url, status, body[:300])
         return error_response("no prefill instance answered /v1/models", "ServiceUnavailable", 503)
-
-    async def forward(self, request: web.Request) -> web.StreamResponse:
-        """One of vLLM's routes the proxy does not disaggregate (``FORWARDED_ROUTES``), answered
-        by the least busy healthy instance as it answers it, with the instances' key."""
-        assert self._session is not None
-        body = await request.read()
-        if body and (reason := refusal(body)) is not None:
-            return error_response(reason, "BadRequestError", 400)
-        members = [m for m in self._upstreams() if m.healthy]
-        if not members:
-            return error_response("no healthy instance", "ServiceUnavailable", 503)
-        member = min(members, key=lambda m: m.outstanding)
-        headers = {**self._instance_headers, "Content-Type": "application/json"}
-        try:
-            with member.busy():
-                async with self._session.request(
-                    request.method,
-                    f"{member.url}{request.path}",
-                    data=body or None,
-                    headers=headers,
-                    timeout=aiohttp.ClientTimeout(total=self.config.timeouts.prefill_read_s),
-                ) as response:
-                    answer, status = await response.read(), response.status
-                    kind = response.content_type
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            self.metrics.upstream_error(member, "broken")
-            logger.warning("%s: %s failed: %r", request.path, member.url, exc)
-            return error_response(f"the instance failed on {request.path}", "BadGateway", 502)
-        return web.Response(body=answer, status=status, content_type=kind)
 
     # ---- the disaggregated endpoints ----
 

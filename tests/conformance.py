@@ -139,15 +139,17 @@ def _choice_index(event: Any) -> float:
     return choices[0]["index"] if choices else float("inf")
 
 
-def differences(got: Any, want: Any, where: str = "") -> list[str]:
-    """Where ``got`` is not ``want``: naming fields aside, floats within the tolerance."""
+def differences(
+    got: Any, want: Any, where: str = "", naming: frozenset[str] = NAMING_FIELDS
+) -> list[str]:
+    """Where ``got`` is not ``want``: ``naming`` fields aside, floats within the tolerance."""
     if isinstance(want, dict) and isinstance(got, dict):
-        keys = (got.keys() | want.keys()) - NAMING_FIELDS
+        keys = (got.keys() | want.keys()) - naming
         return [
             found
             for key in sorted(keys)
             for found in (
-                differences(got[key], want[key], f"{where}.{key}")
+                differences(got[key], want[key], f"{where}.{key}", naming)
                 if key in got and key in want
                 else [f"{where}.{key}: {'missing' if key in want else 'extra'}"]
             )
@@ -158,7 +160,7 @@ def differences(got: Any, want: Any, where: str = "") -> list[str]:
         return [
             d
             for i, (g, w) in enumerate(zip(got, want, strict=True))
-            for d in differences(g, w, f"{where}[{i}]")
+            for d in differences(g, w, f"{where}[{i}]", naming)
         ]
     if isinstance(want, float) and isinstance(got, float) and not isinstance(got, bool):
         return [] if abs(got - want) <= LOGPROB_TOLERANCE else [f"{where}: {got} != {want}"]

@@ -378,6 +378,26 @@ def test_vllms_other_routes_are_forwarded_to_an_instance_as_they_are(stacks) -> 
     assert sorted(received) == ["/tokenize", "/version"]
 
 
+def test_the_responses_api_is_served_by_decode_alone_streamed_as_it_comes(stacks) -> None:
+    """/v1/responses goes to a decode instance, never prefill, and comes back as it answered:
+    one JSON body, or its SSE events with vLLM's ``event:`` lines, byte for byte; counted as
+    served without disaggregation."""
+    stack = stacks()
+    asked = {"model": MODEL, "input": "hi", "max_output_tokens": 3}
+    whole = stack.post("/v1/responses", json=asked)
+    assert whole.status_code == 200 and whole.json()["object"] == "response"
+    streamed = stack.post("/v1/responses", json=asked | {"stream": True})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert streamed.text.startswith("event: response.output_text.delta\ndata: {")
+    assert streamed.text.count("event: ") == 2
+    assert stack.prefill[0].state.received == []
+    assert [path for _, path, _ in stack.decode[0].state.received] == ["/v1/responses"] * 2
+    name = "lmcache_pd_proxy_not_disaggregated_total"
+    assert stack.metric(name, reason="responses") == 2
+    missing = httpx.get(f"{stack.proxy.url}/v1/responses/resp_1", timeout=5)
+    assert missing.status_code == 404  # what the instance answered: no store
+
+
 def test_a_body_over_the_limit_is_refused(stacks) -> None:
     stack = stacks(max_body_bytes=4096)
     response = stack.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 10_000})

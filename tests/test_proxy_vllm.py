@@ -538,6 +538,45 @@ def test_vllms_other_routes_answer_through_the_proxy_as_from_one_vllm(
         assert (got.status_code, got.json()) == (want.status_code, want.json()), path
 
 
+# What names a Responses API answer and its parts (ids, times), not what it says.
+RESPONSES_NAMING = conformance.NAMING_FIELDS | {"created_at", "item_id"}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=MODES)
+def test_the_responses_api_answers_as_one_vllm(
+    served_and_plain: tuple[Served, VLLMServer], model: Path, stream: bool
+) -> None:
+    """/v1/responses, served by a decode instance alone: the same answer as one vLLM's,
+    whole or event by event (ids and times aside); and, with no store (vLLM's default), the
+    same refusal to retrieve one."""
+    served, plain = served_and_plain
+    body = {
+        "model": str(model),
+        "input": "Tell me a story about a lighthouse",
+        "max_output_tokens": 8,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+    def ask(url: str) -> tuple[int, Any]:
+        answer = httpx.post(f"{url}/v1/responses", json=body, timeout=120)
+        if not stream:
+            return answer.status_code, answer.json()
+        lines = answer.text.splitlines()
+        return answer.status_code, [line for line in lines if not line.startswith("data:")] + [
+            json.loads(line[5:]) for line in lines if line.startswith("data:")
+        ]
+
+    got, want = ask(served.url), ask(plain.url)
+    assert got[0] == want[0] == 200
+    assert not conformance.differences(got[1], want[1], naming=RESPONSES_NAMING)
+    served_gone, plain_gone = (
+        httpx.get(f"{url}/v1/responses/resp_0", timeout=30) for url in (served.url, plain.url)
+    )
+    assert (served_gone.status_code, served_gone.json()) == (404, plain_gone.json())
+    assert plain_gone.status_code == 404
+
+
 def test_decode_was_asked_on_first_token_notices(served: Served) -> None:
     """Across the conformance cases, most of decode's requests went out on prefill's notice,
     before its answer (the rest on the answer, which came first)."""

@@ -112,6 +112,7 @@ class Standin:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/version", self._version)
+        app.router.add_post("/v1/responses", self._responses)
         app.on_cleanup.append(self._close)
         return app
 
@@ -126,6 +127,21 @@ class Standin:
         self.state.received.append((time.monotonic(), request.path, body))
         tokens = _prompt_ids(body)
         return web.json_response({"count": len(tokens), "tokens": tokens, "max_model_len": 4096})
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """A Responses API answer: its output's text, whole or as vLLM's SSE events."""
+        body = await request.json()
+        self.state.received.append((time.monotonic(), request.path, body))
+        text = "".join(_text(t) for t in self._tokens(body, body.get("max_output_tokens") or 4))
+        if not body.get("stream"):
+            return web.json_response({"object": "response", "output_text": text})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for kind, data in (("response.output_text.delta", text), ("response.completed", "")):
+            event = msgspec.json.encode({"type": kind, "delta": data})
+            await response.write(b"event: " + kind.encode() + b"\ndata: " + event + b"\n\n")
+        await response.write_eof()
+        return response
 
     async def _version(self, request: web.Request) -> web.Response:
         self.state.received.append((time.monotonic(), request.path, {}))

@@ -1,0 +1,113 @@
+"""vLLM's routes the proxy does not disaggregate, forwarded to an instance as they are, behind
+the instances' key: ``/tokenize``, ``/detokenize`` and ``/version`` to the least busy instance
+of either pool, and the Responses API (``/v1/responses``) to a decode instance by load, which
+serves it alone (counted as ``not_disaggregated{reason="responses"}``), its answer streamed
+through as it comes (SSE with vLLM's ``event:`` lines, or one JSON body).
+
+vLLM keeps a response only where ``VLLM_ENABLE_RESPONSES_API_STORE`` is set (off by default),
+and then in one instance's memory: retrieving or cancelling one, or going on from one
+(``previous_response_id``), is answered as one vLLM without the store answers it (not found);
+with the store on, a response lives on one decode instance and a later call may reach another
+(README: not offered).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+
+from lmcache_pd.proxy.config import Timeouts
+from lmcache_pd.proxy.metrics import ProxyMetrics
+from lmcache_pd.proxy.responses import ClientGone, close_after_done, error_response, write
+from lmcache_pd.proxy.routing import NoHealthyInstance, Pool, Upstream
+from lmcache_pd.request_body import refusal
+
+logger = logging.getLogger(__name__)
+
+# Path -> method: answered by any instance (nothing is generated).
+INSTANCE_ROUTES = {"/tokenize": "POST", "/detokenize": "POST", "/version": "GET"}
+# Path -> method: generation that decode serves alone (the Responses API).
+RESPONSES_ROUTES = {
+    "/v1/responses": "POST",
+    "/v1/responses/{response_id}": "GET",
+    "/v1/responses/{response_id}/cancel": "POST",
+}
+
+
+class Forwarder:
+    """Forwards one request of ``INSTANCE_ROUTES`` or ``RESPONSES_ROUTES`` to an instance."""
+
+    def __init__(
+        self,
+        session: Callable[[], aiohttp.ClientSession],
+        instances: Callable[[], list[Upstream]],
+        decode: Pool,
+        headers: dict[str, str],
+        timeouts: Timeouts,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self._session = session
+        self._instances = instances
+        self._decode = decode
+        self._headers = {**headers, "Content-Type": "application/json"}
+        self._metrics = metrics
+        self._short = aiohttp.ClientTimeout(total=timeouts.prefill_read_s)
+        # Generation: each read within decode's deadline, as the proxy's own streams.
+        self._long = aiohttp.ClientTimeout(
+            sock_connect=timeouts.connect_s, sock_read=timeouts.decode_read_s
+        )
+
+    def add_routes(self, app: web.Application) -> None:
+        for path, method in (*INSTANCE_ROUTES.items(), *RESPONSES_ROUTES.items()):
+            app.router.add_route(method, path, self.forward)
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        """The instance's answer, its status and type, streamed through as it comes; 400 for
+        a body the instances' guard would refuse, 503 with no healthy instance, 502 where the
+        instance fails before answering (after, the answer ends where it broke)."""
+        body = await request.read()
+        if body and (reason := refusal(body)) is not None:
+            return error_response(reason, "BadRequestError", 400)
+        generates = request.path.startswith("/v1/responses")
+        try:
+            member = self._decode.pick() if generates else self._least_busy()
+        except NoHealthyInstance as exc:
+            return error_response(str(exc), "ServiceUnavailable", 503)
+        if generates and request.method == "POST" and request.path == "/v1/responses":
+            self._metrics.not_disaggregated.labels("responses").inc()
+        out: web.StreamResponse | None = None
+        try:
+            with member.busy():
+                async with self._session().request(
+                    request.method,
+                    f"{member.url}{request.path_qs}",
+                    data=body or None,
+                    headers=self._headers,
+                    timeout=self._long if generates else self._short,
+                ) as response:
+                    out = web.StreamResponse(status=response.status)
+                    out.content_type = response.content_type
+                    await out.prepare(request)
+                    async for data in response.content.iter_any():
+                        await write(out, data)
+            await close_after_done(out)
+            return out
+        except ClientGone:
+            logger.info("%s: client disconnected; upstream request cancelled", request.path)
+            assert out is not None
+            return out
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self._metrics.upstream_error(member, "broken")
+            logger.warning("%s: %s failed: %r", request.path, member.url, exc)
+            if out is not None:  # its status is out: the client sees the answer cut short
+                return out
+            return error_response(f"the instance failed on {request.path}", "BadGateway", 502)
+
+    def _least_busy(self) -> Upstream:
+        members = [m for m in self._instances() if m.healthy]
+        if not members:
+            raise NoHealthyInstance("no healthy instance")
+        return min(members, key=lambda m: m.outstanding)
