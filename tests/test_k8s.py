@@ -28,7 +28,7 @@ from lmcache_pd.deploy.instance import THREAD_CPUS_ENV, instance_env
 from lmcache_pd.deploy.k8s import manifests, to_yaml
 from lmcache_pd.deploy.launcher import peer_text
 from lmcache_pd.deploy.pools import InstanceSpec, KubernetesSpec, PoolsConfig, load_pools
-from lmcache_pd.deploy.vllm_server import server_env
+from lmcache_pd.deploy.vllm_server import DRAIN_EXIT_MARGIN_S, server_env
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.proxy.config import KVEventsAddress, ProxyConfig, proxy_config
 
@@ -553,3 +553,19 @@ def test_the_command_prints_the_stream_or_writes_a_file_per_object(tmp_path: Pat
         secret["stringData"] = {item: "<fresh>" for item in secret["stringData"]}
     assert in_files == objects
     assert files[0].name == "00-lmcache-pd-prefill-configmap.yaml"
+
+
+@pytest.mark.parametrize("drain_timeout_s", [120.0, 7.5])
+def test_a_terminating_vllm_pod_has_the_grace_its_drain_needs(drain_timeout_s: float) -> None:
+    """Kubernetes' rule: the grace period covers the preStop hook (none) and the shutdown, which
+    is vLLM's ``--shutdown-timeout`` (the drain, whole seconds) and its teardown after it."""
+    pools = msgspec.structs.replace(shipped("pools.yaml"), drain_timeout_s=drain_timeout_s)
+    objects = manifests(pools)
+    for component in ("prefill", "decode"):
+        workload = one(objects, "StatefulSet", component)
+        pod = workload["spec"]["template"]["spec"]
+        container = container_of(workload)
+        shutdown_s = int(argument(container["command"], "--shutdown-timeout"))
+        assert shutdown_s >= drain_timeout_s
+        assert "preStop" not in container.get("lifecycle", {})
+        assert pod["terminationGracePeriodSeconds"] >= shutdown_s + DRAIN_EXIT_MARGIN_S

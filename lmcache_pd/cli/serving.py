@@ -1,11 +1,16 @@
-"""Commands that serve: ``serve`` (pools and the proxy), ``scale`` (a pool on Ray), ``proxy``
-(the routing proxy alone) and ``consumer`` (one consumer rank alone)."""
+"""Commands that serve: ``serve`` (pools and the proxy), ``restart`` (roll a one-host serve's
+instances), ``scale`` (a pool on Ray), ``proxy`` (the routing proxy alone) and ``consumer`` (one
+consumer rank alone)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
+import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -22,7 +27,13 @@ from lmcache_pd.cli.common import (
     terminate_on_sigterm,
 )
 from lmcache_pd.config import load_config
+from lmcache_pd.deploy.control import ControlError, ControlServer, request_restart, socket_path
 from lmcache_pd.deploy.launcher import PoolLauncher
+from lmcache_pd.deploy.vllm_server import (
+    DRAIN_EXIT_MARGIN_S,
+    START_TIMEOUT_S,
+    WARM_UP_TIMEOUT_S,
+)
 
 if TYPE_CHECKING:
     from lmcache_pd.deploy.ray_pools import RayPools
@@ -30,6 +41,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STATS_EVERY_S = 30.0
+# Where ``serve`` makes its work folder when given none (``pools_and_model``), which is where
+# ``restart`` looks for one.
+SERVE_WORKDIR_PREFIX = "lmcache-pd-serve-"
 
 
 @app.command()
@@ -74,18 +88,90 @@ def serve(
         where = f"Ray namespace {settings.ray.namespace}; `lmcache-pd scale` resizes a pool"
     else:
         engine = PoolLauncher(settings, workdir, console)
-        where = f"logs in {workdir}"
+        where = f"logs in {workdir}; `lmcache-pd restart --workdir {workdir}` rolls instances"
     with terminate_on_sigterm(), engine:
         proxy = engine.start()
-        run_proxy(
-            proxy,
-            ready=lambda url: console.print(
-                f"[bold green]serving {settings.model} at {url}/v1[/bold green] "
-                f"({len(proxy.prefill)} prefill, {len(proxy.decode)} decode; {where}); "
-                "Ctrl-C stops everything"
-            ),
-            members=engine if settings.engine == "ray" else None,
+        stack = contextlib.ExitStack()
+        if isinstance(engine, PoolLauncher):
+            stack.enter_context(supervised(engine, workdir))
+        with stack:
+            run_proxy(
+                proxy,
+                ready=lambda url: console.print(
+                    f"[bold green]serving {settings.model} at {url}/v1[/bold green] "
+                    f"({len(proxy.prefill)} prefill, {len(proxy.decode)} decode; {where}); "
+                    "Ctrl-C stops everything"
+                ),
+                members=engine if settings.engine == "ray" else None,
+            )
+
+
+@contextlib.contextmanager
+def supervised(launcher: PoolLauncher, workdir: Path) -> Iterator[None]:
+    """Instances that die are started again, and ``lmcache-pd restart`` rolls them through the
+    control socket, while the block runs (``supervisor.py``, ``control.py``)."""
+    supervisor = launcher.supervise()
+    per_instance_s = (
+        launcher.pools.drain_timeout_s + DRAIN_EXIT_MARGIN_S + START_TIMEOUT_S + WARM_UP_TIMEOUT_S
+    )
+
+    def roll(target: str | None, report: Callable[[str], None]) -> None:
+        names = supervisor.names(target)
+        supervisor.roll(names, report, per_instance_s * len(names))
+
+    try:
+        control = ControlServer(workdir, roll)
+    except OSError as exc:  # e.g. a work folder's path too long for a Unix socket
+        logger.error(
+            "no control socket in %s (%s): `lmcache-pd restart` cannot reach this serve",
+            workdir,
+            exc,
         )
+        yield
+        return
+    try:
+        yield
+    finally:
+        control.close()
+
+
+@app.command()
+def restart(
+    target: Annotated[
+        str | None, typer.Argument(help="prefill, decode, or an instance (decode-0); none: all")
+    ] = None,
+    workdir: Annotated[
+        Path | None, typer.Option(help="the work folder of the serve (none: the only one running)")
+    ] = None,
+    timeout_s: Annotated[float, typer.Option(help="longest wait for the whole roll")] = 3600.0,
+    log_level: str = "info",
+) -> None:
+    """Roll the instances of a running one-host `serve` (engine local), one at a time: drain
+    (no new requests, the running ones finish), restart, wait until healthy, next; the
+    deployment serves throughout (a pool of one instance is down while it restarts)."""
+    setup_logging(log_level)
+    folder = workdir or _only_serve_workdir()
+    try:
+        for line in request_restart(folder, target, timeout_s):
+            typer.echo(line)
+    except ControlError as exc:
+        typer.echo(f"restart failed: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo("restart done")
+
+
+def _only_serve_workdir() -> Path:
+    """The work folder of the one ``serve`` of this user that made its own (``--workdir`` not
+    given to it) and has a control socket."""
+    found = [
+        path.parents[1]
+        for path in Path(tempfile.gettempdir()).glob(f"{SERVE_WORKDIR_PREFIX}*/*/*")
+        if path == socket_path(path.parents[1]) and path.stat().st_uid == os.getuid()
+    ]
+    if len(found) != 1:
+        which = ", ".join(map(str, found)) if found else "none found"
+        raise typer.BadParameter(f"name the serve's work folder ({which})", param_hint="--workdir")
+    return found[0]
 
 
 @app.command()

@@ -49,6 +49,7 @@ from lmcache_pd.connector.vllm_version import check_vllm_version
 from lmcache_pd.connector.worker import CacheFacts, ProducerWorker, WorkerHalf
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.process_logs import show_our_logs
 from lmcache_pd.tp_parts import TPLayout, route
 from lmcache_pd.transfer import landed_board, landed_keys
 
@@ -73,24 +74,6 @@ on_scheduler_thread = holds_thread("scheduler_thread_microseconds")
 # metadata.py stays free of vLLM; to vLLM its classes are the kinds of metadata they carry.
 KVConnectorMetadata.register(PDConnectorMetadata)
 KVConnectorWorkerMetadata.register(PushProgress)
-
-
-def _show_our_logs(level: str) -> None:
-    """vLLM configures only its own loggers; without a handler ours would be silent in its
-    processes, and a request that fell back to recompute would leave no trace."""
-    ours = logging.getLogger("lmcache_pd")
-    if not ours.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(
-            logging.Formatter(
-                "(lmcache-pd pid=%(process)d) %(asctime)s.%(msecs)03d %(levelname)s %(name)s: "
-                "%(message)s",
-                datefmt="%m-%d %H:%M:%S",
-            )
-        )
-        ours.addHandler(handler)
-        ours.setLevel(level)
-        ours.propagate = False
 
 
 def connector_config(vllm_config: VllmConfig) -> PDConfig:
@@ -250,7 +233,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._config = connector_config(vllm_config)
         check_vllm_version(vllm.__version__, self._config.allow_untested_vllm)
-        _show_our_logs(self._config.log_level)
+        show_our_logs(self._config.log_level)
         producer = self._config.kv_role == "kv_producer"
         # The worker half needs the paged cache: it is made in register_kv_caches.
         self._worker: WorkerHalf = WorkerHalf()

@@ -12,8 +12,10 @@ that no request of ours holds and that would end vLLM's engine or fail in its AP
 (``lmcache_pd/request_body.py``); it reads no more than ``MAX_BODY_BYTES`` (413 past it, or
 at once where ``Content-Length`` says so). A request to an open path that carries a body is
 refused with 413 unread: nobody without the key can make an instance buffer anything (an
-endless chunked ``POST /health`` once grew vLLM's API server until it was killed). Plain
-ASGI: nothing of vLLM or Starlette is imported.
+endless chunked ``POST /health`` once grew vLLM's API server until it was killed). It counts the
+requests it lets through, for the drain on SIGTERM (``instance_drain.py``): then ``/health``
+answers 503 saying draining and every other request 503. Plain ASGI: nothing of vLLM or
+Starlette is imported.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 from lmcache_pd import request_body
 from lmcache_pd.bearer import BearerKey
+from lmcache_pd.deploy.instance_drain import Drain
 from lmcache_pd.request_body import MAX_BODY_BYTES
 
 # What ``vllm --middleware`` is given (``vllm_server.vllm_command``).
@@ -32,8 +35,10 @@ GUARD_IMPORT_PATH = "lmcache_pd.deploy.instance_guard.InstanceKeyGuard"
 KEY_ENV = "VLLM_API_KEY"
 # Probes (Kubernetes, the launcher, the proxy's health checks) and scrapers carry no key.
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-# A WebSocket refused for a policy reason (RFC 6455).
+# A WebSocket refused for a policy reason, and one refused by a server going away (RFC 6455).
 POLICY_VIOLATION = 1008
+GOING_AWAY = 1001
+DRAINING_MESSAGE = "draining: this instance is stopping; send the request to another"
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -45,14 +50,18 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 class InstanceKeyGuard:
     """Refuses, with 401, every HTTP request to a path outside ``OPEN_PATHS`` that lacks
     ``Authorization: Bearer $VLLM_API_KEY``; with 413 a body on an open path, or one past
-    ``MAX_BODY_BYTES``; with 400 a body ``request_body`` refuses."""
+    ``MAX_BODY_BYTES``; with 400 a body ``request_body`` refuses; with 503 every request but
+    ``/metrics`` once draining."""
 
     def __init__(self, app: App) -> None:
         self.app = app
         key = os.environ.get(KEY_ENV)
         self._key = BearerKey(key) if key else None
+        self.drain = Drain()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            self.drain.listen(scope.get("app"))
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
@@ -60,6 +69,8 @@ class InstanceKeyGuard:
         if scope.get("method") == "OPTIONS" or path in OPEN_PATHS:
             if scope["type"] == "http" and _carries_body(scope):
                 await _refuse(send, 413, f"{path} takes no request body", "PayloadTooLarge")
+            elif path == "/health" and self.drain.draining:
+                await _draining(send, self.drain.in_flight)
             else:
                 await self.app(scope, receive, send)
             return
@@ -69,10 +80,20 @@ class InstanceKeyGuard:
             else:
                 await _refuse(send, 401, "Unauthorized", "AuthenticationError")
             return
-        if scope["type"] == "http" and scope.get("method") == "POST":
-            await self._checked(scope, receive, send)
-        else:
-            await self.app(scope, receive, send)
+        if self.drain.draining:
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": GOING_AWAY})
+            else:
+                await _refuse(send, 503, DRAINING_MESSAGE, "ServiceUnavailableError")
+            return
+        self.drain.enter()
+        try:
+            if scope["type"] == "http" and scope.get("method") == "POST":
+                await self._checked(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+        finally:
+            self.drain.leave()
 
     async def _checked(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Read the whole body, up to ``MAX_BODY_BYTES``; refuse it or hand it to vLLM as one
@@ -132,6 +153,14 @@ def _replay(first: Message, receive: Receive) -> Receive:
         return pending.pop() if pending else await receive()
 
     return replayed
+
+
+async def _draining(send: Send, in_flight: int) -> None:
+    """``/health`` while draining: 503 (so routers stop sending), and why."""
+    body = json.dumps({"status": "draining", "in_flight": in_flight}).encode()
+    headers = [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _refuse(send: Send, status: int, message: str, kind: str) -> None:

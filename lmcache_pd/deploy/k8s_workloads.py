@@ -5,6 +5,7 @@ what is deployed and how it is wired."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from lmcache_pd.deploy.instance import (
 )
 from lmcache_pd.deploy.instance_guard import KEY_ENV
 from lmcache_pd.deploy.pools import InstanceSpec, KubernetesSpec, PoolsConfig
-from lmcache_pd.deploy.vllm_server import server_env, vllm_command
+from lmcache_pd.deploy.vllm_server import DRAIN_EXIT_MARGIN_S, server_env, vllm_command
 from lmcache_pd.proxy.config import INSTANCE_API_KEY_ENV, KVEventsAddress
 
 Manifest = dict[str, Any]
@@ -141,10 +142,19 @@ def stateful_set(
                     # vLLM's ranks share tensors through shared memory; a container's own
                     # /dev/shm is 64 MiB.
                     [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
-                ),
+                )
+                | {"terminationGracePeriodSeconds": termination_grace_s(pools)},
             },
         },
     }
+
+
+def termination_grace_s(pools: PoolsConfig) -> int:
+    """How long Kubernetes lets a terminating vLLM pod run after it starts stopping it, which
+    must be at least its preStop hook's time and the shutdown's: there is no preStop (the drain
+    starts on the SIGTERM itself, ``instance_drain.py``; a hook would only delay it), so the
+    drain (``drain_timeout_s``) and vLLM's teardown after it. Then SIGKILL ends what is left."""
+    return math.ceil(pools.drain_timeout_s) + DRAIN_EXIT_MARGIN_S
 
 
 def _vllm_container(
@@ -171,6 +181,7 @@ def _vllm_container(
         kv_transfer_config=connector_config(role, f"{CONFIG_DIR}/{component}.yaml"),
         python=POD_PYTHON,
         key_guard=True,
+        drain_timeout_s=pools.drain_timeout_s,
     )
     # Kubernetes expands $(POD_IP), defined first, in later variables' values.
     env = [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]

@@ -6,7 +6,8 @@ instances start at once; the launcher waits for each to be healthy (with a progr
 then warms each up (``VLLMServer.warm_up``: what vLLM compiles on first use is compiled before the
 proxy sends traffic), and fails with the instance's name and the end of its log if one does not
 come up. Stopping (Ctrl-C, SIGTERM, or leaving the ``with`` block) stops every process it started,
-process group and all.
+process group and all. ``supervise`` adds a ``Supervisor`` (``supervisor.py``): instances that die
+are started again, and ``lmcache-pd restart`` rolls them.
 
 The instances of one launch share a key of their own (``new_instance_key``), so that only the
 proxy in front of them can call them: each vLLM gets it in its environment, the proxy reads it
@@ -23,12 +24,13 @@ import os
 import random
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgspec
@@ -46,7 +48,7 @@ from lmcache_pd.deploy.instance import (
     transfer_settings,
 )
 from lmcache_pd.deploy.pools import InstanceSpec, PoolsConfig
-from lmcache_pd.deploy.vllm_server import VLLMServer
+from lmcache_pd.deploy.vllm_server import DRAIN_EXIT_MARGIN_S, VLLMServer
 from lmcache_pd.errors import ConfigError, PDError
 from lmcache_pd.metrics_scrape import scrape
 from lmcache_pd.peers import format_peer
@@ -59,6 +61,9 @@ from lmcache_pd.proxy.config import (
     Timeouts,
     with_env_keys,
 )
+
+if TYPE_CHECKING:
+    from lmcache_pd.deploy.supervisor import RestartPolicy, Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +208,7 @@ def start_instance(
         wait=False,
         host=host,
         api_key=api_key,
+        drain_timeout_s=pools.drain_timeout_s,
     )
     logger.info("%s starting on %s (log %s)", name, server.url, log_path)
     return server
@@ -277,6 +283,11 @@ class PoolLauncher:
         self.secret_file = workdir / KV_SECRET_FILE if kv_secret else None
         self._launches: dict[str, _Launch] = {}
         self._restarts: dict[str, int] = {}
+        # Held while an instance is replaced or the pools stop: a supervisor's thread restarts
+        # instances while the caller's may be stopping them all.
+        self._lock = threading.Lock()
+        self._closed = False
+        self._supervisor: Supervisor | None = None
 
     def start(self) -> ProxyConfig:
         """Start every instance, wait until all are healthy, and return the proxy's config."""
@@ -401,37 +412,74 @@ class PoolLauncher:
         SIGCONT) would hit them all at once."""
         self.servers[name].send_signal(signum)
 
-    def restart(self, name: str, spec: InstanceSpec | None = None) -> float:
-        """Stop instance ``name`` (its whole process group, whether alive, stopped or dead) and
-        start it again on the same HTTP and KV receive ports with the same transfer config, or
-        with ``spec`` in place of its own; block until it is healthy and warmed up, and return the
-        seconds that took. Its counters start again from zero; its earlier log is kept
-        (``NAME.log``, then ``NAME.1.log``, ...)."""
-        launch = self._launches[name]
-        self.servers[name].stop()
-        self._restarts[name] = count = self._restarts.get(name, 0) + 1
+    def supervise(self, policy: RestartPolicy | None = None) -> Supervisor:
+        """Start looking after the started instances (``supervisor.py``); ``stop`` ends it."""
+        from lmcache_pd.deploy.supervisor import RestartPolicy, Supervisor
+
+        self._supervisor = Supervisor(self, policy or RestartPolicy())
+        self._supervisor.start()
+        return self._supervisor
+
+    def drain(self, name: str) -> float:
+        """SIGTERM instance ``name``'s API server, as Kubernetes or an operator would: it
+        leaves routing (/health 503), finishes its requests, and exits; wait for that up to
+        ``drain_timeout_s`` and ``DRAIN_EXIT_MARGIN_S``, then stop whatever is left of it.
+        Returns the seconds it took."""
+        server = self.servers[name]
         started = time.monotonic()
-        self._launch(
-            name,
-            spec or launch.spec,
-            launch.role,
-            launch.port,
-            launch.settings_of_role,
-            launch.kv_events,
-            f"{name}.{count}",
-        )
-        try:
-            self.servers[name].wait_until_healthy()
+        logger.info("%s draining (up to %.0f s)", name, self.pools.drain_timeout_s)
+        server.terminate()
+        if not server.wait_exit(self.pools.drain_timeout_s + DRAIN_EXIT_MARGIN_S):
+            logger.warning("%s did not exit after its drain; stopping it", name)
+        server.stop()
+        return time.monotonic() - started
+
+    def restart(self, name: str, spec: InstanceSpec | None = None, *, drain: bool = False) -> float:
+        """Stop instance ``name`` (its whole process group, whether alive, stopped or dead;
+        with ``drain``, drained first) and start it again on the same HTTP and KV receive ports
+        with the same transfer config, or with ``spec`` in place of its own; block until it is
+        healthy and warmed up, and return the seconds that took. Its counters start again from
+        zero; its earlier log is kept (``NAME.log``, then ``NAME.1.log``, ...). ``LaunchError``
+        if it does not come up, or the pools are stopping."""
+        launch = self._launches[name]
+        started = time.monotonic()
+        if drain:
+            self.drain(name)
+        with self._lock:
+            if self._closed:
+                raise LaunchError(f"{name} not restarted: the pools are stopping")
+            self.servers[name].stop()
+            self._restarts[name] = count = self._restarts.get(name, 0) + 1
+            self._launch(
+                name,
+                spec or launch.spec,
+                launch.role,
+                launch.port,
+                launch.settings_of_role,
+                launch.kv_events,
+                f"{name}.{count}",
+            )
+            server = self.servers[name]
+        try:  # outside the lock: ``stop`` ends this wait by stopping the server
+            server.wait_until_healthy()
         except (RuntimeError, TimeoutError) as exc:
             raise LaunchError(f"{name} did not restart: {exc}") from None
         self._warm_up(name)
         return time.monotonic() - started
 
     def stop(self) -> None:
-        """Stop every instance (idempotent); decode first, so no push lands in a stopping one."""
-        for name in sorted(self.servers, reverse=True):
-            self.servers[name].stop()
+        """Stop the supervisor, if any, and every instance (idempotent); decode first, so no
+        push lands in a stopping one."""
+        if self._supervisor is not None:
+            self._supervisor.stop_soon()
+        with self._lock:
+            self._closed = True
+            servers = dict(self.servers)
+        for name in sorted(servers, reverse=True):
+            servers[name].stop()
             logger.info("%s stopped", name)
+        if self._supervisor is not None:
+            self._supervisor.close()
 
     def __enter__(self) -> PoolLauncher:
         return self

@@ -103,8 +103,8 @@ class RaySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Times Ray starts an instance again after it dies (-1: always).
     max_restarts: Annotated[int, msgspec.Meta(ge=-1)] = -1
     # A decode instance leaving (``lmcache-pd scale``) takes no new requests and is stopped
-    # when its running ones are done, or after this long.
-    drain_timeout_s: Seconds = 120.0
+    # when its running ones are done, or after this long (None: the pools' ``drain_timeout_s``).
+    drain_timeout_s: Seconds | None = None
     # How often the proxy asks who the members are (new, restarted, leaving).
     discovery_interval_s: Seconds = 1.0
 
@@ -181,6 +181,10 @@ class PoolsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Arguments every instance gets after the engine's (and after the model and its port).
     vllm_args: list[str] = msgspec.field(default_factory=list)
     kv_cache_gib: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # An instance told to stop (SIGTERM: ``lmcache-pd restart``, an operator, a pod's
+    # termination) answers /health with 503 at once, refuses new requests, and stops when its
+    # running ones are done, or after this long (vLLM's ``--shutdown-timeout``, whole seconds).
+    drain_timeout_s: Seconds = 120.0
     # Tokens per chunk of every instance, over their configs' (None: theirs). The chunk is the
     # unit a decode reuses from its consumer once vLLM evicted a history, so a smaller one
     # recomputes less after eviction and moves more, smaller chunks; every instance must agree.
@@ -193,6 +197,12 @@ class PoolsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ray: RaySpec = msgspec.field(default_factory=RaySpec)
     # ``lmcache-pd k8s``: the manifests' image, namespace, names, model volume, proxy Service.
     kubernetes: KubernetesSpec = msgspec.field(default_factory=KubernetesSpec)
+
+    @property
+    def ray_drain_timeout_s(self) -> float:
+        """How long a Ray scale-down waits for a leaving instance's requests."""
+        own = self.ray.drain_timeout_s
+        return self.drain_timeout_s if own is None else own
 
 
 def load_pools(path: str | Path) -> PoolsConfig:

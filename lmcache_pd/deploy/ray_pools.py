@@ -263,7 +263,7 @@ class PoolsController:
         marked, since = self._reports.count, time.monotonic()
         interval = self._pools.ray.discovery_interval_s
         url = instance.state.member.url if instance.state else None
-        deadline = since + self._pools.ray.drain_timeout_s
+        deadline = since + self._pools.ray_drain_timeout_s
         logger.info("%s draining", instance.name)
         while time.monotonic() < deadline:
             # Two reports after the mark: the second was made after the proxy stopped routing.
@@ -277,7 +277,7 @@ class PoolsController:
             logger.warning(
                 "%s: requests still running after drain_timeout_s %.0f s; stopping it anyway",
                 instance.name,
-                self._pools.ray.drain_timeout_s,
+                self._pools.ray_drain_timeout_s,
             )
         await self._stop(instance)
         logger.info("%s drained and stopped after %.1f s", instance.name, time.monotonic() - since)

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import functools
 import json
+import math
 import os
 import re
 import shutil
@@ -66,6 +67,9 @@ SERVER_STOP_TIMEOUT_S = 20.0
 # prefill held it 14-18 s. After these two sizes every batch size is compiled.
 WARM_UP_BATCHES = (1, 2)
 WARM_UP_TIMEOUT_S = 180.0
+# How long past its drain a drained server may take to exit (vLLM stops its engine and workers
+# after the last request: 3-5 s measured here) before it is stopped outright.
+DRAIN_EXIT_MARGIN_S = 30
 
 
 def _prepare_child(cpus: frozenset[int] | None) -> None:
@@ -119,11 +123,14 @@ def vllm_command(
     kv_transfer_config: dict[str, Any] | None = None,
     python: str = sys.executable,
     key_guard: bool = False,
+    drain_timeout_s: float | None = None,
 ) -> list[str]:
     """The command line of one vLLM OpenAI server (see ``VLLMServer``), run by ``python``: the
     one place it is written, for child processes here and for Kubernetes pods alike. With
     ``key_guard`` every path but /health and /metrics asks for the key in its ``VLLM_API_KEY``
-    (``instance_guard.py``)."""
+    (``instance_guard.py``), and SIGTERM drains it (``instance_drain.py``) for up to
+    ``drain_timeout_s``, which is vLLM's ``--shutdown-timeout`` (whole seconds; None: vLLM's
+    default, 0, aborting the engine's requests at once)."""
     command = [
         python,
         "-m",
@@ -143,6 +150,8 @@ def vllm_command(
         command += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     if key_guard:
         command += ["--middleware", GUARD_IMPORT_PATH]
+    if drain_timeout_s is not None:
+        command += ["--shutdown-timeout", str(math.ceil(drain_timeout_s))]
     return command
 
 
@@ -262,6 +271,7 @@ class VLLMServer:
         wrap: Sequence[str] = (),
         process_cpus: str | None = None,
         api_key: str | None = None,
+        drain_timeout_s: float | None = None,
     ) -> None:
         """Start the server; with ``wait`` (else call ``wait_until_healthy``, e.g. after starting
         a second one so that both start at once) block until it answers /health.
@@ -274,7 +284,9 @@ class VLLMServer:
         another command (``ip netns exec NS``: then ``url`` is reachable only from that
         namespace, so call ``wait_until_healthy`` and every request from there, e.g. with
         ``netns.Side.call``). With ``api_key`` it answers only /health and /metrics without
-        that key; ``headers`` carry it, and ``warm_up``, ``post`` and ``complete`` send them."""
+        that key; ``headers`` carry it, and ``warm_up``, ``post`` and ``complete`` send them.
+        With a key, ``terminate`` drains it for up to ``drain_timeout_s`` (see
+        ``vllm_command``)."""
         cpus = None if process_cpus is None else _usable_cpus(process_cpus)
         arguments = [*engine_args, *extra_args]
         command = [
@@ -288,6 +300,7 @@ class VLLMServer:
                 log_stats=log_stats,
                 kv_transfer_config=kv_transfer_config,
                 key_guard=api_key is not None,
+                drain_timeout_s=drain_timeout_s,
             ),
         ]
         self.url = f"http://{host}:{port}"
@@ -370,10 +383,29 @@ class VLLMServer:
         return self._process.poll() is None
 
     @property
+    def returncode(self) -> int | None:
+        """The server's exit status; None while it runs."""
+        return self._process.poll()
+
+    @property
     def pid(self) -> int:
         """The server's process id, which is also its process group's id (process_group=0):
         vLLM's engine processes are in that group."""
         return self._process.pid
+
+    def terminate(self) -> None:
+        """SIGTERM the API server alone, as Kubernetes or an operator's ``kill`` would: it
+        drains, and stops its engine processes itself (``stop`` signals them all at once)."""
+        with contextlib.suppress(ProcessLookupError):
+            self._process.send_signal(signal.SIGTERM)
+
+    def wait_exit(self, timeout_s: float) -> bool:
+        """Wait until the API server has exited; False if it still runs at the deadline."""
+        try:
+            self._process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
     def send_signal(self, signum: int) -> None:
         """Send ``signum`` to the server's whole process group; nothing if it is gone."""
