@@ -4,7 +4,10 @@ A key is a 16-byte BLAKE2b digest over the previous chunk's key, this chunk's to
 little-endian int64) and, through the seed, everything that makes KV bytes incompatible: model,
 world size, worker id, dtype and chunk size. A request's ``cache_salt`` (vLLM's per-request
 prefix-cache isolation) starts its chain elsewhere, so every one of its keys differs from another
-salt's and from no salt's: requests of different tenants never share a chunk. Python's ``hash()``
+salt's and from no salt's: requests of different tenants never share a chunk. A request's LoRA
+adapter (its name, as every instance of a deployment loads the same adapter under it) starts it
+elsewhere again: an adapter's KV is never loaded for another adapter or the base model. Python's
+``hash()``
 is salted per process, so it is never used: the same tokens give the same keys in every process on
 every machine.
 """
@@ -82,18 +85,20 @@ class ChunkKeyer:
         tokens: Sequence[int] | np.ndarray,
         mask: Sequence[bool] | np.ndarray | None = None,
         salt: str | None = None,
+        lora: str | None = None,
     ) -> list[ChunkKey]:
         """Keys of every chunk of ``tokens``; the last chunk may be partial and has its own key.
 
         ``mask`` (same length as tokens) marks with False a prefix that is already cached and
         needs no key: it must be a run of Falses, of a whole number of chunks, then only Trues.
         ``salt``: the request's ``cache_salt``; None or empty means none (vLLM refuses an empty
-        one), and keys are then those of an unsalted request.
+        one), and keys are then those of an unsalted request. ``lora``: the request's LoRA
+        adapter's name (None: the base model).
         """
         ids = _as_int64(tokens)
         skip = self._masked_prefix(mask, len(ids))
         keys: list[ChunkKey] = []
-        previous = self._chain_start(salt)
+        previous = self._chain_start(salt, lora)
         for start in range(0, len(ids), self.chunk_size):
             end = min(start + self.chunk_size, len(ids))
             digest = hashlib.blake2b(previous, digest_size=KEY_BYTES)
@@ -103,19 +108,22 @@ class ChunkKeyer:
                 keys.append(ChunkKey(start, end, previous))
         return keys
 
-    def _chain_start(self, salt: str | None) -> bytes:
-        """The seed, or a digest of ``salt`` keyed by the seed and personalised, unlike a
-        chunk's digest, so that no tokens of an unsalted prompt can stand in for a salt. Any
-        string encodes (a lone surrogate from a client's JSON included): a salt never fails a
-        request's keys."""
-        if not salt:
-            return self._seed
-        return hashlib.blake2b(
-            salt.encode("utf-8", "surrogatepass"),
-            digest_size=KEY_BYTES,
-            key=self._seed,
-            person=b"cache_salt",
-        ).digest()
+    def _chain_start(self, salt: str | None, lora: str | None) -> bytes:
+        """The seed; with ``salt``, a digest of it keyed by that and personalised, unlike a
+        chunk's digest, so that no tokens of an unsalted prompt can stand in for a salt; with
+        ``lora``, a digest of the adapter's name keyed by that, personalised otherwise again, so
+        that no salt can stand in for an adapter. Any string encodes (a lone surrogate from a
+        client's JSON included): a salt never fails a request's keys."""
+        start = self._seed
+        for value, person in ((salt, b"cache_salt"), (lora, b"lora")):
+            if value:
+                start = hashlib.blake2b(
+                    value.encode("utf-8", "surrogatepass"),
+                    digest_size=KEY_BYTES,
+                    key=start,
+                    person=person,
+                ).digest()
+        return start
 
     def _masked_prefix(self, mask: Sequence[bool] | np.ndarray | None, length: int) -> int:
         """Number of leading tokens the mask excludes, after checking the mask's shape."""

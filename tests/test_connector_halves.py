@@ -57,12 +57,14 @@ def request(
     computed: int | None = None,
     status: RequestStatus = RequestStatus.FINISHED_LENGTH_CAPPED,
     cache_salt: str | None = None,
+    lora: str | None = None,
 ) -> SimpleNamespace:
     return SimpleNamespace(
         request_id=req_id,
         prompt_token_ids=prompt,
         kv_transfer_params=params,
         cache_salt=cache_salt,
+        lora_request=None if lora is None else SimpleNamespace(lora_name=lora),
         output_token_ids=list(outputs),
         num_computed_tokens=len(prompt) if computed is None else computed,
         num_preemptions=0,
@@ -290,23 +292,26 @@ def test_decode_keeps_the_chunks_of_a_prompt_it_computed_once_the_prompt_is_comp
     assert scheduler.build_connector_meta(step(cached=[("a", [], 200)])).keeps == []
 
 
-def test_both_scheduler_halves_pass_the_requests_cache_salt_to_their_worker() -> None:
-    """The workers key a request's chunks with its ``cache_salt``: every save carries it, and so
-    does the load; a request without one carries None (the control)."""
+@pytest.mark.parametrize(("salt", "lora"), [("tenant-a", None), (None, "tuned"), (None, None)])
+def test_both_scheduler_halves_pass_the_requests_key_scope_to_their_worker(
+    salt: str | None, lora: str | None
+) -> None:
+    """The workers key a request's chunks with its ``cache_salt`` and its LoRA adapter's name:
+    every save carries them, and so does the load; a request without them carries None (the
+    control)."""
     blocks = SimpleNamespace(get_block_ids=lambda: ([3, 1, 4, 1],))
-    for salt in ("tenant-a", None):
-        producer = ProducerScheduler()
-        req = request("r", list(range(150)), {"disagg_spec": SPEC}, cache_salt=salt)
-        producer.update_state_after_alloc(req, None, 0)
-        first = producer.build_connector_meta(step(new=[("r", [4, 5], 0)], scheduled={"r": 64}))
-        later = producer.build_connector_meta(step(cached=[("r", [6], 64)], scheduled={"r": 86}))
-        assert [save.cache_salt for save in first.saves + later.saves] == [salt, salt]
-        consumer = ConsumerScheduler()
-        req = request("c", list(range(201)), {"disagg_spec": SPEC}, cache_salt=salt)
-        assert consumer.get_num_new_matched_tokens(req, 0) == (200, True)
-        consumer.update_state_after_alloc(req, blocks, 200)
-        [load] = consumer.build_connector_meta(step()).loads
-        assert load.cache_salt == salt
+    producer = ProducerScheduler()
+    req = request("r", list(range(150)), {"disagg_spec": SPEC}, cache_salt=salt, lora=lora)
+    producer.update_state_after_alloc(req, None, 0)
+    first = producer.build_connector_meta(step(new=[("r", [4, 5], 0)], scheduled={"r": 64}))
+    later = producer.build_connector_meta(step(cached=[("r", [6], 64)], scheduled={"r": 86}))
+    assert [(s.cache_salt, s.lora) for s in first.saves + later.saves] == [(salt, lora)] * 2
+    consumer = ConsumerScheduler()
+    req = request("c", list(range(201)), {"disagg_spec": SPEC}, cache_salt=salt, lora=lora)
+    assert consumer.get_num_new_matched_tokens(req, 0) == (200, True)
+    consumer.update_state_after_alloc(req, blocks, 200)
+    [load] = consumer.build_connector_meta(step()).loads
+    assert (load.cache_salt, load.lora) == (salt, lora)
 
 
 def paged_cache(num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:

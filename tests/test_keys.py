@@ -139,3 +139,19 @@ def test_any_string_is_a_usable_salt() -> None:
     """A client's JSON can carry a lone surrogate; keying must not fail on it."""
     keys = keyer().chunk_keys(list(range(4)), salt="\ud800")
     assert keys[0].key != keyer().chunk_keys(list(range(4)), salt="\ud801")[0].key
+
+
+def test_a_lora_adapter_changes_every_key_and_no_salt_stands_in_for_it() -> None:
+    """An adapter's KV is not the base model's, nor another adapter's: every key differs, the
+    first too; a salt and an adapter of the same name, or a salt spelled like one, never make
+    the same keys (each is mixed in under its own personalisation)."""
+    tokens = list(range(10))
+    base = keyer().chunk_keys(tokens)
+    tuned = keyer().chunk_keys(tokens, lora="tuned")
+    other = keyer().chunk_keys(tokens, lora="other")
+    as_salt = keyer().chunk_keys(tokens, salt="tuned")
+    salted_tuned = keyer().chunk_keys(tokens, salt="a", lora="tuned")
+    every = [k.key for keys in (base, tuned, other, as_salt, salted_tuned) for k in keys]
+    assert len(set(every)) == len(every)
+    assert keyer().chunk_keys(tokens, lora="tuned") == tuned  # the control: the same adapter
+    assert [k.key.hex() for k in keyer().chunk_keys(tokens, lora=None)] == UNSALTED_KEYS

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 class _Computing:
     prompt: list[int]
     cache_salt: str | None
+    lora: str | None
     start: int = -1  # where its first chunk decode computes begins (-1: not scheduled yet)
     blocks: list[int] = field(default_factory=list)
 
@@ -40,11 +41,13 @@ class ComputedPrompts:
         self._chunk_size = chunk_size
         self._computing: dict[str, _Computing] = {}
 
-    def track(self, req_id: str, prompt: list[int], cache_salt: str | None) -> None:
-        """Decode serves ``req_id`` alone: keep its prompt's chunks once computed. A prompt
-        shorter than a chunk has none to keep."""
+    def track(
+        self, req_id: str, prompt: list[int], cache_salt: str | None, lora: str | None = None
+    ) -> None:
+        """Decode serves ``req_id`` alone: keep its prompt's chunks once computed (under keys
+        of its salt and LoRA adapter). A prompt shorter than a chunk has none to keep."""
         if len(prompt) >= self._chunk_size:
-            self._computing.setdefault(req_id, _Computing(prompt, cache_salt))
+            self._computing.setdefault(req_id, _Computing(prompt, cache_salt, lora))
 
     def forget(self, req_id: str) -> None:
         self._computing.pop(req_id, None)
@@ -88,6 +91,7 @@ class ComputedPrompts:
                         computing.blocks,
                         computing.start,
                         computing.cache_salt,
+                        computing.lora,
                     )
                 )
         return keeps

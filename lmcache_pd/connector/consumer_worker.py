@@ -206,7 +206,7 @@ class ConsumerWorker(WorkerHalf):
                 for chunk in zip(
                     *(
                         held_tail(
-                            keyer.chunk_keys(load.prompt, salt=load.cache_salt),
+                            keyer.chunk_keys(load.prompt, salt=load.cache_salt, lora=load.lora),
                             load.held,
                             cache,
                             keyer.chunk_size,
@@ -293,7 +293,7 @@ class ConsumerWorker(WorkerHalf):
         keyer, cache = self._sources[0]
         chunks = [
             chunk
-            for chunk in keyer.chunk_keys(keep.prompt, salt=keep.cache_salt)
+            for chunk in keyer.chunk_keys(keep.prompt, salt=keep.cache_salt, lora=keep.lora)
             if chunk.start >= keep.start
         ]
         specs = [ChunkSpec(c.key, cache.chunk_nbytes(c.end - c.start)) for c in chunks]

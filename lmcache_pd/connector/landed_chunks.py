@@ -48,15 +48,17 @@ class LandedChunks:
                 self._sets[rank] = landed
                 self.version += 1
 
-    def landed_run(self, tokens: list[int], salt: str | None, computed: int) -> int:
-        """Where the run of ``tokens``' chunks landed on every rank ends, from the chunk that
-        holds token ``computed`` on (``computed`` itself if that chunk has not landed, or the
-        prompt ends there)."""
+    def landed_run(
+        self, tokens: list[int], salt: str | None, computed: int, lora: str | None = None
+    ) -> int:
+        """Where the run of ``tokens``' chunks (keyed with ``salt`` and ``lora``) landed on
+        every rank ends, from the chunk that holds token ``computed`` on (``computed`` itself if
+        that chunk has not landed, or the prompt ends there)."""
         self.refresh()
         if computed >= len(tokens) or not all(self._sets):
             return computed
         end = computed
-        per_rank = [keyer.chunk_keys(tokens, salt=salt or None) for keyer in self.keyers]
+        per_rank = [keyer.chunk_keys(tokens, salt=salt or None, lora=lora) for keyer in self.keyers]
         for chunks in zip(*per_rank, strict=True):
             if chunks[0].end <= computed:
                 continue

@@ -20,7 +20,8 @@ class SaveRequest:
     """Producer: after this step the KV of the prompt's first ``computed_end`` tokens is in the
     request's blocks: those it had, plus ``block_ids`` (or only ``block_ids`` if
     ``replace_blocks``, after a preemption). ``prompt`` is set on the request's first save only.
-    ``cache_salt``: the request's (vLLM's ``Request.cache_salt``), part of its chunk keys."""
+    ``cache_salt`` and ``lora`` (its LoRA adapter's name): the request's (vLLM's
+    ``Request.cache_salt``, ``Request.lora_request``), part of its chunk keys."""
 
     req_id: str
     spec: DisaggSpec
@@ -29,6 +30,7 @@ class SaveRequest:
     computed_end: int
     replace_blocks: bool = False
     cache_salt: str | None = None
+    lora: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +42,8 @@ class LoadRequest:
     ``sync``: its chunks had all landed on every rank when vLLM scheduled it, so it is loaded
     before this step's forward pass, which computes its last token (vLLM's synchronous load),
     instead of in a step of its own. ``cache_salt``: the request's, part of its chunk keys, so
-    that it never loads a chunk pushed for a request of another salt. ``local``: decode serves
+    that it never loads a chunk pushed for a request of another salt; ``lora`` alike, for
+    another adapter or the base model. ``local``: decode serves
     the request alone and loads ``prompt`` (its tokens up to the end of the chunks it found
     landed) from chunks pushed for earlier requests, held under ``disagg_req_id`` for the load.
     ``held``: the leading tokens the DisaggSpec told prefill decode holds (its ``decode_holds``):
@@ -55,6 +58,7 @@ class LoadRequest:
     cache_salt: str | None = None
     local: bool = False
     held: int = 0
+    lora: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +73,7 @@ class KeepRequest:
     block_ids: list[int]
     start: int
     cache_salt: str | None = None
+    lora: str | None = None
 
 
 @dataclass

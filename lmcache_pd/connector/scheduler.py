@@ -44,6 +44,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def lora_name(request: Request) -> str | None:
+    """The request's LoRA adapter's name (None: the base model): part of its chunk keys, as it
+    is of vLLM's own prefix-cache keys."""
+    lora = getattr(request, "lora_request", None)
+    return None if lora is None else lora.lora_name
+
+
 class ParamsDoor:
     """Each request's ``kv_transfer_params``, decoded once, at the first hook that sees it.
 
@@ -135,6 +142,7 @@ class _Push:
     ret_first_tok: bool
     notice_to: str | None  # the proxy that wants the first token from the engine at once
     cache_salt: str | None  # the request's, part of its chunk keys
+    lora: str | None  # its LoRA adapter's name, part of its chunk keys too
     announced: bool = False  # the worker has had the prompt
 
 
@@ -171,6 +179,7 @@ class ProducerScheduler(SchedulerHalf):
             params.ret_first_tok,
             params.first_tok_to,
             request.cache_salt,
+            lora_name(request),
         )
 
     def build_connector_meta(self, output: SchedulerOutput) -> PDConnectorMetadata:
@@ -245,6 +254,7 @@ class ProducerScheduler(SchedulerHalf):
             min(computed, len(push.prompt)),
             replace_blocks=replace,
             cache_salt=push.cache_salt,
+            lora=push.lora,
         )
 
 
@@ -385,7 +395,9 @@ class ConsumerScheduler(SchedulerHalf):
         if self._landed_chunks is None:
             return 0
         prompt = list(request.prompt_token_ids or [])[:-1]  # its last token is computed here
-        end = self._landed_chunks.landed_run(prompt, request.cache_salt, num_computed)
+        end = self._landed_chunks.landed_run(
+            prompt, request.cache_salt, num_computed, lora_name(request)
+        )
         if end <= num_computed:
             self._local.pop(request.request_id, None)
             return 0
@@ -415,7 +427,10 @@ class ConsumerScheduler(SchedulerHalf):
         if spec is None:
             if self._computed is not None:
                 self._computed.track(
-                    request.request_id, list(request.prompt_token_ids or []), request.cache_salt
+                    request.request_id,
+                    list(request.prompt_token_ids or []),
+                    request.cache_salt,
+                    lora_name(request),
                 )
             return
         if request.request_id in self._loaded:
@@ -428,7 +443,7 @@ class ConsumerScheduler(SchedulerHalf):
             return
         prompt = self._pushed_prompt(request)
         start = len(request.prompt_token_ids or []) - 1 - num_external_tokens
-        if self._landed is not None:
+        if self._landed is not None and lora_name(request) is None:
             self._landed.learn(prompt, request.cache_salt)
         sync = self._sync.pop(request.request_id, False)
         block_ids = list(blocks.get_block_ids()[0])
@@ -442,6 +457,7 @@ class ConsumerScheduler(SchedulerHalf):
                 sync=sync,
                 cache_salt=request.cache_salt,
                 held=spec.decode_holds,
+                lora=lora_name(request),
             )
         )
 
@@ -479,6 +495,7 @@ class ConsumerScheduler(SchedulerHalf):
                 sync=True,
                 cache_salt=request.cache_salt,
                 local=True,
+                lora=lora_name(request),
             )
         )
         return True
@@ -492,7 +509,8 @@ class ConsumerScheduler(SchedulerHalf):
             meta.keeps = self._computed.keeps(output)
             if self._landed is not None:
                 for keep in meta.keeps:  # published once they land, under the proxy's keys
-                    self._landed.learn(keep.prompt, keep.cache_salt)
+                    if keep.lora is None:  # which know no adapter: the base model's only
+                        self._landed.learn(keep.prompt, keep.cache_salt)
         return meta
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
