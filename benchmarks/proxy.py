@@ -302,7 +302,7 @@ class LoadGenerator:
         if mode == "proxy":
             encoded = msgspec.json.encode(body)
             return lambda: self._proxied(encoded)
-        client = ClientRequest.parse(Endpoint.COMPLETIONS, body, MODEL)
+        client = ClientRequest.parse(Endpoint.COMPLETIONS, body)
         return lambda: self._direct(client)
 
     def _sample(self, started: float, arrivals: list[float], done: float) -> Sample:

@@ -33,6 +33,7 @@ from lmcache_pd.proxy.local_tokenizer import LocalTokenizer
 from lmcache_pd.proxy.membership import Membership, MemberSource
 from lmcache_pd.proxy.metrics import ProxyMetrics
 from lmcache_pd.proxy.migration import Migrations
+from lmcache_pd.proxy.model_names import ModelNames
 from lmcache_pd.proxy.orchestration import Orchestrator
 from lmcache_pd.proxy.placement import Placer
 from lmcache_pd.proxy.prompt_size import PromptSizer
@@ -72,6 +73,13 @@ class Proxy:
             ],
         )
         self.metrics = ProxyMetrics(self._upstreams, lambda: self.door.in_flight)
+        self._names = ModelNames(
+            config.model,
+            self._http,
+            self._upstreams,
+            self._instance_headers,
+            config.timeouts.health_s,
+        )
         self._forwarder = Forwarder(
             self._http,
             self._upstreams,
@@ -79,6 +87,7 @@ class Proxy:
             self._instance_headers,
             config.timeouts,
             self.metrics,
+            self._names.refresh,
         )
         self.door = Door(
             config.client_key(),
@@ -173,8 +182,9 @@ class Proxy:
             self._notices,
             self._instance_headers,
         )
+        await self._names.refresh()
         self._orchestrator = Orchestrator(
-            model=self.config.model,
+            names=self._names,
             flow=flow,
             placer=placer,
             migrations=Migrations(flow, placer, self.metrics, self.config.decode_migrations),

@@ -64,10 +64,28 @@ class Endpoint(enum.Enum):
 class BadRequest(Exception):
     """The client's request cannot be served as sent; the message says why."""
 
-    def __init__(self, message: str, *, status: int = 400, kind: str = "BadRequestError") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        kind: str = "BadRequestError",
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
+        self.param = param
+
+
+def unknown_model(name: str, base: str) -> BadRequest:
+    """vLLM's own answer to a model name it does not serve (``base``: the model it serves)."""
+    return BadRequest(
+        f"The model `{name}` does not exist. Valid aliases: {base}.",
+        status=404,
+        kind="NotFoundError",
+        param="model",
+    )
 
 
 class _StreamOptions(msgspec.Struct):
@@ -75,7 +93,7 @@ class _StreamOptions(msgspec.Struct):
 
 
 class _Common(msgspec.Struct, kw_only=True):
-    model: str
+    model: str | None = None  # none: the base model, as vLLM takes it
     cache_salt: Annotated[str, msgspec.Meta(min_length=1)] | None = None
     stream: bool | None = None
     stream_options: _StreamOptions | None = None
@@ -187,7 +205,8 @@ class ClientRequest:
 
     endpoint: Endpoint
     body: dict[str, Any]
-    model: str
+    # The model named (None: the base model; ``model_names.py`` resolves it at the door).
+    model: str | None
     stream: bool
     include_usage: bool
     # Output tokens the client wants in all; None: up to the model's context (chat default).
@@ -197,7 +216,7 @@ class ClientRequest:
     alone_reason: str | None = None
 
     @classmethod
-    def from_json(cls, endpoint: Endpoint, raw: bytes, served_model: str) -> ClientRequest:
+    def from_json(cls, endpoint: Endpoint, raw: bytes) -> ClientRequest:
         """Decode the body ``raw`` and ``parse`` it; raises ``BadRequest``."""
         try:
             body = msgspec.json.decode(raw)
@@ -206,18 +225,15 @@ class ClientRequest:
             raise BadRequest(f"malformed JSON body: {exc}") from exc
         except RecursionError:  # msgspec's own limit, far deeper than MAX_JSON_DEPTH
             raise BadRequest(f"the body is nested deeper than {MAX_JSON_DEPTH} levels") from None
-        return cls.parse(endpoint, body, served_model)
+        return cls.parse(endpoint, body)
 
     @classmethod
-    def parse(cls, endpoint: Endpoint, body: object, served_model: str) -> ClientRequest:
-        """Check ``body``; raises ``BadRequest`` (400, or 404 for an unknown model)."""
+    def parse(cls, endpoint: Endpoint, body: object) -> ClientRequest:
+        """Check ``body``; raises ``BadRequest``. Whether its model is served is
+        ``model_names.py``'s to say (``unknown_model``)."""
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         fields = _validate(endpoint, body)
-        if fields.model != served_model:
-            raise BadRequest(
-                f"The model `{fields.model}` does not exist.", status=404, kind="NotFoundError"
-            )
         if isinstance(fields, _ChatFields):
             max_tokens = fields.max_completion_tokens or fields.max_tokens
         else:

@@ -2,7 +2,11 @@
 the instances' key: ``/tokenize``, ``/detokenize`` and ``/version`` to the least busy instance
 of either pool, and the Responses API (``/v1/responses``) to a decode instance by load, which
 serves it alone (counted as ``not_disaggregated{reason="responses"}``), its answer streamed
-through as it comes (SSE with vLLM's ``event:`` lines, or one JSON body).
+through as it comes (SSE with vLLM's ``event:`` lines, or one JSON body). Loading or unloading a
+LoRA adapter at run time (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``; vLLM serves them
+where ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is set) goes to every instance, prefill and decode
+alike, since either may serve the adapter's requests; the first refusal is the answer, else the
+first instance's, and the proxy lists the served names again.
 
 vLLM keeps a response only where ``VLLM_ENABLE_RESPONSES_API_STORE`` is set (off by default),
 and then in one instance's memory: retrieving or cancelling one, or going on from one
@@ -14,7 +18,7 @@ with the store on, a response lives on one decode instance and a later call may 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -29,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 # Path -> method: answered by any instance (nothing is generated).
 INSTANCE_ROUTES = {"/tokenize": "POST", "/detokenize": "POST", "/version": "GET"}
+# Path -> method: what every instance must do alike (its LoRA adapters).
+ADAPTER_ROUTES = {"/v1/load_lora_adapter": "POST", "/v1/unload_lora_adapter": "POST"}
 # Path -> method: generation that decode serves alone (the Responses API).
 RESPONSES_ROUTES = {
     "/v1/responses": "POST",
@@ -48,7 +54,10 @@ class Forwarder:
         headers: dict[str, str],
         timeouts: Timeouts,
         metrics: ProxyMetrics,
+        adapters_changed: Callable[[], Awaitable[None]],
     ) -> None:
+        """``adapters_changed`` is awaited after an adapter was loaded or unloaded."""
+        self._adapters_changed = adapters_changed
         self._session = session
         self._instances = instances
         self._decode = decode
@@ -63,6 +72,49 @@ class Forwarder:
     def add_routes(self, app: web.Application) -> None:
         for path, method in (*INSTANCE_ROUTES.items(), *RESPONSES_ROUTES.items()):
             app.router.add_route(method, path, self.forward)
+        for path, method in ADAPTER_ROUTES.items():
+            app.router.add_route(method, path, self.to_every_instance)
+
+    async def to_every_instance(self, request: web.Request) -> web.Response:
+        """The request made of every healthy instance, one at a time (what one refuses, the
+        rest are not asked); the first refusal, else the first answer; 503 with none healthy,
+        502 where one cannot be reached."""
+        body = await request.read()
+        if body and (reason := refusal(body)) is not None:
+            return error_response(reason, "BadRequestError", 400)
+        members = [m for m in self._instances() if m.healthy]
+        if not members:
+            return error_response("no healthy instance", "ServiceUnavailable", 503)
+        first: web.Response | None = None
+        try:
+            for member in members:
+                async with self._session().request(
+                    request.method,
+                    f"{member.url}{request.path}",
+                    data=body or None,
+                    headers=self._headers,
+                    timeout=self._short,
+                ) as response:
+                    answer = web.Response(
+                        body=await response.read(),
+                        status=response.status,
+                        content_type=response.content_type,
+                    )
+                if answer.status != 200:
+                    logger.warning(
+                        "%s: %s refused it (%d)", request.path, member.url, answer.status
+                    )
+                    return answer
+                if first is None:
+                    first = answer
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self._metrics.upstream_error(member, "broken")
+            logger.warning("%s: %s failed: %r", request.path, member.url, exc)
+            return error_response(f"an instance failed on {request.path}", "BadGateway", 502)
+        finally:
+            await self._adapters_changed()
+        assert first is not None
+        return first
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         """The instance's answer, its status and type, streamed through as it comes; 400 for

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -25,13 +26,14 @@ from aiohttp import web
 from lmcache_pd.first_token import FirstTokenNotice, NoticeBoard
 from lmcache_pd.protocol import DisaggSpec, KVTransferParams
 from lmcache_pd.proxy.answer import Answer
-from lmcache_pd.proxy.client_request import BadRequest, ClientRequest, Endpoint
+from lmcache_pd.proxy.client_request import BadRequest, ClientRequest, Endpoint, unknown_model
 from lmcache_pd.proxy.decode_stream import DecodeStream
 from lmcache_pd.proxy.direct import serve_alone
 from lmcache_pd.proxy.flow import Disaggregator, Prefilled, UpstreamFailed, UpstreamRejected
 from lmcache_pd.proxy.kv_drop import KVDropper
 from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
 from lmcache_pd.proxy.migration import Migrations
+from lmcache_pd.proxy.model_names import ModelNames
 from lmcache_pd.proxy.placement import Placer, Plan
 from lmcache_pd.proxy.responses import error_response
 from lmcache_pd.proxy.routing import NoHealthyInstance, Upstream
@@ -48,7 +50,7 @@ class Orchestrator:
     def __init__(
         self,
         *,
-        model: str,
+        names: ModelNames,
         flow: Disaggregator,
         placer: Placer,
         migrations: Migrations,
@@ -57,9 +59,9 @@ class Orchestrator:
         notices: NoticeBoard | None,
         trace: TraceFile,
     ) -> None:
-        """``model`` is the one name clients may ask for; with ``notices``, decode is asked on
+        """``names``: the model names clients may ask for; with ``notices``, decode is asked on
         prefill's first-token notice when it comes before prefill's answer."""
-        self._model = model
+        self._names = names
         self._flow = flow
         self._placer = placer
         self._migrations = migrations
@@ -73,10 +75,14 @@ class Orchestrator:
         started = time.perf_counter()
         label = endpoint.value
         try:
-            client = ClientRequest.from_json(endpoint, await http.read(), self._model)
+            client = ClientRequest.from_json(endpoint, await http.read())
+            model = await self._names.resolve(client.model)
+            if model is None:
+                raise unknown_model(str(client.model), self._names.base)
+            client = dataclasses.replace(client, model=model)
         except BadRequest as exc:
             self._metrics.requests.labels(label, Outcome.BAD_REQUEST.value).inc()
-            return error_response(str(exc), exc.kind, exc.status)
+            return error_response(str(exc), exc.kind, exc.status, exc.param)
         except web.HTTPRequestEntityTooLarge as exc:
             self._metrics.requests.labels(label, Outcome.BAD_REQUEST.value).inc()
             return error_response(exc.text or "request body too large", "BadRequestError", 413)

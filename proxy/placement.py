@@ -17,8 +17,8 @@ or never saw: a conversation's answers, which decode generated). Else prefill ru
 way for its own cache, and pushes what decode lacks. A conversation stays where its history is
 without any session id. Without the index (``routing: load``, no instance publishes, nothing stored
 yet, or the tokens cannot be had) the choice is by load alone and the prompt's whole length decides,
-as before. ``routing: cache_aware`` picks decode as vLLM's own router does (``cache_aware.py``),
-for comparison.
+as before; so is a LoRA adapter's request (its blocks are keyed with the adapter). ``routing:
+cache_aware`` picks decode as vLLM's own router does (``cache_aware.py``), for comparison.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ class Placer:
         prefill: Pool | None = None,
         sent: SentPrompts | None = None,
     ) -> None:
-        """Without ``index`` and ``tokens``: by load, as ``routing: load``; ``prefill``: its
+        """Without ``index`` and ``tokens``: by load, as ``routing: load``; ``model``: the base
+        model's name (a request for another, a LoRA adapter, is placed by load); ``prefill``: its
         pool, whose caches weigh for decode alone (None: they do not); ``sent`` (with
         ``tokens``, no ``index``): decode as ``routing: cache_aware`` picks it."""
         self._sent = sent
@@ -107,6 +108,11 @@ class Placer:
         """``NoHealthyInstance`` if decode is needed and none is up."""
         if client.alone_reason is not None:  # served unchanged by decode, by load
             return Plan(self._decode.pick(), alone=True)
+        if client.model != self._model:
+            # A LoRA adapter's: vLLM mixes the adapter into its blocks' keys, which the index
+            # and the record of prompts sent know nothing of: by load.
+            decoder = self._decode.pick() if client.needs_decode else None
+            return Plan(decoder, decoder is not None and self._sizer.is_short(client))
         if self._sent is not None and self._tokens is not None and client.needs_decode:
             token_ids = await self._tokens.of(client, self._model)
             if token_ids is not None:

@@ -17,9 +17,9 @@ class ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
 
 
-def error_body(message: str, kind: str, status: int) -> dict[str, Any]:
+def error_body(message: str, kind: str, status: int, param: str | None = None) -> dict[str, Any]:
     """OpenAI's (and vLLM's) error shape; also sent as a stream's last event."""
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def json_response(body: dict[str, Any], status: int = 200) -> web.Response:
@@ -28,8 +28,8 @@ def json_response(body: dict[str, Any], status: int = 200) -> web.Response:
     )
 
 
-def error_response(message: str, kind: str, status: int) -> web.Response:
-    return json_response(error_body(message, kind, status), status)
+def error_response(message: str, kind: str, status: int, param: str | None = None) -> web.Response:
+    return json_response(error_body(message, kind, status, param), status)
 
 
 def sse(event: dict[str, Any] | str | bytes) -> bytes:

@@ -362,7 +362,7 @@ async def until(condition: Callable[[], bool], what: str, timeout_s: float = 5.0
 def completion(tokens: list[int]) -> ClientRequest:
     """A client's completions request for ``tokens``, as the proxy parses it."""
     body = {"model": "m", "prompt": tokens, "max_tokens": 4}
-    return ClientRequest.from_json(Endpoint.COMPLETIONS, msgspec.json.encode(body), "m")
+    return ClientRequest.from_json(Endpoint.COMPLETIONS, msgspec.json.encode(body))
 
 
 def test_placement_sends_a_prompt_decode_mostly_holds_to_decode_alone() -> None:
@@ -382,7 +382,7 @@ def test_placement_sends_a_prompt_decode_mostly_holds_to_decode_alone() -> None:
         pubs[1].publish(batch(stored(list(range(1, 61)), None, held)))
         await until(lambda: not index.empty, "the holder's blocks indexed")
         placer_tokens = PromptTokens(None, lambda: members, {}, 1.0)  # token ids: no call
-        placer = Placer(Pool(Role.DECODE, members), PromptSizer(8, None), index, placer_tokens)
+        placer = Placer(Pool(Role.DECODE, members), PromptSizer(8, None), index, placer_tokens, "m")
         by_load = Placer(Pool(Role.DECODE, members), PromptSizer(8, None))
         plans = [
             await placer.plan(completion([*held, 1, 2, 3, 4, 5, 6])),
@@ -412,7 +412,7 @@ def test_token_ids_are_their_own_prompt_one_token_or_a_batch_of_one() -> None:
 
     async def ids(prompt: object) -> list[int] | None:
         body = msgspec.json.encode({"model": "m", "prompt": prompt, "max_tokens": 4})
-        request = ClientRequest.from_json(Endpoint.COMPLETIONS, body, "m")
+        request = ClientRequest.from_json(Endpoint.COMPLETIONS, body)
         return await tokens.of(request, "m")
 
     async def run() -> list[list[int] | None]:

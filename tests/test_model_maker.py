@@ -137,6 +137,26 @@ def test_cli_make_model_keeps_an_existing_build(built: Path) -> None:
     assert digests(built) == before
 
 
+def test_cli_make_model_writes_a_lora_adapter_vllm_reads(built: Path, tmp_path: Path) -> None:
+    """PEFT's files: lora_A (rank x in) and lora_B (out x rank) of every attention projection
+    of every layer, nonzero (an adapter that changes answers), the same bytes on every build."""
+    from safetensors.torch import load_file
+
+    result = CliRunner().invoke(app, ["make-model", str(built), "--lora", str(tmp_path / "a")])
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 8
+    tensors = load_file(tmp_path / "a" / "adapter_model.safetensors")
+    assert len(tensors) == 4 * 4 * 2  # layers x projections x (A, B)
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    assert tensors[f"{q}.lora_A.weight"].shape == (8, 256)
+    assert tensors[f"{q}.lora_B.weight"].shape == (256, 8)
+    assert all(bool(t.abs().sum()) for t in tensors.values())
+    CliRunner().invoke(app, ["make-model", str(built), "--lora", str(tmp_path / "b")])
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
 @pytest.mark.processes
 def test_importing_the_cli_and_maker_loads_no_model_libraries() -> None:
     code = (

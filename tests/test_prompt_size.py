@@ -27,12 +27,12 @@ def word_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def completion(prompt: Any) -> ClientRequest:
-    return ClientRequest.parse(Endpoint.COMPLETIONS, {"model": MODEL, "prompt": prompt}, MODEL)
+    return ClientRequest.parse(Endpoint.COMPLETIONS, {"model": MODEL, "prompt": prompt})
 
 
 def chat(*contents: Any) -> ClientRequest:
     messages = [{"role": "user", "content": content} for content in contents]
-    return ClientRequest.parse(Endpoint.CHAT, {"model": MODEL, "messages": messages}, MODEL)
+    return ClientRequest.parse(Endpoint.CHAT, {"model": MODEL, "messages": messages})
 
 
 @pytest.mark.parametrize(

@@ -293,6 +293,31 @@ def test_eos_as_first_token_ends_the_answer_without_decode(stacks, stream) -> No
     assert stack.decode[0].state.received == []
 
 
+# ---- model names: LoRA adapters ----
+
+
+def test_every_name_the_instances_serve_is_served_and_no_other(stacks) -> None:
+    """An adapter the instances list (``--lora-modules``) is served, disaggregated, placed by
+    load; a name nobody serves gets vLLM's 404 at the door, with no instance asked to compute;
+    one loaded at run time through the proxy reaches every instance and is served at once."""
+    prefill, decode = (Standin(StandinState(adapters=["tuned"])) for _ in range(2))
+    stack = stacks(prefill=[prefill], decode=[decode])
+    answer = stack.client.completions.create(model="tuned", prompt=[1, 2, 3], max_tokens=3)
+    assert answer.model == "tuned" and len(answer.choices[0].text.split()) == 3
+    asked = [(path, body["model"]) for _, path, body in decode.state.received]
+    assert asked == [("/v1/completions", "tuned")]
+    with pytest.raises(openai.NotFoundError, match=r"The model `late` does not exist\. Valid"):
+        stack.client.completions.create(model="late", prompt=[1, 2, 3], max_tokens=3)
+    assert len(prefill.state.received) == 1  # the 404 came from the door
+    loaded = stack.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": "/x"})
+    assert loaded.status_code == 200 and "added" in loaded.text
+    assert prefill.state.adapters == decode.state.adapters == ["tuned", "late"]
+    answer = stack.client.completions.create(model="late", prompt=[1, 2, 3], max_tokens=3)
+    assert answer.model == "late"
+    unnamed = stack.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+    assert unnamed.status_code == 200  # no model: the base model's, as vLLM takes it
+
+
 # ---- bad input ----
 
 
@@ -302,7 +327,7 @@ def test_eos_as_first_token_ends_the_answer_without_decode(stacks, stream) -> No
         (b"{not json", 400, "malformed JSON"),
         (b"[1, 2]", 400, "JSON object"),
         (b'{"model": "nope", "prompt": "x"}', 404, "does not exist"),
-        (b'{"prompt": "x"}', 400, "model"),
+        (b'{"model": 7, "prompt": "x"}', 400, "model"),
         (b'{"model": "tiny"}', 400, "prompt"),
         (b'{"model": "tiny", "prompt": "x", "max_tokens": "many"}', 400, "max_tokens"),
         (b'{"model": "tiny", "prompt": "x", "n": 0}', 400, "n"),

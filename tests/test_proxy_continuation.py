@@ -27,7 +27,7 @@ def client(endpoint: Endpoint = Endpoint.COMPLETIONS, **fields: Any) -> ClientRe
         body["messages"] = [{"role": "user", "content": "hi"}]
     else:
         body["prompt"] = [1, 2, 3]
-    return ClientRequest.parse(endpoint, body, "m")
+    return ClientRequest.parse(endpoint, body)
 
 
 def chunk(ids: list[int] | None, text: str = "x") -> bytes:

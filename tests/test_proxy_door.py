@@ -364,9 +364,10 @@ def test_the_key_can_come_from_a_file_or_the_environment(tmp_path: Path) -> None
 def test_every_upstream_call_carries_the_instances_key_never_the_clients(
     stacks, instance_key: str | None
 ) -> None:
-    """Prefill, decode (asked on a first-token notice and on the answer), a prompt served by
-    decode alone and the model card: each call carries the instances' key, and the client's own
-    Authorization goes nowhere. Control: with no instance key, calls carry none."""
+    """The served model names' listing at start, prefill, decode (asked on a first-token notice
+    and on the answer), a prompt served by decode alone and the model card: each call carries
+    the instances' key, and the client's own Authorization goes nowhere. Control: with no
+    instance key, calls carry none."""
     prefill = Recorder(StandinState(first_delay_s=0.5, notice_shift=0), key=instance_key)
     decode = Recorder(key=instance_key)
     settings: dict[str, Any] = {"api_key": CLIENT_KEY, "min_disagg_tokens": 8}
@@ -381,6 +382,7 @@ def test_every_upstream_call_carries_the_instances_key_never_the_clients(
     served.models.list()
     wanted = None if instance_key is None else f"Bearer {instance_key}"
     assert prefill.asked() == [
+        ("/v1/models", wanted),
         ("/v1/completions", wanted),
         ("/v1/chat/completions", wanted),
         ("/v1/models", wanted),

@@ -30,7 +30,7 @@ def local() -> LocalTokenizer:
 
 def chat_request(**extra: Any) -> ClientRequest:
     body = msgspec.json.encode({"model": "m", "messages": CHAT} | extra)
-    return ClientRequest.from_json(Endpoint.CHAT, body, "m")
+    return ClientRequest.from_json(Endpoint.CHAT, body)
 
 
 @pytest.mark.parametrize(

@@ -21,11 +21,15 @@ def make_model_command(
     architecture: Annotated[
         str, typer.Option(help="llama (grouped-query attention) or mla (a DeepSeek-V2)")
     ] = "llama",
+    lora: Annotated[
+        Path | None, typer.Option(help="also write a LoRA adapter for the llama into this folder")
+    ] = None,
 ) -> None:
     """Write a tiny random model that vLLM serves offline here, and print its folder.
 
     A folder already holding this seed's build is kept unless --force. The mla model is served
-    on CPU with --attention-backend CPU_MLA."""
+    on CPU with --attention-backend CPU_MLA. The adapter (--lora) is served with vLLM's
+    --enable-lora --max-lora-rank 8 --lora-modules NAME=FOLDER."""
     from lmcache_pd.harness.model_maker import ARCHITECTURES, ensure_model, make_model
 
     if architecture not in ARCHITECTURES:
@@ -34,6 +38,12 @@ def make_model_command(
     build = make_model if force else ensure_model
     built = build(directory, seed=seed, architecture=architecture)
     typer.echo(built)
+    if lora is not None:
+        from lmcache_pd.harness.lora_maker import make_lora
+
+        if architecture != "llama":
+            raise typer.BadParameter("an adapter is made for the llama only", param_hint="--lora")
+        typer.echo(make_lora(lora, built))
 
 
 @app.command()

@@ -53,6 +53,8 @@ class StandinState:
     in_flight: int = 0
     # Client addresses seen: one per TCP connection, so reuse shows.
     peers: set[tuple[str, int]] = field(default_factory=set)
+    # LoRA adapters it lists beside its model (``/v1/models``), loaded at run time too.
+    adapters: list[str] = field(default_factory=list)
 
 
 def next_token(context: list[int]) -> int:
@@ -113,6 +115,7 @@ class Standin:
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/version", self._version)
         app.router.add_post("/v1/responses", self._responses)
+        app.router.add_post("/v1/load_lora_adapter", self._load_adapter)
         app.on_cleanup.append(self._close)
         return app
 
@@ -148,7 +151,14 @@ class Standin:
         return web.json_response({"version": FINGERPRINT})
 
     async def _models(self, _: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "standin"}]})
+        adapters = [{"id": name, "parent": "standin"} for name in self.state.adapters]
+        return web.json_response({"object": "list", "data": [{"id": "standin"}, *adapters]})
+
+    async def _load_adapter(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.state.received.append((time.monotonic(), request.path, body))
+        self.state.adapters.append(body["lora_name"])
+        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = msgspec.json.decode(await request.read())
