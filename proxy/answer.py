@@ -142,6 +142,7 @@ class Answer:
             outcome = Outcome.OK
             if not self.continues:
                 await write(response, sse("[DONE]"))
+                self.trace["done_sent"] = time.time()
             else:
                 outcome = await self._stream_decoded(response, last, shown)
             await close_after_done(response)
@@ -182,6 +183,7 @@ class Answer:
                         self.metrics.itl.observe(0.0)
                     last = now
             await write(response, sse("[DONE]"))
+            self.trace["done_sent"] = time.time()
             return Outcome.OK
         except UpstreamRejected as exc:
             self._decode_refused(exc)

@@ -107,6 +107,7 @@ async def serve_alone(
             response = web.StreamResponse(headers=SSE_HEADERS)
             await response.prepare(http)
         await write(response, sse("[DONE]"))
+        trace["done_sent"] = time.time()
         await close_after_done(response)
         return response, Outcome.OK
     except UpstreamRejected as exc:  # only before anything was sent

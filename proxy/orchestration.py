@@ -93,8 +93,9 @@ class Orchestrator:
             response, outcome = await self._disaggregate(http, client, req_id, started, trace)
             return response
         except asyncio.CancelledError:  # the client went away; aiohttp cancels its handler
-            outcome = Outcome.CLIENT_DISCONNECTED
-            logger.info("req %s: client disconnected; upstream requests cancelled", req_id)
+            outcome = _cancelled(trace)
+            if outcome is Outcome.CLIENT_DISCONNECTED:
+                logger.info("req %s: client disconnected; upstream requests cancelled", req_id)
             raise
         except Exception:  # a bug of ours: this request is lost, the proxy keeps serving
             logger.exception("req %s: failed inside the proxy", req_id)
@@ -147,21 +148,23 @@ class Orchestrator:
             host, init_port, alloc_port = decoder.receiver
             # Prefill need not push what decode's prefix cache holds (the index says so).
             spec = DisaggSpec(req_id, host, init_port, alloc_port, plan.decode_holds())
-        answer: Answer | None = None
         outcome = Outcome.INTERNAL_ERROR
         # Each prefill attempt's spec, in order: each pushes under an id of its own.
         attempts: list[DisaggSpec] = []
+        # The answer, once prefill's first token made one (the client may leave at any await).
+        answers: list[Answer] = []
         try:
             with decoder.busy() if decoder is not None else contextlib.nullcontext():
-                response, outcome, answer = await self._answer(
-                    http, client, req_id, plan, spec, attempts, started, trace
+                response, outcome = await self._answer(
+                    http, client, req_id, plan, spec, attempts, answers, started, trace
                 )
                 return response, outcome
         except asyncio.CancelledError:  # the client went away: say so in the drop notice
-            outcome = Outcome.CLIENT_DISCONNECTED
+            outcome = _cancelled(trace)
             raise
         finally:
-            self._drop_unloaded(attempts or ([spec] if spec is not None else []), answer, outcome)
+            pushed = attempts or ([spec] if spec is not None else [])
+            self._drop_unloaded(pushed, answers[0] if answers else None, outcome)
 
     def _drop_unloaded(
         self, pushed: list[DisaggSpec], answer: Answer | None, outcome: Outcome
@@ -188,25 +191,26 @@ class Orchestrator:
         plan: Plan,
         spec: DisaggSpec | None,
         attempts: list[DisaggSpec],
+        answers: list[Answer],
         started: float,
         trace: dict[str, Any],
-    ) -> tuple[web.StreamResponse, Outcome, Answer | None]:
+    ) -> tuple[web.StreamResponse, Outcome]:
         """Prefill for the first token (each attempt's spec added to ``attempts``), then the
-        answer (streamed or whole) with decode's rest."""
+        answer (added to ``answers``), streamed or whole, with decode's rest."""
         decoder = plan.decoder
         try:
             prefilled, early = await self._first_token(client, req_id, plan, spec, attempts, trace)
         except NoHealthyInstance as exc:
-            return error_response(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE, None
+            return error_response(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE
         except UpstreamRejected as exc:
             response = web.Response(
                 body=exc.body, status=exc.status, content_type="application/json"
             )
-            return response, Outcome.UPSTREAM_REJECTED, None
+            return response, Outcome.UPSTREAM_REJECTED
         except UpstreamFailed as exc:
             logger.error("req %s: lost before its first token: %s", req_id, exc)
             response = error_response(exc.client_message(req_id), "BadGateway", 502)
-            return response, Outcome.PREFILL_FAILED, None
+            return response, Outcome.PREFILL_FAILED
         trace |= {"prefill": prefilled.instance, "prefilled": time.time()}
         early = await self._keep_if_continued(early, prefilled, req_id)
         answer = Answer(
@@ -222,6 +226,7 @@ class Orchestrator:
             started,
             early,
         )
+        answers.append(answer)
         try:
             if client.stream:
                 response, outcome = await answer.stream(http)
@@ -230,7 +235,7 @@ class Orchestrator:
         finally:
             if early is not None:  # read by the answer, or left unread if the client went
                 await early.cancel()
-        return response, outcome, answer
+        return response, outcome
 
     async def _first_token(
         self,
@@ -311,3 +316,10 @@ class Orchestrator:
             )
         await early.cancel()
         return None
+
+
+def _cancelled(trace: dict[str, Any]) -> Outcome:
+    """The outcome of a request whose handler was cancelled: the client went away, unless it
+    had its whole stream (``[DONE]``, ``done_sent`` in the trace: a client may hang up on it
+    while the handler still closes upstream streams)."""
+    return Outcome.OK if "done_sent" in trace else Outcome.CLIENT_DISCONNECTED

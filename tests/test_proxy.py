@@ -9,6 +9,7 @@ tested in ``test_proxy_vllm.py``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
@@ -789,6 +790,30 @@ def test_kv_pushed_to_a_decode_that_will_not_load_it_is_dropped_there(
     assert notice.reason is protocol.AbandonReason.CLIENT_GONE
     assert notice.req_id.startswith("pd-"), case
     assert stack.metric("lmcache_pd_proxy_kv_drops_total") == 1
+
+
+def test_a_client_that_hangs_up_on_done_had_its_whole_answer(
+    stacks, alloc_channel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The official client closes its connection as it reads ``[DONE]``, and aiohttp cancels
+    the proxy's handler at its next await (here made certain: ending the response raises the
+    cancellation): the request is counted ``ok``, and its KV, which decode loaded, is never
+    dropped (a fleet run counted 25 of ~440 complete answers ``client_disconnected``, each
+    with a drop notice)."""
+    from lmcache_pd.proxy import answer
+
+    async def hung_up(_: object) -> None:
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(answer, "close_after_done", hung_up)
+    stack = stacks(alloc_port=alloc_channel.port)
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{stack.proxy.url}/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                break  # and hang up
+    stack.wait_counted("ok")
+    assert alloc_channel.receive(timeout_s=0.5) == []
 
 
 def test_a_client_that_leaves_mid_stream_has_its_kv_dropped(stacks, alloc_channel) -> None:

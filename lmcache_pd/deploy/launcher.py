@@ -475,7 +475,7 @@ class PoolLauncher:
         with self._lock:
             self._closed = True
             servers = dict(self.servers)
-        for name in sorted(servers, reverse=True):
+        for name in sorted(servers, key=lambda name: (not name.startswith("decode"), name)):
             servers[name].stop()
             logger.info("%s stopped", name)
         if self._supervisor is not None:

@@ -159,6 +159,8 @@ class Supervisor:
         """Schedule a restart for each instance that died unasked; do those that are due."""
         now = time.monotonic()
         for name, server in list(self._launcher.servers.items()):
+            if self._stop.is_set():
+                return  # everything is being stopped: an exit now was asked for
             if server.running or name in self._due or name in self._left_down:
                 continue
             times = self._restarted_at.setdefault(name, deque())
