@@ -30,6 +30,9 @@ class Prompt:
     tokens: list[int]
     max_tokens: int
     stream: bool
+    # Generate all ``max_tokens`` past an end of sequence (the fleet benchmark's answers must
+    # be long enough for an event to land mid-stream); the reference is asked alike.
+    ignore_eos: bool = False
 
 
 def random_tokens(rng: random.Random, count: int) -> list[int]:
@@ -80,7 +83,7 @@ def _served_model(url: str) -> str:
 def _answers(url: str, model: str, prompts: list[Prompt]) -> dict[str, Answer]:
     def one(prompt: Prompt) -> tuple[str, Answer]:
         body = {"model": model, "prompt": prompt.tokens, "max_tokens": prompt.max_tokens}
-        body |= {"temperature": 0, "logprobs": 1}
+        body |= {"temperature": 0, "logprobs": 1, "ignore_eos": prompt.ignore_eos}
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S)
         response.raise_for_status()
         return prompt.name, _answer(response.json())

@@ -7,7 +7,7 @@ import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import openai
 
@@ -69,6 +69,9 @@ class RequestRecord:
     detail: str = ""
     cut: bool = False
     response_id: str = ""  # cmpl-pd-...: the proxy's and the instances' logs name it
+    # Seconds between successive chunks that carried tokens (streamed requests): the pauses a
+    # client saw, from which ITL percentiles and a migrated stream's longest pause are read.
+    gaps: list[float] = field(default_factory=list)
 
     @property
     def latency(self) -> float:
@@ -177,6 +180,8 @@ class Stream:
     def _ask(self, prompt: Prompt, record: RequestRecord, disconnect: bool) -> Answer | None:
         request = {"model": self.model, "prompt": prompt.tokens, "max_tokens": prompt.max_tokens}
         request |= {"temperature": 0, "logprobs": 1}
+        if prompt.ignore_eos:
+            request["extra_body"] = {"ignore_eos": True}
         if not prompt.stream:
             response = self.client.completions.create(**request)
             record.first_token, record.response_id = self.now(), response.id
@@ -185,13 +190,20 @@ class Stream:
             return list(choice.logprobs.tokens or []), list(choice.logprobs.token_logprobs or [])
         tokens: list[str] = []
         logprobs: list[float] = []
+        last_chunk: float | None = None
         with self.client.completions.create(**request, stream=True) as events:
             for event in events:  # tokens, not events: one event may carry several
                 record.response_id = event.id
+                had = len(tokens)
                 for choice in event.choices:
                     if choice.logprobs is not None:
                         tokens += choice.logprobs.tokens or []
                         logprobs += choice.logprobs.token_logprobs or []
+                if len(tokens) > had:
+                    now = self.now()
+                    if last_chunk is not None:
+                        record.gaps.append(round(now - last_chunk, 4))
+                    last_chunk = now
                 if tokens and record.first_token is None:
                     record.first_token = self.now()
                     if disconnect:
