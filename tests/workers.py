@@ -31,7 +31,6 @@ VLLM_MODULES = frozenset(
         "test_e2e_tp",
         "test_e2e_vllm",
         "test_fleet_bench",
-        "test_fleet_vllm",
         "test_kv_routing",
         "test_launcher",
         "test_lora_vllm",
