@@ -49,6 +49,8 @@ from lmcache_pd.connector.vllm_version import check_vllm_version
 from lmcache_pd.connector.worker import CacheFacts, ProducerWorker, WorkerHalf
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.lmcache_config import CONNECTOR_NAME as LMCACHE_CONNECTOR
+from lmcache_pd.lmcache_config import load_lmcache_config
 from lmcache_pd.process_logs import show_our_logs
 from lmcache_pd.tp_parts import TPLayout, route
 from lmcache_pd.transfer import landed_board, landed_keys
@@ -78,14 +80,18 @@ KVConnectorWorkerMetadata.register(PushProgress)
 
 def connector_config(vllm_config: VllmConfig) -> PDConfig:
     """Our settings: the YAML named in ``kv_connector_extra_config.config_path`` (or
-    ``$LMCACHE_PD_CONFIG``), with vLLM's ``kv_role`` taking precedence."""
+    ``$LMCACHE_PD_CONFIG``), with vLLM's ``kv_role`` taking precedence; or, where vLLM asks
+    for us as ``LMCacheConnectorV1``, an LMCache PD deployment's own configuration
+    (``lmcache_config.py``)."""
     transfer = vllm_config.kv_transfer_config
-    path = transfer.get_from_extra_config("config_path", None) or os.environ.get(CONFIG_PATH_ENV)
     role = transfer.kv_role
     if role not in ("kv_producer", "kv_consumer"):
         raise ConfigError(
             f"LMCachePDConnector needs kv_role kv_producer or kv_consumer, got {role}"
         )
+    if transfer.kv_connector == LMCACHE_CONNECTOR:
+        return load_lmcache_config(transfer.kv_connector_extra_config or {}, role)
+    path = transfer.get_from_extra_config("config_path", None) or os.environ.get(CONFIG_PATH_ENV)
     return load_config(path, kv_role=role)
 
 
