@@ -26,6 +26,7 @@ check passes again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -69,19 +70,21 @@ class Migrations:
         cannot go on (bound, no other instance, a stream that cannot be matched), and
         ``UpstreamRejected`` as decode answers it."""
         failed: list[Upstream] = []
-        while True:
-            try:
-                async for batch in stream.batches():
-                    yield batch
-                return
-            except UpstreamFailed as exc:
-                failure = exc
-            finally:
-                await stream.cancel()
-            self._failed(req_id, failure)
-            failed.append(failure.member)
-            member, forced = self._elsewhere(req_id, failed, failure, resume)
-            stream = DecodeStream(self._flow, client, member, req_id, None, forced)
+        with contextlib.ExitStack() as busy:  # each decode gone on to counts its request
+            while True:
+                try:
+                    async for batch in stream.batches():
+                        yield batch
+                    return
+                except UpstreamFailed as exc:
+                    failure = exc
+                finally:
+                    await stream.cancel()
+                self._failed(req_id, failure)
+                failed.append(failure.member)
+                member, forced = self._elsewhere(req_id, failed, failure, resume)
+                busy.enter_context(member.busy())
+                stream = DecodeStream(self._flow, client, member, req_id, None, forced)
 
     def _failed(self, req_id: str, exc: UpstreamFailed) -> None:
         self._metrics.upstream_error(exc.member, exc.kind)
