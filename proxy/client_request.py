@@ -14,6 +14,7 @@ JSON parser on its way a deep recursion.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -78,14 +79,19 @@ class BadRequest(Exception):
         self.param = param
 
 
+# What vLLM 0.32 hides of its error messages' file system paths (``sanitize_message``): one
+# under these roots, with the rest of it (name characters, dots, dashes, slashes), and any path
+# that ends in a file name with an extension.
+_HIDDEN_PATH = re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+")
+_FILE_PATH = re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+")
+
+
 def unknown_model(name: str, base: str) -> BadRequest:
-    """vLLM's own answer to a model name it does not serve (``base``: the model it serves)."""
-    return BadRequest(
-        f"The model `{name}` does not exist. Valid aliases: {base}.",
-        status=404,
-        kind="NotFoundError",
-        param="model",
-    )
+    """vLLM's own answer to a model name it does not serve (``base``: the model it serves),
+    its paths hidden as vLLM hides them."""
+    message = f"The model `{name}` does not exist. Valid aliases: {base}."
+    message = _FILE_PATH.sub("<path>", _HIDDEN_PATH.sub("<path>", message)).strip()
+    return BadRequest(message, status=404, kind="NotFoundError", param="model")
 
 
 class _StreamOptions(msgspec.Struct):

@@ -559,13 +559,20 @@ def test_the_responses_api_answers_as_one_vllm(
     }
 
     def ask(url: str) -> tuple[int, Any]:
+        """The answer; streamed, its events but the text deltas (vLLM joins deltas while its
+        reader lags, so their count and the events' sequence numbers are timing's), and the
+        deltas' text joined."""
         answer = httpx.post(f"{url}/v1/responses", json=body, timeout=120)
         if not stream:
             return answer.status_code, answer.json()
-        lines = answer.text.splitlines()
-        return answer.status_code, [line for line in lines if not line.startswith("data:")] + [
-            json.loads(line[5:]) for line in lines if line.startswith("data:")
+        events = [json.loads(line[5:]) for line in answer.text.splitlines() if line[:5] == "data:"]
+        deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+        rest = [
+            {k: v for k, v in e.items() if k != "sequence_number"}
+            for e in events
+            if e["type"] != "response.output_text.delta"
         ]
+        return answer.status_code, {"events": rest, "text": "".join(deltas)}
 
     got, want = ask(served.url), ask(plain.url)
     assert got[0] == want[0] == 200
