@@ -975,7 +975,8 @@ def test_a_consumer_process_that_dies_fails_the_pending_loads_at_once(workers: W
     assert finish(workers.consumer) == ({"c"}, {"c"})
     workers.consumer.start_load_kv(load("c2", "d-2", list(range(70)), [4, 5, 6]))
     assert finish(workers.consumer) == ({"c2"}, {"c2"})
-    assert time.monotonic() - started < 1.0  # the load deadline is 2 s
+    # Each load's deadline is 2 s (4 s for both); 1.3 s was seen beside a vLLM test's load.
+    assert time.monotonic() - started < 1.9
     totals = workers.consumer_stats.totals()
     assert (totals["loads_abandoned"], totals["consumer_process_down"]) == (2, 1)
 
