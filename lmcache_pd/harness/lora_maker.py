@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from lmcache_pd.harness.model_maker import staged_folder
 
 logger = logging.getLogger(__name__)
 
@@ -69,17 +69,8 @@ def make_lora(directory: Path, model: Path, *, seed: int = 1) -> Path:
         "base_model_name_or_path": str(model),
     }
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
-    try:
-        staging.chmod(0o755)
+    with staged_folder(directory) as staging:
         save_file(tensors, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
         (staging / "adapter_config.json").write_text(json.dumps(adapter, indent=2) + "\n")
-        if directory.exists():
-            shutil.rmtree(directory)
-        staging.rename(directory)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     logger.info("made a rank-%d LoRA adapter (seed %d) for %s in %s", RANK, seed, model, directory)
     return directory

@@ -11,6 +11,7 @@ files, so chunk keys, token ids and logprobs can be compared across runs and mac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -282,6 +283,23 @@ def _is_ours(directory: Path) -> bool:
     return not directory.exists() or not any(directory.iterdir()) or (directory / MARKER).exists()
 
 
+@contextlib.contextmanager
+def staged_folder(directory: Path) -> Iterator[Path]:
+    """A sibling temporary folder to write into, renamed to ``directory`` (replacing it) when
+    the block ends, removed if it fails: an interrupted build never leaves a half folder."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
+    try:
+        staging.chmod(0o755)
+        yield staging
+        if directory.exists():
+            shutil.rmtree(directory)
+        staging.rename(directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 def make_model(directory: Path, *, seed: int = 0, architecture: str = "llama") -> Path:
     """Build the model (``architecture``: one of ``ARCHITECTURES``) into ``directory``
     (replacing a previous build) and return it.
@@ -295,20 +313,11 @@ def make_model(directory: Path, *, seed: int = 0, architecture: str = "llama") -
     directory = Path(directory)
     if not _is_ours(directory):
         raise FileExistsError(f"{directory} holds files make_model did not write; not replacing")
-    directory.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
-    try:
-        staging.chmod(0o755)
+    with staged_folder(directory) as staging:
         ids = _write_tokenizer(staging)
         _write_model(staging, ids, seed, architecture)
         _write_json(staging / MARKER, _marker(seed, architecture))
-        if directory.exists():
-            shutil.rmtree(directory)
-        staging.rename(directory)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     logger.info(
         "made a tiny %s (vocab %d, seed %d) in %s in %.1f s",
         architecture,
