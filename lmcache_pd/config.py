@@ -64,6 +64,11 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     # may keep, as a cache for later prompts that share them (evicted least recently used
     # first, and whenever an allocation needs their room); 0 turns the cache off.
     cache_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
+    # Consumer: a request of a vLLM priority above this (vLLM serves lower values first) keeps
+    # none of its KV in that cache once loaded, as under LMCache's priority_limit (its KV is
+    # still pushed and loaded); None: every request keeps its KV there, unless it asks not to
+    # (``lmcache.skip_save`` in its kv_transfer_params).
+    priority_limit: int | None = None
     # Consumer: while another producer waits for room (it was refused an allocation for a full
     # buffer within the last few seconds), no one producer may hold more than this share of
     # the receive buffer (pages it waits to write, reserved ahead, or pushed for requests no
@@ -122,8 +127,9 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     # CPUs lmcache-pd's own threads (service, senders, watchdog) run on, e.g. "2-3"; None: every
     # CPU. Not vLLM's inference core, which they would otherwise inherit (see affinity.py).
     thread_cpus: Annotated[str, msgspec.Meta(pattern=f"^{CPU_LIST.pattern}$")] | None = None
-    # A file holding the deployment secret (``auth.py``), from which every ZMQ socket of ours
-    # authenticates and encrypts and NIXL notifications are sealed; None: $LMCACHE_PD_SECRET,
+    # A file holding the deployment secret (``auth.py``), or this role's share of it, from which
+    # every ZMQ socket of ours authenticates and encrypts and NIXL notifications are sealed;
+    # None: $LMCACHE_PD_SECRET,
     # and with neither, no authentication (a consumer listening beyond loopback warns).
     secret_file: str | None = None
 

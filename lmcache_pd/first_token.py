@@ -29,7 +29,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from lmcache_pd.auth import DeploymentKeys
+from lmcache_pd.auth import DeploymentKeys, Door
+from lmcache_pd.gatekeeper import Gatekeeper, gatekeeper
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class NoticeSender:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
         if self._keys is not None:
-            self._keys.connect(sock)
+            self._keys.connect(sock, Door.NOTICES)
         try:
             sock.connect(address)
         except zmq.ZMQError as exc:
@@ -125,23 +126,29 @@ class NoticeBoard:
     ) -> None:
         """Listen on ``host`` (a wildcard listens everywhere and tells each prefill instance the
         address it reaches the proxy by) on ``port``, or one the system picks (None); with
-        ``keys``, for prefill engines of this deployment alone (``auth.py``)."""
+        ``keys``, for prefill engines of this deployment alone (``auth.py``): the proxy's keys,
+        whose gatekeeper admits producers' alone."""
         self._host = host
         self._context = zmq.asyncio.Context()
+        self._gate: Gatekeeper | None = gatekeeper(self._context, keys)
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_NOTICE_BYTES)
-        if keys is not None:
-            keys.serve(self._socket)
+        if self._gate is not None:
+            self._gate.serve(self._socket, Door.NOTICES)
         bind_host = "*" if host in WILDCARD_HOSTS else host
         if ":" in bind_host:
             self._socket.setsockopt(zmq.IPV6, 1)
             bind_host = f"[{bind_host}]"
-        if port is None:
-            self.port = self._socket.bind_to_random_port(f"tcp://{bind_host}")
-        else:
-            self._socket.bind(f"tcp://{bind_host}:{port}")
-            self.port = port
+        try:
+            if port is None:
+                self.port = self._socket.bind_to_random_port(f"tcp://{bind_host}")
+            else:
+                self._socket.bind(f"tcp://{bind_host}:{port}")
+                self.port = port
+        except zmq.ZMQError:
+            self._close_sockets()
+            raise
         self._waiting: dict[str, asyncio.Future[FirstTokenNotice]] = {}
         self._addresses: dict[str, str] = {}  # by prefill URL
         self._reader: asyncio.Task | None = None
@@ -149,10 +156,21 @@ class NoticeBoard:
     def start(self) -> None:
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
+    @property
+    def refused(self) -> int:
+        """Handshakes refused: keys of no role that sends notices (``gatekeeper.py``)."""
+        return 0 if self._gate is None else self._gate.refused
+
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._socket.close(linger=0)
+        if self._gate is not None:  # after the socket it guards, before the context ends
+            self._gate.close()
         self._context.destroy(linger=0)
 
     def address_for(self, prefill_url: str) -> str:

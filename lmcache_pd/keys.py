@@ -6,16 +6,17 @@ world size, worker id, dtype and chunk size. A request's ``cache_salt`` (vLLM's 
 prefix-cache isolation) starts its chain elsewhere, so every one of its keys differs from another
 salt's and from no salt's: requests of different tenants never share a chunk. A request's LoRA
 adapter (its name, as every instance of a deployment loads the same adapter under it) starts it
-elsewhere again: an adapter's KV is never loaded for another adapter or the base model. Python's
-``hash()``
-is salted per process, so it is never used: the same tokens give the same keys in every process on
-every machine.
+elsewhere again: an adapter's KV is never loaded for another adapter or the base model. A
+request's LMCache tags (``lmcache.tag.<name>`` in its ``kv_transfer_params``, tenants' or
+namespaces' names) start it elsewhere once more: two requests share a chunk only if they carry
+the same tags. Python's ``hash()`` is salted per process, so it is never used: the same tokens
+give the same keys in every process on every machine.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,6 +87,7 @@ class ChunkKeyer:
         mask: Sequence[bool] | np.ndarray | None = None,
         salt: str | None = None,
         lora: str | None = None,
+        tags: Iterable[tuple[str, str]] = (),
     ) -> list[ChunkKey]:
         """Keys of every chunk of ``tokens``; the last chunk may be partial and has its own key.
 
@@ -93,12 +95,13 @@ class ChunkKeyer:
         needs no key: it must be a run of Falses, of a whole number of chunks, then only Trues.
         ``salt``: the request's ``cache_salt``; None or empty means none (vLLM refuses an empty
         one), and keys are then those of an unsalted request. ``lora``: the request's LoRA
-        adapter's name (None: the base model).
+        adapter's name (None: the base model). ``tags``: the request's LMCache tags, (name,
+        value) pairs in any order (none: an untagged request's keys).
         """
         ids = _as_int64(tokens)
         skip = self._masked_prefix(mask, len(ids))
         keys: list[ChunkKey] = []
-        previous = self._chain_start(salt, lora)
+        previous = self._chain_start(salt, lora, tags)
         for start in range(0, len(ids), self.chunk_size):
             end = min(start + self.chunk_size, len(ids))
             digest = hashlib.blake2b(previous, digest_size=KEY_BYTES)
@@ -108,12 +111,15 @@ class ChunkKeyer:
                 keys.append(ChunkKey(start, end, previous))
         return keys
 
-    def _chain_start(self, salt: str | None, lora: str | None) -> bytes:
+    def _chain_start(
+        self, salt: str | None, lora: str | None, tags: Iterable[tuple[str, str]]
+    ) -> bytes:
         """The seed; with ``salt``, a digest of it keyed by that and personalised, unlike a
         chunk's digest, so that no tokens of an unsalted prompt can stand in for a salt; with
         ``lora``, a digest of the adapter's name keyed by that, personalised otherwise again, so
-        that no salt can stand in for an adapter. Any string encodes (a lone surrogate from a
-        client's JSON included): a salt never fails a request's keys."""
+        that no salt can stand in for an adapter; with ``tags``, a digest of them all
+        (``_tag_bytes``) keyed by that, personalised once more. Any string encodes (a lone
+        surrogate from a client's JSON included): a salt never fails a request's keys."""
         start = self._seed
         for value, person in ((salt, b"cache_salt"), (lora, b"lora")):
             if value:
@@ -123,6 +129,11 @@ class ChunkKeyer:
                     key=start,
                     person=person,
                 ).digest()
+        tagged = _tag_bytes(tags)
+        if tagged:
+            start = hashlib.blake2b(
+                tagged, digest_size=KEY_BYTES, key=start, person=b"lmcache tags"
+            ).digest()
         return start
 
     def _masked_prefix(self, mask: Sequence[bool] | np.ndarray | None, length: int) -> int:
@@ -141,6 +152,18 @@ class ChunkKeyer:
                 f"({self.chunk_size})"
             )
         return skip
+
+
+def _tag_bytes(tags: Iterable[tuple[str, str]]) -> bytes:
+    """Tags as bytes that name them alone: sorted by name (the order a client wrote them in
+    does not matter), each name and value length-prefixed (no two sets of tags run together
+    into the same bytes)."""
+    out = bytearray()
+    for name, value in sorted(tags):
+        for text in (name, value):
+            encoded = text.encode("utf-8", "surrogatepass")
+            out += len(encoded).to_bytes(4, "little") + encoded
+    return bytes(out)
 
 
 def from_held(keys: Sequence[ChunkKey], held: int) -> list[ChunkKey]:

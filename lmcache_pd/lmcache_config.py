@@ -16,10 +16,14 @@ two are refused, naming them. What maps onto ours (``MAPPED``) does; the keys of
 storage and features that mean nothing here are named once in a warning; a missing required key
 or a value that contradicts vLLM's ``kv_role`` fails the start, naming the key.
 
+Its request options are read per request (``protocol.KVTransferParams``): ``lmcache.tag.*``
+becomes part of chunk keys, ``lmcache.skip_save`` and ``priority_limit`` (mapped here) keep a
+request's KV out of decode's cache of landed chunks. ``save_decode_cache: true`` is named in a
+warning of its own: decode keeps the KV it generates in vLLM's prefix cache only.
+
 Not built yet (issue 58): the proxy notifications LMCache's proxy waits for
 (``pd_proxy_host``/``pd_proxy_port``, named in the warning), a push to the configured peer
-without a ``disagg_spec`` (the 1p1d shape: the peer is only warmed up here), ``lmcache.tag.*``
-and ``lmcache.skip_save``.
+without a ``disagg_spec`` (the 1p1d shape: the peer is only warmed up here).
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ MAPPED = frozenset(
     {k for g in GENERATIONS.values() for k in g.values() if k}
     | set(COMMON)
     | {"pd_allocation_timeout_sec", "transfer_channel", "save_unfull_chunk"}
+    | {"priority_limit", "save_decode_cache"}
 )
 ROLES = {"sender": "kv_producer", "receiver": "kv_consumer"}
 
@@ -138,6 +143,18 @@ def load_lmcache_config(
     for key, ours in COMMON.items():
         if raw.get(key) is not None:
             settings[ours] = _int(raw[key]) if key == "chunk_size" else _strings(raw[key])
+    limit = raw.get("priority_limit")
+    if limit is not None:
+        try:
+            settings["priority_limit"] = int(limit)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"priority_limit: {limit!r} is not a whole number") from exc
+    if _flag(raw.get("save_decode_cache")):
+        logger.warning(
+            "save_decode_cache: true is not supported: decode keeps the KV it generates in "
+            "vLLM's prefix cache only (published to the KV-aware router as vLLM's own KV "
+            "events), never in lmcache-pd's cache of landed chunks"
+        )
     timeout = raw.get("pd_allocation_timeout_sec")
     if timeout is not None and math.isfinite(float(timeout)):
         settings["alloc_timeout_s"] = float(timeout)

@@ -38,6 +38,8 @@ Protocol history:
      first output token; the KV it loads is then the whole prompt's but for its last token.
   (no version change) ``KVTransferParams.next_toks``: the output tokens after ``first_tok``,
      forced too: a stream that broke on one decode goes on on another (``proxy/migration.py``).
+  (no version change) ``KVTransferParams.tags`` and ``skip_save``: LMCache's request options,
+     under LMCache's own keys (``lmcache.tag.<name>``, ``lmcache.skip_save``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ MAX_TOKEN_ID = 1 << 31
 MAX_FORCED_TOKENS = 1 << 20
 MAX_RESERVED_PAGES = 64  # pages one Reservation may hand out
 MAX_TP_RANKS = 64  # ranks of one tensor-parallel instance a DisaggSpec or config may name
+# LMCache's request options in ``kv_transfer_params`` (``KVTransferParams.tags``): tags a request
+# may carry, and characters of a tag's name or value (a tenant's or namespace's name).
+MAX_TAGS = 16
+MAX_TAG_CHARS = 256
 # A consumer's state per peer and per request, each bounded whatever its peers send: requests
 # it let go and remembers (the oldest are forgotten early beyond this), requests holding pages
 # (an allocation for one more is refused as buffer_full), entries of its landed board (the rest
@@ -272,6 +278,11 @@ NOTICE_ADDRESS = re.compile(
 )
 # The key of ``KVTransferParams.first_tok_to`` in the JSON, for logs and tests.
 NOTICE_KEY = "first_tok_to"
+# LMCache's request options, under its own keys: every key of them starts with the prefix; a
+# tag's name follows ``TAG_PREFIX``.
+LMCACHE_PREFIX = "lmcache."
+TAG_PREFIX = "lmcache.tag."
+SKIP_SAVE_KEY = "lmcache.skip_save"
 
 
 class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -281,7 +292,10 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
     Prefill is asked for ``ret_first_tok`` and, when decode goes on, sent the ``disagg_spec``
     and (with first-token notices) ``first_tok_to``, a "tcp://host:port"; decode is sent the
     same ``disagg_spec`` alone. Fields at their default are left out and the fields' order is
-    the keys' order, so the JSON is what the proxy built by hand before this type existed."""
+    the keys' order, so the JSON is what the proxy built by hand before this type existed.
+
+    LMCache's request options, which a client may send (``lmcache_options``), go under
+    LMCache's keys: ``lmcache.tag.<name>`` per tag, ``lmcache.skip_save``."""
 
     ret_first_tok: bool = False
     disagg_spec: DisaggSpec | None = None
@@ -292,10 +306,20 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # Decode: the output tokens that must follow ``first_tok`` (what a client already has of a
     # stream continued here after another decode failed under it).
     next_toks: tuple[int, ...] = ()
+    # LMCache's tags, (name, value) sorted by name: part of the request's chunk keys (``keys.py``),
+    # so requests of different tags never share a chunk, of the same tags do.
+    tags: tuple[tuple[str, str], ...] = ()
+    # Decode: keep none of this request's KV in the landed-chunk cache once loaded (the push
+    # itself still happens: it is how the KV gets there), as LMCache's ``lmcache.skip_save``.
+    skip_save: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object for a request body."""
-        return msgspec.to_builtins(self)
+        raw = msgspec.to_builtins(self)
+        tags = raw.pop("tags", ())
+        if raw.pop("skip_save", False):
+            raw[SKIP_SAVE_KEY] = True
+        return raw | {TAG_PREFIX + name: value for name, value in tags}
 
     @classmethod
     def from_dict(cls, raw: object) -> KVTransferParams:
@@ -314,12 +338,15 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
         first = raw.get("first_tok")
         if first is not None and not _is_token_id(first):
             raise ProtocolError(f"kv_transfer_params.first_tok is no token id: {first!r:.40}")
+        tags, skip_save = lmcache_options(raw)
         return cls(
             ret_first_tok=raw.get("ret_first_tok") in (True, 1),
             disagg_spec=None if spec is None else DisaggSpec.from_dict(spec),
             first_tok_to=address if is_notice_address(address) else None,
             first_tok=first,
             next_toks=_next_tokens(raw.get("next_toks"), first),
+            tags=tags,
+            skip_save=skip_save,
         )
 
     @property
@@ -344,6 +371,34 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
         """Whether ``raw`` (an object ``from_dict`` read) named a notice address it left out."""
         asked = raw.get(NOTICE_KEY) if isinstance(raw, Mapping) else None
         return asked is not None and not is_notice_address(asked)
+
+
+def lmcache_options(raw: Mapping[str, Any]) -> tuple[tuple[tuple[str, str], ...], bool]:
+    """LMCache's request options among ``raw``'s keys: its tags, sorted by name, and whether it
+    skips saving. Other ``lmcache.`` keys (LMCache's own, meaning nothing here) are left alone.
+    Raises ``ProtocolError`` naming the key for a tag that is not a string, a name or value
+    of more than ``MAX_TAG_CHARS`` characters, an empty name, more than ``MAX_TAGS`` tags, or
+    a ``skip_save`` that is not a boolean."""
+    tags: list[tuple[str, str]] = []
+    for key, value in raw.items():
+        if not isinstance(key, str) or not key.startswith(TAG_PREFIX):
+            continue
+        name = key[len(TAG_PREFIX) :]
+        shown = f"kv_transfer_params.{key:.{len(TAG_PREFIX) + 40}}"
+        if not isinstance(value, str):
+            raise ProtocolError(f"{shown} must be a string, not {type(value).__name__}")
+        if not name or len(name) > MAX_TAG_CHARS or len(value) > MAX_TAG_CHARS:
+            raise ProtocolError(
+                f"{shown}: a tag's name (not empty) and value have at most {MAX_TAG_CHARS} "
+                "characters each"
+            )
+        tags.append((name, value))
+        if len(tags) > MAX_TAGS:
+            raise ProtocolError(f"kv_transfer_params: more than {MAX_TAGS} {TAG_PREFIX}* tags")
+    skip_save = raw.get(SKIP_SAVE_KEY, False)
+    if not isinstance(skip_save, bool):
+        raise ProtocolError(f"kv_transfer_params.{SKIP_SAVE_KEY} must be true or false")
+    return tuple(sorted(tags)), skip_save
 
 
 def _next_tokens(raw: object, first: int | None) -> tuple[int, ...]:

@@ -29,8 +29,8 @@ from lmcache_pd.proxy.flow import Disaggregator, Prefilled, UpstreamFailed, Upst
 from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
 from lmcache_pd.proxy.migration import Migrations
 from lmcache_pd.proxy.responses import (
-    SSE_HEADERS,
     ClientGone,
+    OpenStream,
     close_after_done,
     error_body,
     error_response,
@@ -125,11 +125,10 @@ class Answer:
         self.metrics.ttft.observe(now - self.started)
         return now
 
-    async def stream(self, http: web.Request) -> tuple[web.StreamResponse, Outcome]:
+    async def stream(self, open_stream: OpenStream) -> tuple[web.StreamResponse, Outcome]:
         """The answer as SSE events: the first token at once where it can go alone, then
         decode's as they come."""
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(http)
+        response = await open_stream()
         try:
             shown = not self.continues or shows_first_alone(self.client, self.prefilled.answer)
             last = None

@@ -4,8 +4,9 @@ first output token must be prefill's, with the same DisaggSpec).
 
 Only the fields the proxy interprets are validated here; every other field goes to prefill and
 to decode as the client sent it (vLLM checks those). What vLLM would
-read as transfer parameters is the proxy's alone: a client's ``kv_transfer_params``, and the
-fields vLLM copies into the same place (``vllm_xargs``, whose keys become the sampling params'
+read as transfer parameters is the proxy's alone: a client's ``kv_transfer_params`` (but for
+LMCache's ``lmcache.*`` request options, passed on beside the proxy's), and the fields vLLM
+copies into the same place (``vllm_xargs``, whose keys become the sampling params'
 ``extra_args``, where vLLM looks for ``kv_transfer_params``; ``ec_transfer_params``), are refused.
 So is a body nested deeper than any OpenAI request is (``MAX_JSON_DEPTH``): it would cost every
 JSON parser on its way a deep recursion.
@@ -13,14 +14,15 @@ JSON parser on its way a deep recursion.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
 
-from lmcache_pd.protocol import KVTransferParams
+from lmcache_pd.errors import ProtocolError
+from lmcache_pd.protocol import LMCACHE_PREFIX, KVTransferParams, lmcache_options
 from lmcache_pd.request_body import MAX_JSON_DEPTH, nests_deeper
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -31,9 +33,9 @@ TokenIds = list[NonNegative]
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 # Fields vLLM reads transfer parameters from (``to_sampling_params`` in its completion and chat
-# protocols): the proxy's to set, refused with any value but null.
+# protocols): the proxy's to set, refused with any value but null; ``kv_transfer_params`` is
+# the proxy's too but for LMCache's request options (``client_options``).
 TRANSFER_FIELDS = {
-    "kv_transfer_params": "kv_transfer_params (the proxy sets them)",
     "vllm_xargs": "vllm_xargs (vLLM reads kv_transfer_params from them; the proxy sets those)",
     "ec_transfer_params": "ec_transfer_params (transfer parameters are the proxy's to set)",
 }
@@ -44,16 +46,16 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})
 # Fields with which a request is served by decode alone, its own request unchanged (exact, as
 # one vLLM serves it; not disaggregated), named as ``not_disaggregated`` counts them: what spans
 # several choices (one first token from prefill cannot start them all), what needs the prompt
-# computed where it is answered (vLLM reads no cached or loaded KV for prompt logprobs), and
-# tools (a one-token tool call does not parse at prefill).
+# computed where it is answered (vLLM reads no cached or loaded KV for prompt logprobs). Tools
+# are disaggregated: prefill's one token is constrained as one vLLM constrains it (a named or
+# required tool's grammar), and decode's own parser shapes every delta (``shows_first_alone``).
+# ``best_of`` is not a field of vLLM 0.32's (it ignores it, as every field it does not know), so
+# it is disaggregated as the rest of the request.
 ALONE_FIELDS = {
-    "best_of": "best_of",
     "use_beam_search": "beam_search",
     "echo": "echo",
     "prompt_logprobs": "prompt_logprobs",
     "suffix": "suffix",
-    "tools": "tools",
-    "functions": "tools",
 }
 
 
@@ -139,6 +141,7 @@ def _validate(endpoint: Endpoint, body: dict[str, Any]) -> _CompletionFields | _
     for name, what in TRANSFER_FIELDS.items():
         if body.get(name) is not None:
             raise BadRequest(f"{what} may not be sent to the disaggregating proxy")
+    client_options(body)
     fields_type = _CompletionFields if endpoint is Endpoint.COMPLETIONS else _ChatFields
     try:
         fields = msgspec.convert(body, fields_type)
@@ -153,6 +156,31 @@ def _validate(endpoint: Endpoint, body: dict[str, Any]) -> _CompletionFields | _
         if name != "prompt" and nests_deeper(value, MAX_JSON_DEPTH - 1):
             raise BadRequest(f"`{name}` is nested deeper than {MAX_JSON_DEPTH} levels")
     return fields
+
+
+def client_options(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's ``kv_transfer_params``, which may hold LMCache's request options only
+    (every key ``lmcache.``: its tags and ``lmcache.skip_save``, read by the connector, and
+    LMCache's others, meaning nothing here); they go to prefill and decode beside the proxy's
+    own. None: {}. Raises ``BadRequest`` naming the key for another key (the proxy's to set)
+    or a malformed option (``protocol.lmcache_options``: bounded tags, strings only)."""
+    raw = body.get("kv_transfer_params")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise BadRequest("kv_transfer_params must be an object of lmcache.* options")
+    for key in raw:
+        if not key.startswith(LMCACHE_PREFIX):
+            raise BadRequest(
+                f"kv_transfer_params.{key:.40} may not be sent to the disaggregating proxy (the "
+                "proxy sets kv_transfer_params, but for LMCache's lmcache.* options)",
+                param="kv_transfer_params",
+            )
+    try:
+        lmcache_options(raw)
+    except ProtocolError as exc:
+        raise BadRequest(str(exc), param="kv_transfer_params") from exc
+    return raw
 
 
 def _template_kwargs(kwargs: dict[str, Any]) -> None:
@@ -193,19 +221,16 @@ def _check_prompts(prompt: str | list[Any]) -> None:
 
 def _alone_reason(body: dict[str, Any], fields: _CompletionFields | _ChatFields) -> str | None:
     """Why decode serves the request alone, its own request unchanged (``ALONE_FIELDS``, more
-    than one choice or prompt); None: it is disaggregated."""
+    than one choice); None: it is disaggregated (a batch of prompts one request per prompt)."""
     if (fields.n or 1) > 1:
         return "n"
-    prompt = getattr(fields, "prompt", None)
-    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list):
-        return "batch"
     for name, reason in ALONE_FIELDS.items():
         if body.get(name) not in (None, False, [], {}):
             return reason
     return None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class ClientRequest:
     """A validated client request and what the proxy derived from it."""
 
@@ -263,6 +288,26 @@ class ClientRequest:
         )
 
     @property
+    def is_batch(self) -> bool:
+        """Whether it is a completion of several prompts, disaggregated one request per prompt
+        (``batch.py``; one served alone for a field goes to decode whole)."""
+        prompt = self.body.get("prompt")
+        return (
+            self.alone_reason is None
+            and isinstance(prompt, list)
+            and len(prompt) > 1
+            and isinstance(prompt[0], str | list)
+        )
+
+    def parts(self) -> list[ClientRequest]:
+        """A batch's requests, one per prompt in its order, each the client's request with that
+        prompt alone."""
+        return [
+            dataclasses.replace(self, body=self.body | {"prompt": one})
+            for one in self.body["prompt"]
+        ]
+
+    @property
     def needs_decode(self) -> bool:
         """False when prefill's one token is the whole answer: no KV needs to move."""
         return self.max_tokens is None or self.max_tokens > 1
@@ -279,7 +324,7 @@ class ClientRequest:
             "max_tokens": 1,
             "min_tokens": min(self.min_tokens, 1),
             "return_token_ids": True,
-            "kv_transfer_params": kv_transfer_params.to_dict(),
+            "kv_transfer_params": client_options(self.body) | kv_transfer_params.to_dict(),
         }
         return body
 
@@ -292,7 +337,7 @@ class ClientRequest:
             return self.body
         body = self.body | {"return_token_ids": True}
         if kv_transfer_params != KVTransferParams():
-            body["kv_transfer_params"] = kv_transfer_params.to_dict()
+            body["kv_transfer_params"] = client_options(self.body) | kv_transfer_params.to_dict()
         return body
 
     @property

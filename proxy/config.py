@@ -17,7 +17,7 @@ import msgspec
 import yaml
 
 from lmcache_pd.affinity import CPU_LIST
-from lmcache_pd.auth import DeploymentKeys, load_keys
+from lmcache_pd.auth import DeploymentKeys, Role, load_keys
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.protocol import Port, RankPorts
 from lmcache_pd.request_body import MAX_BODY_BYTES
@@ -149,8 +149,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     instance_api_key_file: str | None = None
     # Requests served at once; more get 503 with Retry-After.
     max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = MAX_IN_FLIGHT
-    # The deployment secret's file (``lmcache_pd/auth.py``; None: $LMCACHE_PD_SECRET, or none):
-    # first-token notices and KV drops then reach only instances of this deployment.
+    # The file of the deployment secret or the proxy's share of it (``lmcache_pd/auth.py``;
+    # None: $LMCACHE_PD_SECRET, or none): first-token notices, KV drops and KV events then pass
+    # only between instances of this deployment and the proxy.
     secret_file: str | None = None
 
     def __post_init__(self) -> None:
@@ -167,8 +168,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return _key(self.instance_api_key, self.instance_api_key_file, "instance_api_key_file")
 
     def deployment_keys(self) -> DeploymentKeys | None:
-        """The KV channel's keys (``auth.py``); ``ConfigError`` if the secret is unusable."""
-        return load_keys(self.secret_file)
+        """The proxy's share of the KV channel's keys (``auth.py``); ``ConfigError`` if the
+        secret is unusable or the share another role's."""
+        return load_keys(self.secret_file, Role.PROXY)
 
     def instance_headers(self) -> dict[str, str]:
         """What a call to an instance's /v1/* carries (nothing when the instances want no key)."""

@@ -175,6 +175,7 @@ class DecodeRelay:
         not passed on, and one that joins it with the next tokens (vLLM joins a stream's
         outputs while its reader lags) is passed on without it."""
         self._asked_ids = client.asks_token_ids
+        self._chat = client.endpoint is Endpoint.CHAT
         self._forced = forced
         # What the client has: output token ids, text, whether any event, a finish reason.
         self._sent_ids: list[int] = list(forced[:1]) if first_text is not None else []
@@ -239,6 +240,8 @@ class DecodeRelay:
         self._started = True
         self._finished = self._finished or any(c.get("finish_reason") for c in choices)
         if not self._asked_ids:
+            if self._chat and choices and all(map(_carries_ids_only, choices)):
+                return None  # vLLM sends no chunk for it where the client asks no ids
             _null_token_ids(event)
             changed = True
         return msgspec.json.encode(event) if changed else data
@@ -285,6 +288,18 @@ def _plain(choice: dict[str, Any]) -> bool:
     delta = choice.get("delta")
     extra = () if delta is None else (v for k, v in delta.items() if k not in ("role", "content"))
     return choice.get("index", 0) == 0 and not any(extra)
+
+
+def _carries_ids_only(choice: dict[str, Any]) -> bool:
+    """Whether a chat chunk's choice is one vLLM 0.32 sends only because token ids were asked:
+    a step whose delta its parser held back (a tool call's or reasoning's control tokens, text
+    not yet whole), with no logprobs and no finish (``chat_stream_generator``: an empty
+    ``DeltaMessage`` stands in for none)."""
+    return (
+        choice.get("delta") == {}
+        and choice.get("logprobs") is None
+        and choice.get("finish_reason") is None
+    )
 
 
 def _text(choice: dict[str, Any]) -> str:

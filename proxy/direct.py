@@ -28,8 +28,8 @@ from lmcache_pd.proxy.flow import Disaggregator, UpstreamFailed, UpstreamRejecte
 from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
 from lmcache_pd.proxy.migration import Migrations
 from lmcache_pd.proxy.responses import (
-    SSE_HEADERS,
     ClientGone,
+    OpenStream,
     close_after_done,
     error_body,
     error_response,
@@ -60,7 +60,7 @@ class _Unread:
 
 
 async def serve_alone(
-    http: web.Request,
+    open_stream: OpenStream,
     flow: Disaggregator,
     migrations: Migrations,
     metrics: ProxyMetrics,
@@ -97,15 +97,13 @@ async def serve_alone(
                 computed()
                 trace["first_sent"] = time.time()
                 metrics.ttft.observe(now - started)
-                response = web.StreamResponse(headers=SSE_HEADERS)
-                await response.prepare(http)
+                response = await open_stream()
             else:
                 metrics.itl.observe(now - last)
             last = now
             await write(response, b"".join(sse(data) for data in out))
         if response is None:  # decode's stream held nothing but its end
-            response = web.StreamResponse(headers=SSE_HEADERS)
-            await response.prepare(http)
+            response = await open_stream()
         await write(response, sse("[DONE]"))
         trace["done_sent"] = time.time()
         await close_after_done(response)

@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from lmcache_pd import protocol
-from lmcache_pd.auth import DeploymentKeys
+from lmcache_pd.auth import DeploymentKeys, Door
 from lmcache_pd.errors import ProtocolError
 from lmcache_pd.proxy.task_stop import stop_task
 
@@ -48,7 +48,7 @@ class _Rank:
         self.socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
         self.socket.setsockopt(zmq.SNDHWM, MAX_DROPS_IN_FLIGHT)
         if keys is not None:
-            keys.connect(self.socket)
+            keys.connect(self.socket, Door.ALLOC)
         self.socket.connect(address)
         self.waiting: dict[str, asyncio.Future[bool]] = {}
         self._reader = asyncio.get_running_loop().create_task(self._read())

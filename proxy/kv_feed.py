@@ -4,12 +4,15 @@ vLLM numbers its event batches (``seq``, from 0 per publisher) and keeps the las
 replay on a second socket. The feed applies batches in order. Every connection of the
 subscription (the first, and each reconnection: an instance restarted on the same address is a
 new publisher, whatever its numbers say) is followed by a replay of all the publisher has, the
-index of that instance cleared first. A batch that skips numbers (the publisher dropped some at
-its high-water mark) is preceded by a replay of the missing ones; a number not above the last
-one seen means a new publisher too. What no replay can give back (it was older than vLLM's
-buffer, or the replay did not answer in time) clears the index of that instance: forgetting
-blocks only costs a routing hint, while remembering blocks the instance evicted would send
-requests where nothing is held. So an instance that restarts re-enters the index within one
+index of that instance cleared first, and what the subscription holds unread then dropped (the
+replay has what the publisher connected now sent; the rest is a gone publisher's, whose numbers
+would read as a gap in the new one's). A replay awaited when the connection changes is given up
+at once: the publisher asked may be the one gone. A batch that skips numbers (the publisher
+dropped some at its high-water mark) is preceded by a replay of the missing ones; a number not
+above the last one seen means a new publisher too. What no replay can give back (it was older
+than vLLM's buffer, or the replay did not answer in time) clears the index of that instance:
+forgetting blocks only costs a routing hint, while remembering blocks the instance evicted would
+send requests where nothing is held. So an instance that restarts re-enters the index within one
 replay.
 
 Both sockets are CURVE clients of the instance's publisher (``auth.py``): only instances of
@@ -33,7 +36,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from lmcache_pd.auth import DeploymentKeys
+from lmcache_pd.auth import DeploymentKeys, Door
 from lmcache_pd.kv_events import BATCHES, MAX_BATCH_BYTES
 from lmcache_pd.proxy.config import KVEventsAddress
 from lmcache_pd.proxy.prefix_index import InstanceCaches
@@ -50,6 +53,8 @@ REPLAY_TIMEOUT_S = 2.0
 MAX_BATCHES_PER_TURN = 64
 # Batches a replay applies between two yields to the event loop (requests route meanwhile).
 BATCHES_PER_YIELD = 64
+# Messages the subscription holds unread at most (its receive high-water mark, ZMQ's default).
+SUBSCRIBER_HWM = 1000
 # The subscription's handshake outcomes the feed watches.
 HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -81,6 +86,8 @@ class EventFeed:
         self._last_live: int | None = None  # the last batch the subscription delivered
         self._connected = False  # the subscription connected once already
         self._refused = False  # its last handshake failed (said once per spell)
+        # The subscription's handshake outcomes: one ready means its connection changed.
+        self._monitor: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -100,10 +107,12 @@ class EventFeed:
 
     async def _run(self) -> None:
         subscriber = self._socket(zmq.SUB)
+        subscriber.setsockopt(zmq.RCVHWM, SUBSCRIBER_HWM)
         subscriber.setsockopt(zmq.SUBSCRIBE, b"")
         # Every (re)connection may be to a new publisher (the instance restarted, on the same
         # address): each is followed by a replay of all the publisher has.
         handshakes = subscriber.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
+        self._monitor = handshakes
         subscriber.connect(self._address.endpoint(self._address.port))
         poller = zmq.asyncio.Poller()
         poller.register(subscriber, zmq.POLLIN)
@@ -111,17 +120,23 @@ class EventFeed:
         try:
             while True:
                 ready = dict(await poller.poll())
-                if handshakes in ready and await self._handshakes(handshakes):
-                    self._next_seq = self._last_live = None
-                    await self._resync(0, None)
-                for _ in range(MAX_BATCHES_PER_TURN if subscriber in ready else 0):
-                    try:
-                        frames = await subscriber.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    batch = self._read(frames)
-                    if batch is not None:
-                        await self._on_batch(*batch)
+                try:
+                    if handshakes in ready and await self._handshakes(handshakes):
+                        await self._follow_anew(subscriber)
+                    for _ in range(MAX_BATCHES_PER_TURN if subscriber in ready else 0):
+                        try:
+                            frames = await subscriber.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        batch = self._read(frames)
+                        if batch is not None:
+                            await self._on_batch(*batch)
+                except _Reconnected:
+                    # A replay was awaited when the connection changed (the instance restarted?):
+                    # its answer is moot, and the next turn follows the new connection.
+                    logger.info("%s: reconnected during a replay: replay given up", self._name)
+                    self._count("replays_abandoned")
+                    self.blocks.clear()
         except asyncio.CancelledError:
             raise
         except Exception:  # ZMQ's, or a bug of ours: its index is cleared, the index restarts it
@@ -129,6 +144,7 @@ class EventFeed:
             self._count("feed_errors")
             self.blocks.clear()
         finally:
+            self._monitor = None
             subscriber.disable_monitor()
             handshakes.close(linger=0)
             subscriber.close(linger=0)
@@ -155,12 +171,26 @@ class EventFeed:
             self._connected = connected = True
         return connected
 
+    async def _follow_anew(self, subscriber: zmq.asyncio.Socket) -> None:
+        """The subscription (re)connected, maybe to a new publisher: what it holds unread now is
+        dropped, and all the publisher has is replayed. Whatever the publisher connected now
+        sent before the replay is asked, the replay has; what is left of a publisher gone (its
+        batches read after this, in its numbering, would look like a gap in the new one's and
+        stay in the index) is stale."""
+        self._next_seq = self._last_live = None
+        for _ in range(2 * SUBSCRIBER_HWM):  # bounded: the publisher may go on meanwhile
+            try:
+                await subscriber.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        await self._resync(0, None)
+
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
         socket = self._context.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
         if self._keys is not None:
-            self._keys.connect(socket)
+            self._keys.connect(socket, Door.EVENTS)
         return socket
 
     async def _on_batch(self, seq: int, payload: bytes) -> None:
@@ -191,8 +221,7 @@ class EventFeed:
         try:
             await replay.send_multipart([b"", start.to_bytes(SEQ_BYTES, "big")])
             while True:
-                async with asyncio.timeout(REPLAY_TIMEOUT_S):  # not wait_for: task_stop.py
-                    frames = await replay.recv_multipart()
+                frames = await self._replayed(replay)
                 if len(frames) >= 3 and frames[2] == END_OF_REPLAY:
                     break
                 batch = self._read(frames[1:])
@@ -219,6 +248,19 @@ class EventFeed:
             if index % BATCHES_PER_YIELD == 0:
                 await asyncio.sleep(0)  # requests route meanwhile
 
+    async def _replayed(self, replay: zmq.asyncio.Socket) -> list[bytes]:
+        """The next message of a replay, within ``REPLAY_TIMEOUT_S`` (``TimeoutError``);
+        ``_Reconnected`` if the subscription's connection changes first."""
+        poller = zmq.asyncio.Poller()
+        poller.register(replay, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        async with asyncio.timeout(REPLAY_TIMEOUT_S):  # not wait_for: task_stop.py
+            ready = dict(await poller.poll())
+        if self._monitor is not None and self._monitor in ready:
+            raise _Reconnected
+        return await replay.recv_multipart(zmq.NOBLOCK)
+
     def _read(self, frames: list[bytes]) -> tuple[int, bytes] | None:
         """``[topic, seq, payload]`` as (seq, payload); None, counted, if malformed."""
         if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
@@ -243,6 +285,10 @@ class EventFeed:
                 self._count("malformed")
                 logger.warning("%s: a KV event the index cannot take ignored: %r", self._name, exc)
         self._count("batches")
+
+
+class _Reconnected(Exception):
+    """The subscription's connection changed while a replay was awaited."""
 
 
 def _contiguous_tail(batches: list[tuple[int, bytes]], live: int) -> list[tuple[int, bytes]]:

@@ -90,6 +90,18 @@ class KVIndex:
         blocks = feed.blocks.prefix
         return blocks.held_tokens(keys(blocks.block_size)) if blocks.block_size else 0
 
+    def holds_last_block(self, member: Upstream, keys: Callable[[int], list[bytes]]) -> bool:
+        """Whether ``member``'s prefix cache holds the last full block of a prompt (False:
+        unknown, or the prompt has no full block). vLLM stores a prompt's blocks in order, each
+        when it schedules the step that computes it, and publishes a step's events once the
+        step is done: once the last is there, the prompt is computed."""
+        feed = self._feeds.get((member.url, member.kv_events))
+        blocks = None if feed is None else feed.blocks.prefix
+        if blocks is None or not blocks.block_size:
+            return False
+        chain = keys(blocks.block_size)
+        return bool(chain) and chain[-1] in blocks
+
     def landed_after(self, member: Upstream, keys: Callable[[int], list[bytes]], start: int) -> int:
         """Where the run of a prompt's chunks landed in ``member``'s consumer ends, from the
         chunk that holds token ``start`` on (``start`` if none): what a decode instance whose
@@ -149,10 +161,10 @@ class _IndexMetrics(Collector):
         events = CounterMetricFamily(
             f"{prefix}_feed_events",
             "KV event feeds: batches applied, malformed batches or events ignored, resyncs "
-            "(replays asked), replay_gaps and replay_failures (an instance's index was cleared), "
-            "restarts and reconnects (an instance's publisher anew), handshakes_refused (the "
-            "instance refuses the proxy's secret), feed_errors and feed_restarts (a feed ended, "
-            "its index cleared, and was started again)",
+            "(replays asked), replay_gaps, replay_failures and replays_abandoned (an instance's "
+            "index was cleared), restarts and reconnects (an instance's publisher anew), "
+            "handshakes_refused (the instance refuses the proxy's secret), feed_errors and "
+            "feed_restarts (a feed ended, its index cleared, and was started again)",
             labels=["what"],
         )
         for what, count in sorted(self._index.counts.items()):

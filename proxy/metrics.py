@@ -39,6 +39,7 @@ class ProxyMetrics:
         """``upstreams`` gives the instances there are now (a cluster engine changes them),
         ``in_flight`` the requests the proxy serves now."""
         self.registry = CollectorRegistry()
+        self._upstreams = upstreams
         prefix = "lmcache_pd_proxy"
         self.requests = Counter(
             f"{prefix}_requests",
@@ -91,8 +92,8 @@ class ProxyMetrics:
         self.not_disaggregated = Counter(
             f"{prefix}_not_disaggregated",
             "Requests served by decode alone, unchanged, for a field no first token from prefill "
-            "can serve exactly: n (more than one choice), batch (several prompts), best_of, "
-            "beam_search, echo, prompt_logprobs, suffix, tools",
+            "can serve exactly: n (more than one choice), beam_search, echo, prompt_logprobs, "
+            "suffix",
             ["reason"],
             registry=self.registry,
         )
@@ -155,6 +156,11 @@ class ProxyMetrics:
         self.registry.register(_InFlightGauge(in_flight))
 
     def upstream_error(self, member: Upstream, kind: str) -> None:
+        """Count a failed call to ``member``, unless it left its pool while the call ran (it
+        died, say): its series went then (``forget_instance``), and one made now would stay
+        for good. The caller has logged the failure."""
+        if all(other.url != member.url for other in self._upstreams()):
+            return
         self.upstream_errors.labels(member.role.value, member.url, kind).inc()
         self._error_series.setdefault(member.url, set()).add((member.role.value, kind))
 

@@ -5,7 +5,11 @@ Learned from an instance's ``/v1/models`` at start and again when a client names
 yet (at most once per ``REFRESH_MIN_S``, so that names made up by a client cost the instances one
 listing a second at most) or an adapter is loaded or unloaded through the proxy. A name not
 served gets vLLM's own 404 at the door, before any instance computes anything; one unloaded
-since the last listing reaches prefill, which answers the same 404.
+since the last listing reaches prefill, which answers the same 404. The same listing gives the
+model's context length (``max_model_len``), which ``model_length.py`` checks requests against:
+asked again (at most once per ``REFRESH_MIN_S``) while no listing has said it. The pools serve
+one model at one length (the launcher starts them alike): the first instance that lists it says
+it for all.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Annotated
 
 import aiohttp
 import msgspec
@@ -26,6 +31,7 @@ REFRESH_MIN_S = 1.0
 
 class _Card(msgspec.Struct):
     id: str
+    max_model_len: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 class _Listing(msgspec.Struct):
@@ -47,6 +53,7 @@ class ModelNames:
         be asked for the listing (the healthy ones are)."""
         self._base = base
         self._names = frozenset({base})
+        self._max_model_len: int | None = None
         self._session = session
         self._instances = instances
         self._headers = headers
@@ -68,6 +75,13 @@ class ModelNames:
         await self.refresh()
         return name if name in self._names else None
 
+    async def max_model_len(self) -> int | None:
+        """The model's context length as the instances list it; None while none has said (an
+        instance is asked now unless one was less than ``REFRESH_MIN_S`` ago)."""
+        if self._max_model_len is None and time.monotonic() - self._refreshed >= REFRESH_MIN_S:
+            await self.refresh()
+        return self._max_model_len
+
     async def refresh(self) -> None:
         """Learn the names from the first healthy instance that lists them; keep what was known
         if none does."""
@@ -84,4 +98,8 @@ class ModelNames:
                 logger.warning("model names: %s did not list them: %r", member.url, exc)
                 continue
             self._names = frozenset({self._base, *(card.id for card in listing.data)})
+            # The base model's card first; any other (an adapter's) has the same length.
+            cards = sorted(listing.data, key=lambda card: card.id != self._base)
+            lengths = [card.max_model_len for card in cards if card.max_model_len]
+            self._max_model_len = lengths[0] if lengths else self._max_model_len
             return

@@ -26,6 +26,7 @@ from aiohttp import web
 from lmcache_pd.first_token import FirstTokenNotice, NoticeBoard
 from lmcache_pd.protocol import DisaggSpec, KVTransferParams
 from lmcache_pd.proxy.answer import Answer
+from lmcache_pd.proxy.batch import serve_batch
 from lmcache_pd.proxy.client_request import BadRequest, ClientRequest, Endpoint, unknown_model
 from lmcache_pd.proxy.decode_stream import DecodeStream
 from lmcache_pd.proxy.direct import serve_alone
@@ -33,9 +34,10 @@ from lmcache_pd.proxy.flow import Disaggregator, Prefilled, UpstreamFailed, Upst
 from lmcache_pd.proxy.kv_drop import KVDropper
 from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
 from lmcache_pd.proxy.migration import Migrations
+from lmcache_pd.proxy.model_length import check_length
 from lmcache_pd.proxy.model_names import ModelNames
 from lmcache_pd.proxy.placement import Placer, Plan
-from lmcache_pd.proxy.responses import error_response
+from lmcache_pd.proxy.responses import OpenStream, error_response, stream_to
 from lmcache_pd.proxy.routing import NoHealthyInstance, Upstream
 from lmcache_pd.trace import TraceFile
 
@@ -80,6 +82,7 @@ class Orchestrator:
             if model is None:
                 raise unknown_model(str(client.model), self._names.base)
             client = dataclasses.replace(client, model=model)
+            check_length(client, await self._names.max_model_len())  # before prefill is spent
         except BadRequest as exc:
             self._metrics.requests.labels(label, Outcome.BAD_REQUEST.value).inc()
             return error_response(str(exc), exc.kind, exc.status, exc.param)
@@ -90,7 +93,14 @@ class Orchestrator:
         outcome = Outcome.INTERNAL_ERROR
         trace: dict[str, Any] = {"event": "proxy", "req_id": req_id, "arrived": time.time()}
         try:
-            response, outcome = await self._disaggregate(http, client, req_id, started, trace)
+            if client.is_batch:
+                response, outcome = await serve_batch(
+                    stream_to(http), client, req_id, self._disaggregate, started, trace
+                )
+            else:
+                response, outcome = await self._disaggregate(
+                    stream_to(http), client, req_id, started, trace
+                )
             return response
         except asyncio.CancelledError:  # the client went away; aiohttp cancels its handler
             outcome = _cancelled(trace)
@@ -109,7 +119,7 @@ class Orchestrator:
 
     async def _disaggregate(
         self,
-        http: web.Request,
+        open_stream: OpenStream,
         client: ClientRequest,
         req_id: str,
         started: float,
@@ -129,9 +139,9 @@ class Orchestrator:
                 self._metrics.served_alone.inc()
             else:
                 self._metrics.not_disaggregated.labels(client.alone_reason).inc()
-            with decoder.busy(plan.alone_computes) as computed:
+            with decoder.busy(plan.alone_computes, plan.alone_computed) as computed:
                 return await serve_alone(
-                    http,
+                    open_stream,
                     self._flow,
                     self._migrations,
                     self._metrics,
@@ -156,7 +166,7 @@ class Orchestrator:
         try:
             with decoder.busy() if decoder is not None else contextlib.nullcontext():
                 response, outcome = await self._answer(
-                    http, client, req_id, plan, spec, attempts, answers, started, trace
+                    open_stream, client, req_id, plan, spec, attempts, answers, started, trace
                 )
                 return response, outcome
         except asyncio.CancelledError:  # the client went away: say so in the drop notice
@@ -185,7 +195,7 @@ class Orchestrator:
 
     async def _answer(
         self,
-        http: web.Request,
+        open_stream: OpenStream,
         client: ClientRequest,
         req_id: str,
         plan: Plan,
@@ -229,7 +239,7 @@ class Orchestrator:
         answers.append(answer)
         try:
             if client.stream:
-                response, outcome = await answer.stream(http)
+                response, outcome = await answer.stream(open_stream)
             else:
                 response, outcome = await answer.whole()
         finally:

@@ -62,6 +62,9 @@ class Plan:
     # Prompt tokens ``decoder`` computes serving it alone: what neither its prefix cache nor
     # its landed chunks hold (0: unknown, or not alone).
     alone_computes: int = 0
+    # Whether decode's KV events show those computed (``KVIndex.holds_last_block``; None:
+    # nothing tells): a whole answer has no first event to say it (``Upstream.busy``).
+    alone_computed: Callable[[], bool] | None = None
 
     def work_at(self, member: Upstream) -> int:
         return 0 if self.work is None else self.work(member)
@@ -126,7 +129,8 @@ class Placer:
             return Plan(decoder, decoder is not None and self._sizer.is_short(client))
         # Decode is weighed by what it would compute or receive: chunks landed in its consumer
         # are not pushed again.
-        work, receive = _work(index, token_ids, _salt(client))
+        keys = _keys(token_ids, _salt(client))
+        work, receive = _work(index, token_ids, keys)
         prefill_least = self._prefill_least(work)
 
         def cost(member: Upstream) -> int:
@@ -144,7 +148,13 @@ class Placer:
         # Served alone, decode loads its landed chunks too (its consumer's cache).
         computes = 0 if decoder is None else receive(decoder)
         alone = decoder is not None and self._alone(computes, prefill_least)
-        return Plan(decoder, alone, work, len(token_ids), computes if alone else 0)
+        if not alone or not computes:
+            return Plan(decoder, alone, work, len(token_ids))
+        assert decoder is not None
+        computed = None
+        if not index.holds_last_block(decoder, keys):  # else its events cannot tell
+            computed = functools.partial(index.holds_last_block, decoder, keys)
+        return Plan(decoder, alone, work, len(token_ids), computes, computed)
 
     def elsewhere(self, failed: Collection[Upstream]) -> Upstream:
         """Another decode for a request whose decode instances in ``failed`` failed under it
@@ -179,14 +189,18 @@ def _salt(client: ClientRequest) -> str | None:
     return salt if isinstance(salt, str) else None
 
 
+def _keys(tokens: list[int], salt: str | None) -> Callable[[int], list[bytes]]:
+    """The prompt's block keys for a block size, hashed once per block size."""
+    return functools.cache(lambda block_size: prefix_keys(tokens, block_size, salt))
+
+
 def _work(
-    index: KVIndex, tokens: list[int], salt: str | None
+    index: KVIndex, tokens: list[int], keys: Callable[[int], list[bytes]]
 ) -> tuple[Callable[[Upstream], int], Callable[[Upstream], int]]:
     """Prompt tokens each instance would compute: those its prefix cache does not hold; and
     those it would compute or receive: those neither its prefix cache nor the run of landed
-    chunks that goes on from it hold. The prompt's keys are hashed once per block size, looked
-    up once per instance (and kept: a plan reads them after the index may have changed)."""
-    keys = functools.cache(lambda block_size: prefix_keys(tokens, block_size, salt))
+    chunks that goes on from it hold (``keys``: the prompt's). Each instance is looked up once
+    (and kept: a plan reads them after the index may have changed)."""
     held: dict[Upstream, int] = {}
     landed: dict[Upstream, int] = {}
 

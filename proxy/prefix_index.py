@@ -60,6 +60,10 @@ class InstanceBlocks:
     def __len__(self) -> int:
         return len(self._by_hash)
 
+    def __contains__(self, key: object) -> bool:
+        """Whether a block of the proxy's ``key`` is held."""
+        return key in self._keys
+
     @property
     def approx_bytes(self) -> int:
         """What the index of this instance takes, roughly (the dicts and their keys)."""

@@ -4,6 +4,7 @@ whose writes turn a client that went away into one exception."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -11,6 +12,22 @@ import msgspec
 from aiohttp import web
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+# Opens the stream an answer's events go to, its headers sent: the client's own response, or one
+# prompt's part of a batch (``batch.py``).
+OpenStream = Callable[[], Awaitable[web.StreamResponse]]
+
+
+def stream_to(http: web.Request) -> OpenStream:
+    """Opens the client's SSE response to ``http``."""
+
+    async def open_stream() -> web.StreamResponse:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(http)
+        return response
+
+    return open_stream
 
 
 class ClientGone(Exception):

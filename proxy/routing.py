@@ -9,6 +9,15 @@ request) among those whose load stays within a bound of the least loaded one, so
 prefix spreads once its instance is busy; ties go as without one. This is llm-d's precise-prefix
 and load scorers in one sum, in tokens.
 
+A prompt stops weighing as queued when it is computed: at its answer's first token where the
+proxy sees one (prefill's answer, a stream's first event). A whole answer decode serves alone
+shows nothing until it ends (vLLM sends even its headers then), seconds of decoding after its
+prompt was computed; a time bound would be a guess. So it weighs until decode's own KV events
+show the prompt's last full block stored (``KVIndex.holds_last_block``: vLLM stores a block as
+it schedules the step that computes it and publishes that step's events when it is done), read
+whenever routing reads the queue; where they cannot tell (a decode that publishes none, a prompt
+under a block, a last block held already), until its answer ends.
+
 Everything here runs on the proxy's one event loop, so counters need no locks.
 """
 
@@ -58,13 +67,21 @@ class Upstream:
     # Prompt tokens it computes for the requests outstanding on it (as the proxy estimated).
     queued_tokens: int = 0
     healthy: bool = True
+    # Of those, the prompts only a probe can tell computed (a whole answer served alone): each
+    # request's "takes its tokens off" and its probe.
+    _probes: dict[Callable[[], None], Callable[[], bool]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     @contextlib.contextmanager
-    def busy(self, tokens: int = 0) -> Iterator[Callable[[], None]]:
+    def busy(
+        self, tokens: int = 0, computed_when: Callable[[], bool] | None = None
+    ) -> Iterator[Callable[[], None]]:
         """Counts one outstanding request for as long as the block runs, and ``tokens`` prompt
         tokens it computes here until the callable it yields is called (its first token came:
         the prompt is computed, and a streaming answer must not keep weighing as a queued
-        prompt) or the block ends."""
+        prompt), ``computed_when()`` says so where given (read when routing reads the queue,
+        ``queued``), or the block ends."""
         self.outstanding += 1
         self.queued_tokens += tokens
         queued = tokens
@@ -73,12 +90,22 @@ class Upstream:
             nonlocal queued
             self.queued_tokens -= queued
             queued = 0
+            self._probes.pop(computed, None)
 
+        if tokens and computed_when is not None:
+            self._probes[computed] = computed_when
         try:
             yield computed
         finally:
             self.outstanding -= 1
             computed()
+
+    def queued(self) -> int:
+        """Prompt tokens queued here now, those its probes say are computed taken off first."""
+        for computed, probe in list(self._probes.items()):
+            if probe():
+                computed()
+        return self.queued_tokens
 
     def mark(self, healthy: bool, why: str) -> None:
         """Record a health change, logging only transitions so a dead instance is one line."""
@@ -92,7 +119,7 @@ class Upstream:
 
 def cost(member: Upstream, work: Callable[[Upstream], int]) -> int:
     """What sending a request of ``work`` to ``member`` costs, in prompt tokens."""
-    return work(member) + member.queued_tokens + TOKENS_PER_OUTSTANDING * member.outstanding
+    return work(member) + member.queued() + TOKENS_PER_OUTSTANDING * member.outstanding
 
 
 class NoHealthyInstance(Exception):

@@ -49,6 +49,10 @@ class Case:
     # Why the proxy serves it by decode alone (``ClientRequest.alone_reason``); None: it is
     # disaggregated.
     alone: str | None = None
+    # Prompts in its batch (one: not a batch).
+    prompts: int = 1
+    # The tool its whole answer calls (so that an answer without the call cannot pass).
+    calls: str | None = None
 
     def body(self, model: str, stream: bool) -> dict[str, Any]:
         body: dict[str, Any] = {"model": model, "max_tokens": OUTPUT_TOKENS, "temperature": 0}
@@ -57,8 +61,8 @@ class Case:
         seed = 2 * self.seed + stream
         if self.chat:
             body["messages"] = chat_messages(seed)
-        elif self.alone == "batch":
-            body["prompt"] = [token_prompt(seed), token_prompt(seed + 1000)]
+        elif self.prompts > 1:
+            body["prompt"] = [token_prompt(seed + 1000 * i) for i in range(self.prompts)]
         else:
             body["prompt"] = token_prompt(seed)
         body |= self.fields | {"stream": stream}
@@ -72,6 +76,21 @@ JSON_SCHEMA = {
     "properties": {"name": {"type": "string"}, "size": {"type": "integer"}},
     "required": ["name", "size"],
 }
+
+# A tool whose call is short: its one argument is one of two words.
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Oslo", "Lima"]}},
+            "required": ["city"],
+        },
+    },
+}
+NAMED_TOOL = {"type": "function", "function": {"name": "get_weather"}}
 
 CASES = [
     Case("greedy_logprobs", {"logprobs": 2}, seed=1),
@@ -97,11 +116,32 @@ CASES = [
         chat=True,
         seed=13,
     ),
+    # vLLM guides a required or named tool's call: valid from any model (``SERVER_ARGS``).
+    Case(
+        "chat_tool_required",
+        {"tools": [WEATHER_TOOL], "tool_choice": "required", "max_tokens": 40},
+        chat=True,
+        seed=22,
+        calls="get_weather",
+    ),
+    Case(
+        "chat_tool_named",
+        {"tools": [WEATHER_TOOL], "tool_choice": NAMED_TOOL, "max_tokens": 40},
+        chat=True,
+        seed=23,
+        calls="get_weather",
+    ),
+    Case("chat_tool_auto", {"tools": [WEATHER_TOOL]}, chat=True, seed=29),
+    Case("chat_tool_none", {"tools": [WEATHER_TOOL], "tool_choice": "none"}, chat=True, seed=24),
     Case("chat_max_completion_tokens", {"max_completion_tokens": 5}, chat=True, seed=14),
     Case("n2_seeded", {"n": 2, "temperature": 1.0, "seed": 3, "logprobs": 1}, seed=16, alone="n"),
-    Case("batch", {"logprobs": 1}, seed=17, alone="batch"),
+    Case("batch", {"logprobs": 1, "stream_options": {"include_usage": True}}, seed=17, prompts=2),
+    Case("batch_echo", {"echo": True, "max_tokens": 3}, seed=28, prompts=2, alone="echo"),
     Case("echo", {"echo": True, "max_tokens": 3}, seed=18, alone="echo"),
     Case("prompt_logprobs", {"prompt_logprobs": 1}, seed=19, alone="prompt_logprobs"),
+    Case("best_of", {"best_of": 2}, seed=25),  # not a vLLM 0.32 field: ignored by both
+    Case("suffix", {"suffix": " end."}, seed=26, alone="suffix"),
+    Case("beam_search", {"use_beam_search": True, "n": 2}, seed=27, alone="n"),
     Case("chat_n2", {"n": 2, "temperature": 1.0, "seed": 5}, chat=True, seed=21, alone="n"),
     Case(
         "chat_usage_in_stream",
@@ -165,6 +205,15 @@ def differences(
     if isinstance(want, float) and isinstance(got, float) and not isinstance(got, bool):
         return [] if abs(got - want) <= LOGPROB_TOLERANCE else [f"{where}: {got} != {want}"]
     return [] if got == want else [f"{where}: {got!r:.80} != {want!r:.80}"]
+
+
+def called_tools(answer: Answer) -> list[str]:
+    """The names of the tools a whole chat answer calls, with their arguments' JSON checked."""
+    assert isinstance(answer, dict) and "choices" in answer, answer
+    calls = answer["choices"][0]["message"].get("tool_calls") or []
+    for call in calls:
+        msgspec.json.decode(call["function"]["arguments"])
+    return [call["function"]["name"] for call in calls]
 
 
 def stop_spanning_two_tokens(answer: dict[str, Any]) -> str:

@@ -30,7 +30,8 @@ from benchmarks.abuse.normal import answer_check_control, compare
 from benchmarks.abuse.run import DOORS, SHORT_ZMQ_CASES, ZMQ_CASES
 from benchmarks.chaos.judge import LOGPROB_TOLERANCE
 from benchmarks.chaos.pools import alive_groups
-from lmcache_pd.auth import DeploymentKeys, generate_secret
+from lmcache_pd.auth import DeploymentKeys, Door, Role, generate_secret
+from lmcache_pd.gatekeeper import Gatekeeper
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 1200
@@ -74,17 +75,22 @@ def test_the_answer_checks_control_flags_every_other_prompts_answer() -> None:
 
 @pytest.fixture
 def ports() -> Any:
-    """A plain ROUTER and one that asks for CURVE under a fresh secret (in this process)."""
-    keys = DeploymentKeys.from_secret(generate_secret())
+    """A plain ROUTER and an alloc port that asks for CURVE under a fresh secret (in this
+    process); ``keys``: a producer's, which it admits."""
+    secret = generate_secret()
     context = zmq.Context()
+    gate = Gatekeeper(context, DeploymentKeys.from_secret(secret, Role.CONSUMER))
     plain, curve = context.socket(zmq.ROUTER), context.socket(zmq.ROUTER)
-    keys.serve(curve)
+    gate.serve(curve, Door.ALLOC)
     found = {
-        "keys": keys,
+        "keys": DeploymentKeys.from_secret(secret, Role.PRODUCER),
         "plain": plain.bind_to_random_port("tcp://127.0.0.1"),
         "curve": curve.bind_to_random_port("tcp://127.0.0.1"),
     }
     yield found
+    plain.close(linger=0)
+    curve.close(linger=0)
+    gate.close()
     context.destroy(linger=0)
 
 

@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_pd import protocol
+from lmcache_pd.auth import Door
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.errors import BufferFull, PeerTimeout, RequestDropped
 from lmcache_pd.harness.consumer_process import ConsumerProcess
@@ -357,7 +358,7 @@ def test_a_handshake_ends_by_one_deadline_however_slowly_each_step_is_answered(
 def test_consumer_ports_queue_a_bounded_number_of_messages_per_peer() -> None:
     context = zmq.Context()
     try:
-        router = bind_router(context, "127.0.0.1", free_port(), None)
+        router = bind_router(context, "127.0.0.1", free_port(), None, Door.ALLOC)
         assert router.getsockopt(zmq.RCVHWM) == protocol.MAX_QUEUED_MESSAGES
         assert router.getsockopt(zmq.MAXMSGSIZE) == protocol.MAX_FRAME_BYTES
         router.close(linger=0)

@@ -415,6 +415,31 @@ def test_a_write_still_in_flight_is_not_cached_until_it_lands() -> None:
     assert (store.cached_pages, store.used_pages) == (1, 0)
 
 
+@pytest.mark.parametrize("uncache", [True, False], ids=["keep_nothing", "keep"])
+def test_a_request_that_keeps_nothing_takes_its_chunks_out_of_the_cache(uncache: bool) -> None:
+    """Released with ``uncache`` (``lmcache.skip_save``, ``priority_limit``), the chunks pushed
+    for a request leave the cache at once, and one whose write was still in flight as it lands
+    (counted ``not_kept``); a chunk it found landed for an earlier request stays, and so does
+    one another request still holds, for that request. The control keeps them all."""
+    store = make_store(cache_pages=8)
+    landed_and_released(store, "earlier", b"k0")
+    allocation = store.allocate(alloc_request("a", b"k0", b"k1", b"k2"), now=0.0)
+    assert allocation.pages[0] is None  # k0: landed for "earlier", now held by "a" too
+    store.confirm(write_done("a", allocation.alloc_id))
+    store.allocate(alloc_request("b", b"k2"), now=0.0)  # b holds k2 as well
+    in_flight = store.allocate(alloc_request("a2", b"k3"), now=0.0)
+    store.release("a", now=0.0, uncache=uncache)
+    store.release("a2", now=0.0, uncache=uncache)
+    store.confirm(write_done("a2", in_flight.alloc_id))  # lands after its request let go
+    assert store.landed(b"k0") is not None and store.landed(b"k2", "b") is not None
+    assert (store.landed(b"k1") is None) == uncache
+    assert (store.landed(b"k3") is None) == uncache
+    assert store.cache_counts.not_kept == (2 if uncache else 0)
+    store.release("b", now=0.0)  # b asked for nothing of the kind: k2 stays cached
+    assert store.landed(b"k2") is not None
+    assert store.cached_pages == (2 if uncache else 4) and store.used_pages == 0
+
+
 @pytest.mark.parametrize(
     ("request_", "error"),
     [
@@ -451,6 +476,8 @@ class ModelPage:
     nbytes: int
     alloc_id: int
     live: bool = False
+    pushed_for: str = ""  # the request it was written for
+    uncached: bool = False  # that request let it go, keeping nothing: freed once landed
 
 
 @dataclass
@@ -516,15 +543,22 @@ class ChunkStoreMachine(RuleBasedStateMachine):
         del self.idle[page]
         self._free(page)
 
-    def _release(self, req_id: str, reason: str) -> int:
+    def _release(self, req_id: str, reason: str, uncache: bool = False) -> int:
         self.claimed.discard(req_id)
         self.not_needed.pop(req_id, None)
         self.dropped.setdefault(req_id, (reason, self.now + DROPPED_MEMORY_S))
         self.hold_deadlines.pop(req_id, None)
         freed = 0
         for page in sorted(self.holds.pop(req_id, set())):
-            if self.pages[page].live and not self._held(page):
-                freed += self._unheld(page)
+            info = self.pages[page]
+            if uncache and info.pushed_for == req_id and not self._held(page):
+                info.uncached = True
+            if info.live and not self._held(page):
+                if info.uncached:
+                    self._free(page)
+                    freed += 1
+                else:
+                    freed += self._unheld(page)
         return freed
 
     def _alloc_ids(self, data: st.DataObject) -> tuple[int, str]:
@@ -561,7 +595,9 @@ class ChunkStoreMachine(RuleBasedStateMachine):
             info = self.pages[page]
             info.live = True
             self.last_written[page] = info.key
-            if not self._held(page):
+            if info.uncached:
+                self._free(page)
+            elif not self._held(page):
                 self._unheld(page)
             else:
                 expected = None if checksums is None else checksums[index]
@@ -640,7 +676,7 @@ class ChunkStoreMachine(RuleBasedStateMachine):
                 self.idle.pop(page, None)
             else:
                 assert page is not None and page not in self.pages
-                self.pages[page] = ModelPage(key, nbytes, allocation.alloc_id)
+                self.pages[page] = ModelPage(key, nbytes, allocation.alloc_id, pushed_for=req_id)
                 written.append(page)
             hold.add(page)
         self.hold_deadlines[req_id] = self.now + (HOLD_S if req_id in self.claimed else CLAIM_S)
@@ -669,10 +705,14 @@ class ChunkStoreMachine(RuleBasedStateMachine):
     def cancel(self, data: st.DataObject) -> None:
         self._cancel(*self._alloc_ids(data))
 
-    @rule(req_id=st.sampled_from(REQ_IDS), reason=st.sampled_from([RELEASED, "client_gone"]))
-    def release(self, req_id: str, reason: str) -> None:
-        expected = self._release(req_id, reason)
-        assert self.store.release(req_id, self.now, reason) == expected
+    @rule(
+        req_id=st.sampled_from(REQ_IDS),
+        reason=st.sampled_from([RELEASED, "client_gone"]),
+        uncache=st.sampled_from([False, False, True]),  # keeping nothing: lmcache.skip_save
+    )
+    def release(self, req_id: str, reason: str, uncache: bool) -> None:
+        expected = self._release(req_id, reason, uncache)
+        assert self.store.release(req_id, self.now, reason, uncache=uncache) == expected
 
     @rule(
         req_id=st.sampled_from(REQ_IDS),

@@ -181,6 +181,10 @@ HOSTILE_PARAMS = [
     {"disagg_spec": {**SPEC, "receiver_host": "a b"}},
     {"disagg_spec": {**SPEC, "req_id": "r" * 10_000}},
     {"disagg_spec": {**SPEC, "surprise": {"deep": [[[[]]]]}}},
+    {"disagg_spec": SPEC, "lmcache.tag.tenant": ["a"]},  # LMCache's options, malformed
+    {"disagg_spec": SPEC, "lmcache.tag.tenant": "a" * 10_000},
+    {"disagg_spec": SPEC, **{f"lmcache.tag.t{i}": "a" for i in range(100)}},
+    {"disagg_spec": SPEC, "lmcache.skip_save": "yes"},
 ]
 
 
@@ -292,26 +296,71 @@ def test_decode_keeps_the_chunks_of_a_prompt_it_computed_once_the_prompt_is_comp
     assert scheduler.build_connector_meta(step(cached=[("a", [], 200)])).keeps == []
 
 
-@pytest.mark.parametrize(("salt", "lora"), [("tenant-a", None), (None, "tuned"), (None, None)])
+@pytest.mark.parametrize(
+    ("salt", "lora", "tags"),
+    [
+        ("tenant-a", None, ()),
+        (None, "tuned", ()),
+        (None, None, (("tenant", "a"), ("user", "x"))),
+        (None, None, ()),
+    ],
+)
 def test_both_scheduler_halves_pass_the_requests_key_scope_to_their_worker(
-    salt: str | None, lora: str | None
+    salt: str | None, lora: str | None, tags: tuple[tuple[str, str], ...]
 ) -> None:
-    """The workers key a request's chunks with its ``cache_salt`` and its LoRA adapter's name:
-    every save carries them, and so does the load; a request without them carries None (the
-    control)."""
+    """The workers key a request's chunks with its ``cache_salt``, its LoRA adapter's name and
+    its LMCache tags (``lmcache.tag.*`` in its kv_transfer_params, as LMCache's users send
+    them): every save carries them, and so does the load; a request without them carries none
+    (the control)."""
     blocks = SimpleNamespace(get_block_ids=lambda: ([3, 1, 4, 1],))
+    params = {"disagg_spec": SPEC} | {f"lmcache.tag.{name}": value for name, value in tags}
     producer = ProducerScheduler()
-    req = request("r", list(range(150)), {"disagg_spec": SPEC}, cache_salt=salt, lora=lora)
+    req = request("r", list(range(150)), params, cache_salt=salt, lora=lora)
     producer.update_state_after_alloc(req, None, 0)
     first = producer.build_connector_meta(step(new=[("r", [4, 5], 0)], scheduled={"r": 64}))
     later = producer.build_connector_meta(step(cached=[("r", [6], 64)], scheduled={"r": 86}))
-    assert [(s.cache_salt, s.lora) for s in first.saves + later.saves] == [(salt, lora)] * 2
+    scopes = [(s.cache_salt, s.lora, s.tags) for s in first.saves + later.saves]
+    assert scopes == [(salt, lora, tags)] * 2
     consumer = ConsumerScheduler()
-    req = request("c", list(range(201)), {"disagg_spec": SPEC}, cache_salt=salt, lora=lora)
+    req = request("c", list(range(201)), params, cache_salt=salt, lora=lora)
     assert consumer.get_num_new_matched_tokens(req, 0) == (200, True)
     consumer.update_state_after_alloc(req, blocks, 200)
     [load] = consumer.build_connector_meta(step()).loads
-    assert (load.cache_salt, load.lora) == (salt, lora)
+    assert (load.cache_salt, load.lora, load.tags) == (salt, lora, tags)
+
+
+@pytest.mark.parametrize(
+    ("options", "priority", "keeps"),
+    [
+        ({"lmcache.skip_save": True}, 0, False),
+        ({}, 5, False),  # past priority_limit
+        ({"lmcache.skip_save": False}, 3, True),  # the controls: at the limit, or under it
+        ({}, 0, True),
+    ],
+)
+def test_a_request_that_keeps_nothing_has_decode_cache_none_of_its_kv(
+    options: dict, priority: int, keeps: bool
+) -> None:
+    """``lmcache.skip_save``, or a priority above ``priority_limit``: the request's KV is still
+    pushed and loaded, but its chunks leave the consumer's cache as they are released
+    (``uncached``), loaded or not needed; served alone, its computed chunks are not kept."""
+    blocks = SimpleNamespace(get_block_ids=lambda: ([3, 1, 4, 1],))
+    scheduler = ConsumerScheduler(computed=ComputedPrompts(CHUNK), priority_limit=3)
+    loaded = request("c", list(range(201)), {"disagg_spec": SPEC} | options)
+    unneeded = request("u", list(range(201)), {"disagg_spec": SPEC | {"req_id": "d-2"}} | options)
+    alone = request("a", list(range(1000, 1200)), options or None)
+    for req in (loaded, unneeded, alone):
+        req.priority = priority
+    assert scheduler.get_num_new_matched_tokens(loaded, 0) == (200, True)
+    scheduler.update_state_after_alloc(loaded, blocks, 200)
+    scheduler.update_state_after_alloc(unneeded, blocks, 0)
+    scheduler.update_state_after_alloc(alone, blocks, 0)
+    meta = scheduler.build_connector_meta(step(new=[("a", [0, 1, 2, 3], 0)], scheduled={"a": 200}))
+    assert [load.disagg_req_id for load in meta.loads] == ["d-1"]  # loaded all the same
+    assert meta.unneeded == {"d-2"}
+    assert meta.uncached == (set() if keeps else {"d-1", "d-2"})
+    assert [keep.req_id for keep in meta.keeps] == (["a"] if keeps else [])
+    assert scheduler.build_connector_meta(step()).uncached == set()
 
 
 def paged_cache(num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
@@ -560,6 +609,46 @@ def test_chunks_pushed_under_one_cache_salt_serve_no_request_of_another(
     assert push("b-again", "tenant-b") == (6, 3)  # control: the same salt shares them all
     assert push("unsalted", None) == (9, 3)
     wait_for(lambda: workers.consumer_total("consumer_cache_hits") == 3, what="hits counted")
+
+
+@pytest.mark.processes
+def test_lmcache_tags_part_chunks_and_a_request_keeping_nothing_leaves_none_cached(
+    workers: Workers,
+) -> None:
+    """Chunks pushed under one set of LMCache tags are written afresh for another, and shared
+    ("already held") under the same tags (the control); a request loaded with ``uncached``
+    (``lmcache.skip_save``) leaves none of its chunks in the consumer's cache, so the same
+    prompt is written again, where after a request that keeps them it is not (the control)."""
+    src_blocks, dst_blocks = [7, 3, 12, 20, 5], [1, 30, 2, 9, 11]
+    a, b = (("tenant", "a"),), (("tenant", "b"),)
+
+    def push(name: str, prompt: list[int], tags: tuple) -> tuple[float, float]:
+        """Push ``prompt`` under ``tags`` as request ``d-<name>``: chunks (written, skipped)."""
+        spec = msgspec.structs.replace(workers.spec, req_id=f"d-{name}")
+        saving = SaveRequest(f"p-{name}", spec, prompt, src_blocks, 150, tags=tags)
+        workers.producer.wait_for_save(PDConnectorMetadata(saves=[saving]))
+        wait_for(lambda: workers.producer.progress().outstanding == 0, what="pushes done")
+        totals = workers.producer_stats.totals()
+        return totals.get("chunks_pushed", 0), totals.get("chunks_skipped", 0)
+
+    def load_and_release(name: str, prompt: list[int], tags: tuple, keep: bool) -> None:
+        loading = LoadRequest(name, f"d-{name}", prompt, dst_blocks, 0, tags=tags)
+        uncached = set() if keep else {f"d-{name}"}
+        workers.consumer.start_load_kv(PDConnectorMetadata(loads=[loading], uncached=uncached))
+        assert finish(workers.consumer) == ({name}, set())
+
+    tagged = list(range(6000, 6150))  # two full chunks and a partial one
+    assert push("a", tagged, a) == (3, 0)
+    assert push("b", tagged, b) == (6, 0)  # a's chunks are not b's
+    assert push("a-again", tagged, a) == (6, 3)  # the control: the same tag shares them
+    skipped, kept = list(range(7000, 7150)), list(range(8000, 8150))
+    push("skip", skipped, ())
+    load_and_release("skip", skipped, (), keep=False)
+    push("keep", kept, ())
+    load_and_release("keep", kept, (), keep=True)
+    assert push("skip-again", skipped, ()) == (15, 3)  # written again: none was cached
+    assert push("keep-again", kept, ()) == (15, 6)  # the control: all three were
+    wait_for(lambda: workers.consumer_total("consumer_cache_not_kept") == 3, what="counted")
 
 
 @pytest.mark.processes
@@ -1005,6 +1094,64 @@ def test_the_scheduler_loads_synchronously_only_kv_landed_on_every_rank(tmp_path
     assert unboarded.get_num_new_matched_tokens(req, 64) == (136, True)
     rank0.close()
     rank1.close()
+
+
+def test_scheduling_attempts_read_each_board_post_once_and_hash_each_prompt_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM asks every waiting request's external hit on every scheduling attempt (each step it
+    waits). Each attempt copied, CRC-checked and decoded every rank's landed board (up to ~1 MiB)
+    and hashed the whole prompt of a request served alone. Now a board's post is read once per
+    generation (its header says whether it changed) and a prompt's chunk keys are hashed once
+    per request. Ten attempts each of a disaggregated request (its chunks not all landed) and
+    of one served alone (two chunks landed on both ranks): three board posts read (rank 0's
+    landed board, which already says "not all landed", and both keys boards) and two hashings
+    (one a rank), where there were 12 decodes, 30 CRCs and 20 hashings. The controls: a new
+    post is read (once), and a request ended and back (another of that id) is hashed again."""
+    from lmcache_pd.keys import ChunkKeyer
+    from lmcache_pd.transfer import landed_keys
+
+    calls = {"decodes": 0, "crcs": 0, "hashes": 0}
+
+    def counted(name: str, real):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    keyer = make_keyer(chunk_size=CHUNK)
+    paths = [tmp_path / f"rank{rank}" for rank in range(2)]
+    boards = [landed_board.BoardWriter(path) for path in paths]
+    keys_boards = [KeysWriter(tmp_path / f"keys{rank}", max_keys=64) for rank in range(2)]
+    landed = LandedChunks([keyer, keyer], [tmp_path / f"keys{rank}" for rank in range(2)])
+    scheduler = ConsumerScheduler(chunk_size=CHUNK, boards=paths, landed_chunks=landed)
+    disaggregated = request("c", list(range(201)), {"disagg_spec": SPEC})  # 4 chunks of KV
+    prompt = list(range(1000, 1201))
+    alone = request("a", prompt, None)
+    for board in boards:
+        board.post({"d-1": 3})  # not all landed: its load is asynchronous
+    for board in keys_boards:
+        board.post([chunk.key for chunk in keyer.chunk_keys(prompt[:-1])[:2]])
+    monkeypatch.setattr(landed_board, "_decode", counted("decodes", landed_board._decode))
+    monkeypatch.setattr(landed_keys, "_decode", counted("decodes", landed_keys._decode))
+    crc32 = counted("crcs", landed_board.zlib.crc32)
+    monkeypatch.setattr(landed_board, "zlib", SimpleNamespace(crc32=crc32))
+    monkeypatch.setattr(ChunkKeyer, "chunk_keys", counted("hashes", ChunkKeyer.chunk_keys))
+    for _ in range(10):
+        assert scheduler.get_num_new_matched_tokens(disaggregated, 0) == (200, True)
+        assert scheduler.get_num_new_matched_tokens(alone, 0) == (2 * CHUNK, False)
+    assert calls == {"decodes": 3, "crcs": 3, "hashes": 2}
+    boards[0].post({"d-1": 4})
+    assert calls["crcs"] == 4  # the writer's own
+    assert scheduler.get_num_new_matched_tokens(disaggregated, 0) == (200, True)  # rank 1: 3
+    assert calls == {"decodes": 5, "crcs": 6, "hashes": 2}  # rank 0 anew, rank 1 at last
+    scheduler.request_finished(alone)
+    assert scheduler.get_num_new_matched_tokens(alone, CHUNK) == (CHUNK, False)
+    assert calls == {"decodes": 5, "crcs": 6, "hashes": 4}
+    landed.close()
+    for board in (*boards, *keys_boards):
+        board.close()
 
 
 def wait_landed(workers: Workers, chunks: int) -> None:

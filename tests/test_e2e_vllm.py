@@ -27,7 +27,7 @@ import yaml
 import zmq
 
 from lmcache_pd import protocol
-from lmcache_pd.auth import generate_secret, load_keys
+from lmcache_pd.auth import Door, Role, generate_secret, load_keys
 from lmcache_pd.config import load_config
 from lmcache_pd.deploy.vllm_server import VLLMServer
 from lmcache_pd.errors import PeerTimeout
@@ -214,23 +214,27 @@ class PDPair:
         landed_first: bool = False,
         cache_salt: str | None = None,
         decode_holds: int = 0,
+        tags: dict[str, str] | None = None,
     ) -> tuple[list[str], list[float]]:
         """Prefill on the producer (one token), then decode on the consumer, as the proxy will
         (with ``landed_first``, once the consumer posted all of the KV landed: the push may end a
         moment after prefill's answer, which it never holds back; with ``cache_salt``, in both
         requests, as the proxy forwards a client's; with ``decode_holds``, the spec says so, as
-        the proxy's KV index would)."""
+        the proxy's KV index would; with ``tags``, LMCache's ``lmcache.tag.*`` in both
+        requests' params, as the proxy passes a client's on)."""
         spec = self.spec(f"{name}-{time.monotonic_ns()}") | {"decode_holds": decode_holds}
         salted = {} if cache_salt is None else {"cache_salt": cache_salt}
+        tagged = {f"lmcache.tag.{key}": value for key, value in (tags or {}).items()}
         first = self.producer.complete(
-            body(self.model, tokens, 1, {"ret_first_tok": True, "disagg_spec": spec}) | salted
+            body(self.model, tokens, 1, {"ret_first_tok": True, "disagg_spec": spec} | tagged)
+            | salted
         )
         first_tok = first["kv_transfer_params"]["first_tok"]
         if landed_first:
             wait_landed(self, spec["req_id"], len(tokens))
+        params = {"disagg_spec": spec} | tagged
         rest = self.consumer.complete(
-            body(self.model, [*tokens, first_tok], OUTPUT_TOKENS - 1, {"disagg_spec": spec})
-            | salted
+            body(self.model, [*tokens, first_tok], OUTPUT_TOKENS - 1, params) | salted
         )
         head, tail = answer(first), answer(rest)
         return head[0] + tail[0], head[1] + tail[1]
@@ -525,22 +529,30 @@ def test_a_prompt_decode_already_holds_loads_nothing_and_frees_its_pages_at_once
     wait_for(pages_freed, timeout_s=5.0, what="pushed pages of a request decode did not need")
 
 
-def test_requests_of_different_cache_salts_share_no_chunk(pair: PDPair, reference: dict) -> None:
+@pytest.mark.parametrize("scope", ["cache_salt", "lmcache_tag"])
+def test_requests_of_different_cache_salts_share_no_chunk(
+    pair: PDPair, reference: dict, scope: str
+) -> None:
     """vLLM's ``cache_salt`` keeps tenants' prefix caches apart, and so must the chunk keys: the
     same prompt served under a second salt is pushed and loaded in full again, none of its chunks
     found already held in the consumer's buffer; the first salt again shares every chunk (the
-    control). Decode's own prefix cache is emptied before each, so that only the consumer's
-    buffer could share; the answers equal the plain vLLM's, which had no salt."""
+    control). LMCache's tags (``lmcache.tag.tenant`` in ``kv_transfer_params``) alike. Decode's
+    own prefix cache is emptied before each, so that only the consumer's buffer could share; the
+    answers equal the plain vLLM's, which had no salt nor tag."""
     tokens = PROMPTS["salted"]
     chunks = -(-len(tokens) // CHUNK_TOKENS)
 
     def served(salt: str) -> dict[str, float]:
-        """Serve the prompt under ``salt``: chunks prefill wrote and found held (skipped),
-        the consumer's cache hits, decode's tokens loaded, and its prompt-token sources."""
+        """Serve the prompt under ``salt`` (or the tag ``tenant: salt``): chunks prefill wrote
+        and found held (skipped), the consumer's cache hits, decode's tokens loaded, and its
+        prompt-token sources."""
         httpx.post(f"{pair.consumer.url}/reset_prefix_cache", timeout=30.0).raise_for_status()
         producer, consumer = pair.stats("producer"), pair.stats()
         sources = pair.tokens_by_source()
-        got = pair.disaggregated("salted", tokens, cache_salt=salt)
+        if scope == "cache_salt":
+            got = pair.disaggregated("salted", tokens, cache_salt=salt)
+        else:
+            got = pair.disaggregated("salted", tokens, tags={"tenant": salt})
         assert_close_answer(got, reference["salted"], salt)
 
         def pushed() -> defaultdict[str, float]:
@@ -748,7 +760,9 @@ class RogueProducer:
         )
         with zmq.Context.instance().socket(zmq.DEALER) as socket:
             socket.setsockopt(zmq.LINGER, 0)
-            load_keys(self.secret_file).connect(socket)
+            keys = load_keys(self.secret_file, Role.PRODUCER)
+            assert keys is not None
+            keys.connect(socket, Door.ALLOC)
             socket.connect(f"tcp://127.0.0.1:{self.pair.alloc_port}")
             socket.send(protocol.encode(request))
             assert socket.poll(5000), "the consumer did not answer the allocation"

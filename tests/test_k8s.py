@@ -22,6 +22,7 @@ import yaml
 from typer.testing import CliRunner
 
 from lmcache_pd.auth import SECRET_ENV, DeploymentKeys, load_keys
+from lmcache_pd.auth import Role as KeyRole
 from lmcache_pd.cli import app
 from lmcache_pd.config import ENV_PREFIX, PROXY_ENV_PREFIX, PDConfig, load_config
 from lmcache_pd.deploy.instance import THREAD_CPUS_ENV, instance_env
@@ -215,7 +216,11 @@ def _instance_faults(objects: list[Manifest], tmp_path: Path) -> list[str]:
     proxy: ProxyConfig = proxy_config(yaml.safe_load(text))
     proxy_pod = f"{proxy_deployment['metadata']['name']}-0"
     proxy_keys = _keys_or_fault(
-        load_keys(proxy.secret_file, pod_env(container_of(proxy_deployment), proxy_pod, objects)),
+        load_keys(
+            proxy.secret_file,
+            KeyRole.PROXY,
+            pod_env(container_of(proxy_deployment), proxy_pod, objects),
+        ),
         "proxy",
         faults,
     )
@@ -263,7 +268,8 @@ def _instance_faults(objects: list[Manifest], tmp_path: Path) -> list[str]:
             faults += _events_faults(command, env, listed, pod, resolve, exposed)
             try:
                 settings = load_config(local, environ=env)
-                keys = load_keys(settings.secret_file, env)
+                role = KeyRole.PRODUCER if component == "prefill" else KeyRole.CONSUMER
+                keys = load_keys(settings.secret_file, role, env)
             except ConfigError as exc:
                 faults.append(f"{pod}: its connector refuses its config: {exc}")
                 continue
@@ -289,12 +295,12 @@ def _instance_faults(objects: list[Manifest], tmp_path: Path) -> list[str]:
     return faults
 
 
-def _keys_or_fault(keys: DeploymentKeys | None, who: str, faults: list[str]) -> bytes | None:
-    """The public key a process derives from the secret it is given (None: none given)."""
+def _keys_or_fault(keys: DeploymentKeys | None, who: str, faults: list[str]) -> str | None:
+    """The deployment a process's share of the secret is of (None: none given)."""
     if keys is None:
         faults.append(f"{who}: no deployment secret reaches it")
         return None
-    return keys.server_public
+    return keys.deployment
 
 
 def ports_of(ports: int | list[int]) -> list[int]:
@@ -380,6 +386,11 @@ def _break_secret_item(objects: list[Manifest]) -> None:
     env["valueFrom"]["secretKeyRef"]["key"] = "instance-api-key"  # a secret, not the deployment's
 
 
+def _break_share_role(objects: list[Manifest]) -> None:
+    [env] = [e for e in _decode(objects)["env"] if e["name"] == SECRET_ENV]
+    env["valueFrom"]["secretKeyRef"]["key"] = "kv-producer"  # decode given a producer's share
+
+
 def _break_proxy_secret(objects: list[Manifest]) -> None:
     container = container_of(one(objects, "Deployment", "proxy"))
     container["env"] = [e for e in container["env"] if e["name"] != SECRET_ENV]
@@ -416,6 +427,7 @@ def _break_service_links(objects: list[Manifest]) -> None:
         _break_vllm_host,
         _break_events_port,
         _break_secret_item,
+        _break_share_role,
         _break_proxy_secret,
         _break_warm_peers,
         _break_config_mount,
@@ -535,12 +547,6 @@ def test_the_command_prints_the_stream_or_writes_a_file_per_object(tmp_path: Pat
     printed = runner.invoke(app, ["k8s", str(CONFIGS / "pools.yaml")])
     assert printed.exit_code == 0, printed.output
     objects = list(yaml.safe_load_all(printed.stdout))
-    [items] = [o["stringData"] for o in objects if o["kind"] == "Secret"]
-    assert objects == manifests(
-        load_pools(CONFIGS / "pools.yaml"),
-        instance_key=items["instance-api-key"],
-        kv_secret=items["kv-secret"],
-    )
     assert to_yaml(objects) == printed.stdout
     written = runner.invoke(app, ["k8s", str(CONFIGS / "pools.yaml"), "--output", str(tmp_path)])
     assert written.exit_code == 0, written.output
@@ -548,6 +554,10 @@ def test_the_command_prints_the_stream_or_writes_a_file_per_object(tmp_path: Pat
     # Each run writes a fresh instance key and secret: the same objects, but for their values.
     for secret in (o for o in objects if o["kind"] == "Secret"):
         secret["stringData"] = {item: "<fresh>" for item in secret["stringData"]}
+    generated = manifests(load_pools(CONFIGS / "pools.yaml"))
+    for secret in (o for o in generated if o["kind"] == "Secret"):
+        secret["stringData"] = {item: "<fresh>" for item in secret["stringData"]}
+    assert objects == generated
     in_files = [yaml.safe_load(f.read_text()) for f in files]
     for secret in (o for o in in_files if o["kind"] == "Secret"):
         secret["stringData"] = {item: "<fresh>" for item in secret["stringData"]}

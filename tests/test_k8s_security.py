@@ -28,7 +28,8 @@ from lmcache_pd.proxy.config import ProxyConfig, proxy_config
 from tests.test_k8s import SHIPPED, Manifest, container_of, one, shipped
 
 COMPONENTS = ("prefill", "decode", "proxy")
-SECRET_ITEMS = {"instance-api-key", "kv-secret"}
+# The instances' key, and each role's share of the deployment secret (no item holds the secret).
+SECRET_ITEMS = {"instance-api-key", "kv-producer", "kv-consumer", "kv-proxy"}
 
 
 @dataclass(frozen=True)
@@ -213,17 +214,19 @@ def port_faults(objects: list[Manifest]) -> list[str]:
 
 
 def secret_faults(objects: list[Manifest]) -> list[str]:
-    """The Secret holds both items; every container of ours reads the deployment secret as
-    ``LMCACHE_PD_SECRET`` and the instances' key as its own variable, from that Secret; no other
-    variable reads either item, and neither value appears in any other object."""
+    """The Secret holds the instances' key and each role's share of the deployment secret;
+    every container of ours reads its own role's share (prefill the producer's, decode the
+    consumer's, the proxy its own) as ``LMCACHE_PD_SECRET`` and the instances' key as its own
+    variable, from that Secret; no other variable reads an item, and no value appears in any
+    other object."""
     [secret] = [o for o in objects if o["kind"] == "Secret"]
     items = secret["stringData"]
     faults = [] if set(items) == SECRET_ITEMS else [f"the Secret holds {sorted(items)}"]
     wanted = {
-        "prefill": {SECRET_ENV: "kv-secret", "VLLM_API_KEY": "instance-api-key"},
-        "decode": {SECRET_ENV: "kv-secret", "VLLM_API_KEY": "instance-api-key"},
+        "prefill": {SECRET_ENV: "kv-producer", "VLLM_API_KEY": "instance-api-key"},
+        "decode": {SECRET_ENV: "kv-consumer", "VLLM_API_KEY": "instance-api-key"},
         "proxy": {
-            SECRET_ENV: "kv-secret",
+            SECRET_ENV: "kv-proxy",
             "LMCACHE_PD_PROXY_INSTANCE_API_KEY": "instance-api-key",
         },
     }
@@ -323,7 +326,7 @@ def test_the_policy_checks_catch_a_mutated_manifest(
 
 
 def _secret_in_a_config_map(objects: list[Manifest]) -> None:
-    value = one(objects, "Secret", "secrets")["stringData"]["kv-secret"]
+    value = one(objects, "Secret", "secrets")["stringData"]["kv-consumer"]
     data = one(objects, "ConfigMap", "decode")["data"]
     data["decode.yaml"] += f"# {value}\n"
 
@@ -331,7 +334,7 @@ def _secret_in_a_config_map(objects: list[Manifest]) -> None:
 def _secret_read_into_another_variable(objects: list[Manifest]) -> None:
     env = container_of(workload(objects, "prefill"))["env"]
     [key] = [e for e in env if e["name"] == "VLLM_API_KEY"]
-    key["valueFrom"]["secretKeyRef"]["key"] = "kv-secret"
+    key["valueFrom"]["secretKeyRef"]["key"] = "kv-producer"
 
 
 def _secret_left_out_of_prefill(objects: list[Manifest]) -> None:
@@ -339,9 +342,20 @@ def _secret_left_out_of_prefill(objects: list[Manifest]) -> None:
     container["env"] = [e for e in container["env"] if e["name"] != SECRET_ENV]
 
 
+def _producer_share_given_to_the_proxy(objects: list[Manifest]) -> None:
+    env = container_of(one(objects, "Deployment", "proxy"))["env"]
+    [share] = [e for e in env if e["name"] == SECRET_ENV]
+    share["valueFrom"]["secretKeyRef"]["key"] = "kv-producer"
+
+
 @pytest.mark.parametrize(
     "breaks",
-    [_secret_in_a_config_map, _secret_read_into_another_variable, _secret_left_out_of_prefill],
+    [
+        _secret_in_a_config_map,
+        _secret_read_into_another_variable,
+        _secret_left_out_of_prefill,
+        _producer_share_given_to_the_proxy,
+    ],
 )
 def test_the_secret_check_catches_a_mutated_manifest(
     breaks: Callable[[list[Manifest]], None],

@@ -155,3 +155,28 @@ def test_a_lora_adapter_changes_every_key_and_no_salt_stands_in_for_it() -> None
     assert len(set(every)) == len(every)
     assert keyer().chunk_keys(tokens, lora="tuned") == tuned  # the control: the same adapter
     assert [k.key.hex() for k in keyer().chunk_keys(tokens, lora=None)] == UNSALTED_KEYS
+
+
+def test_lmcache_tags_change_every_key_and_the_same_tags_share_them() -> None:
+    """Requests of different LMCache tags (``lmcache.tag.<name>``) share no chunk, not even the
+    first; the same tags, in any order, make the same keys (the control); no salt or adapter,
+    and no other split of the same characters into names and values, stands in for a tag."""
+    tokens = list(range(10))
+    tenant_a = keyer().chunk_keys(tokens, tags=[("tenant", "a")])
+    others = [
+        keyer().chunk_keys(tokens),
+        keyer().chunk_keys(tokens, tags=[("tenant", "b")]),
+        keyer().chunk_keys(tokens, tags=[("tenan", "ta")]),
+        keyer().chunk_keys(tokens, tags=[("tenant", "a"), ("user", "x")]),
+        keyer().chunk_keys(tokens, salt="a"),
+        keyer().chunk_keys(tokens, lora="a"),
+        keyer().chunk_keys(tokens, salt="a", tags=[("tenant", "a")]),
+    ]
+    every = [k.key for keys in [tenant_a, *others] for k in keys]
+    assert len(set(every)) == len(every)
+    assert keyer().chunk_keys(tokens, tags=(("tenant", "a"),)) == tenant_a
+    two = [("user", "x"), ("tenant", "a")]
+    assert keyer().chunk_keys(tokens, tags=two) == others[3]  # order does not matter
+    assert [k.key.hex() for k in keyer().chunk_keys(tokens, tags=())] == UNSALTED_KEYS
+    # Any string encodes, a lone surrogate from a client's JSON included.
+    assert keyer().chunk_keys(tokens, tags=[("t", "\ud800")]) != tenant_a

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -21,13 +24,14 @@ from vllm.distributed.kv_events import (
 )
 
 from lmcache_pd.auth import DeploymentKeys, generate_secret
+from lmcache_pd.auth import Role as KeyRole
 from lmcache_pd.connector.kv_event_publisher import AuthenticatedEventPublisher
 from lmcache_pd.harness.model_maker import ensure_model
 from lmcache_pd.kv_events import BATCHES, LANDED_MEDIUM, prefix_keys
 from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
 from lmcache_pd.proxy.config import KVEventsAddress
-from lmcache_pd.proxy.kv_feed import EventFeed
-from lmcache_pd.proxy.kv_index import KVIndex
+from lmcache_pd.proxy.kv_feed import REPLAY_TIMEOUT_S, EventFeed
+from lmcache_pd.proxy.kv_index import SYNC_INTERVAL_S, KVIndex
 from lmcache_pd.proxy.local_tokenizer import LocalTokenizer
 from lmcache_pd.proxy.placement import Placer, Plan
 from lmcache_pd.proxy.prefix_index import InstanceBlocks
@@ -113,9 +117,38 @@ def test_a_batch_whose_tokens_do_not_fit_its_blocks_is_refused() -> None:
 # ---- the feed, over vLLM's publisher with our sockets ----
 
 
+def role_keys() -> tuple[DeploymentKeys, DeploymentKeys]:
+    """A fresh deployment's keys as the proxy holds them, and as an instance (its publisher)."""
+    secret = generate_secret()
+    return (
+        DeploymentKeys.from_secret(secret, KeyRole.PROXY),
+        DeploymentKeys.from_secret(secret, KeyRole.PRODUCER),
+    )
+
+
+class LateReplays(AuthenticatedEventPublisher):
+    """vLLM's publisher whose replays go unanswered while ``late`` is set, as one whose engine
+    is too busy to answer before it is restarted."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.late = threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def _service_replay(self) -> None:
+        if not self.late.is_set():
+            super()._service_replay()
+            return
+        assert self._replay is not None
+        self._replay.recv_multipart()  # asked; the answer would come later, if ever
+
+
 @contextlib.contextmanager
-def publisher(address: KVEventsAddress, keys: DeploymentKeys | None) -> Iterator[object]:
-    published = AuthenticatedEventPublisher(
+def publisher(
+    address: KVEventsAddress,
+    keys: DeploymentKeys | None,
+    kind: type[AuthenticatedEventPublisher] = AuthenticatedEventPublisher,
+) -> Iterator[object]:
+    published = kind(
         0,
         endpoint=address.endpoint(address.port),
         replay_endpoint=address.endpoint(address.replay_port),
@@ -128,7 +161,7 @@ def publisher(address: KVEventsAddress, keys: DeploymentKeys | None) -> Iterator
 
 
 @contextlib.contextmanager
-def rebound(address: KVEventsAddress, keys: DeploymentKeys) -> Iterator[object]:
+def rebound(address: KVEventsAddress, keys: DeploymentKeys | None) -> Iterator[object]:
     """A publisher on the ports one just closed: ZMQ lets them go in the background."""
     deadline = time.monotonic() + 5
     while True:
@@ -186,9 +219,9 @@ def batch(*events: object) -> KVEventBatch:
 
 
 def test_a_late_subscriber_gets_earlier_events_by_replay() -> None:
-    keys = DeploymentKeys.from_secret(generate_secret())
+    keys, instance = role_keys()
     address = KVEventsAddress("127.0.0.1", free_port(), free_port())
-    with publisher(address, keys) as pub:
+    with publisher(address, instance) as pub:
         pub.publish(batch(stored([11, 12], None, PROMPT[:8])))  # before anyone subscribed
         later = batch(stored([13], 12, PROMPT[8:12]))
         # The first pause lets the subscription connect (ZMQ's slow joiner).
@@ -198,10 +231,10 @@ def test_a_late_subscriber_gets_earlier_events_by_replay() -> None:
 
 
 def test_a_subscriber_without_the_secret_hears_nothing() -> None:
-    keys = DeploymentKeys.from_secret(generate_secret())
-    stranger = DeploymentKeys.from_secret(generate_secret())
+    _, instance = role_keys()
+    stranger, _ = role_keys()
     address = KVEventsAddress("127.0.0.1", free_port(), free_port())
-    with publisher(address, keys) as pub:
+    with publisher(address, instance) as pub:
         blocks, counts = follow(
             address,
             stranger,
@@ -215,10 +248,10 @@ def test_an_event_the_index_cannot_take_is_skipped_and_the_feed_goes_on() -> Non
     """A token id past 64 bits raised OverflowError in the index, which ended the feed's task
     (only ZMQ errors were caught): its instance's index froze. Now that event is counted and
     skipped, the rest of its batch applied, and later batches too."""
-    keys = DeploymentKeys.from_secret(generate_secret())
+    keys, instance = role_keys()
     address = KVEventsAddress("127.0.0.1", free_port(), free_port())
     hostile = stored([99], None, [2**63, 1, 2, 3])
-    with publisher(address, keys) as pub:
+    with publisher(address, instance) as pub:
         blocks, counts = follow(
             address,
             keys,
@@ -238,7 +271,7 @@ def test_a_feed_that_ends_is_followed_anew_within_one_sync(
     """A feed whose task ends on an error (a bug of ours, here) clears its instance's index at
     once (never routing by blocks it can no longer see go), and the next sync follows the
     instance anew: its replay rebuilds the index, and routing reads it again."""
-    keys = DeploymentKeys.from_secret(generate_secret())
+    keys, instance = role_keys()
     address = KVEventsAddress("127.0.0.1", free_port(), free_port())
     member = Upstream("http://d0", Role.DECODE, kv_events=address)
     real = EventFeed._on_batch
@@ -269,30 +302,101 @@ def test_a_feed_that_ends_is_followed_anew_within_one_sync(
         await index.close()
         return seen
 
-    with publisher(address, keys) as pub:
+    with publisher(address, instance) as pub:
         assert asyncio.run(run(pub)) == [1, 12]
 
 
 def test_a_restarted_instance_reenters_the_index_within_one_resync() -> None:
-    keys = DeploymentKeys.from_secret(generate_secret())
+    keys, instance = role_keys()
     address = KVEventsAddress("127.0.0.1", free_port(), free_port())
     with contextlib.ExitStack() as running:
 
         def start() -> None:
-            pub = running.enter_context(publisher(address, keys))
+            pub = running.enter_context(publisher(address, instance))
             time.sleep(0.3)  # the subscription connects (ZMQ's slow joiner)
             for _ in range(3):  # seq 0-2: the whole prompt, announced three times
                 pub.publish(batch(stored([11, 12, 13], None, PROMPT[:12])))
 
         def restart() -> None:
             running.close()  # the instance dies with its cache
-            pub = running.enter_context(rebound(address, keys))
+            pub = running.enter_context(rebound(address, instance))
             time.sleep(0.3)
             pub.publish(batch(stored([21], None, PROMPT[:4])))  # seq 0 of the new one
 
         blocks, counts = follow(address, keys, [lambda: None, start, restart])
     assert blocks.held_tokens(prefix_keys(PROMPT, BLOCK)) == 4, "old blocks gone, new indexed"
     assert counts["reconnects"] == 1
+
+
+def test_an_instance_restarted_while_a_replay_is_late_is_routed_by_its_new_cache() -> None:
+    """Decode ``d0``'s publisher loses batches (its numbers jump), so the feed asks a replay,
+    which the busy publisher does not answer; meanwhile it publishes a hundred more batches
+    (its instance is about to go: they are stale) and restarts: a new publisher on the same
+    address, holding another prompt, published before the subscription found it (in its replay
+    only). Within one resync interval of the restart, and before the late replay would have
+    timed out, the index holds the new publisher's blocks and none of the old one's, checked by
+    what it routes: the new prompt goes to ``d0`` alone, the stale one is not held there.
+    Before: the late replay held the feed for its whole timeout, and the old publisher's last
+    batches, read after the new publisher's replay, were taken for a gap in the new numbering:
+    the index kept the dead instance's blocks and lacked the new ones until the new instance
+    published again (seen: routed to ``d1``)."""
+    keys = instance = None  # on loopback; the sockets' keys are not what is tested here
+    addresses = [KVEventsAddress("127.0.0.1", free_port(), free_port()) for _ in range(2)]
+    members = [Upstream(f"http://d{i}", Role.DECODE, kv_events=a) for i, a in enumerate(addresses)]
+    d0 = members[0]
+    old_prompt, stale_prompt, new_prompt = (list(range(n, n + 240)) for n in (500, 2000, 4000))
+
+    def held(index: KVIndex, prompt: list[int]) -> int:
+        return index.held_tokens(d0, lambda size: prefix_keys(prompt, size))
+
+    async def routes(placer: Placer) -> tuple[Plan, Plan]:
+        return (
+            await placer.plan(completion([*new_prompt, 1, 2])),
+            await placer.plan(completion([*stale_prompt, 1, 2])),
+        )
+
+    async def run(running: contextlib.ExitStack, old: LateReplays) -> tuple[Plan, Plan, float]:
+        index = KVIndex(lambda: members, keys, 1000)
+        await index.sync()
+        await until(lambda: index.counts.get("resyncs", 0) >= 2, "both subscriptions connected")
+        old.publish(batch(stored(list(range(1, 61)), None, old_prompt)))  # seq 0
+        await until(lambda: held(index, old_prompt) == 240, "the old prompt indexed")
+        old.late.set()
+        old._seq_gen = itertools.count(5)  # batches 1-4 lost: the feed asks them of it
+        old.publish(batch(stored([61], 60, [9, 9, 9, 9])))  # seq 5
+        asked = time.monotonic()
+        await asyncio.sleep(0.3)
+        for _ in range(100):  # seq 6-105: a busy engine's steps, more than a turn of the feed
+            old.publish(batch(stored(list(range(101, 161)), None, stale_prompt)))
+        await asyncio.sleep(0.3)
+        await asyncio.to_thread(running.close)  # the instance dies with its cache
+        new = await asyncio.to_thread(running.enter_context, rebound(addresses[0], instance))
+        new.publish(batch(stored(list(range(201, 261)), None, new_prompt)))  # its seq 0
+        restarted = time.monotonic()
+        tokens = PromptTokens(None, lambda: members, {}, 1.0)
+        placer = Placer(Pool(Role.DECODE, members), PromptSizer(8, None), index, tokens, "m")
+        # Routed as the new instance's cache says once it is right, and for good: at the end
+        # of one resync interval (a stale batch read later would undo it).
+        took = float("inf")
+        while time.monotonic() < restarted + SYNC_INTERVAL_S:
+            plans = await routes(placer)
+            right = plans[0].alone and plans[1].decode_holds() == 0
+            if right and held(index, old_prompt) == 0:
+                took = min(took, time.monotonic() - restarted)
+            await asyncio.sleep(0.02)
+        plans = await routes(placer)
+        await index.close()
+        return (*plans, restarted + took - asked)
+
+    with contextlib.ExitStack() as stack, contextlib.ExitStack() as running:
+        stack.enter_context(publisher(addresses[1], instance))
+        old = running.enter_context(publisher(addresses[0], instance, LateReplays))
+        new_route, stale_route, recovered = asyncio.run(run(running, old))
+    assert new_route.decoder is d0 and new_route.alone, "the new instance's prompt, held there"
+    assert new_route.decode_holds() == 240
+    assert stale_route.decode_holds() == 0, "the dead instance's last blocks are not held"
+    # Given up at the restart, not held for the late replay's whole timeout.
+    assert recovered < REPLAY_TIMEOUT_S
 
 
 # ---- placement ----
@@ -344,6 +448,77 @@ def test_a_request_weighs_its_prompt_as_queued_only_until_its_first_token() -> N
     assert (a.outstanding, a.queued_tokens) == (0, 0)
 
 
+def test_a_whole_answer_served_alone_weighs_its_prompt_only_until_decode_computed_it() -> None:
+    """A request decode serves alone weighs its prompt on decode until the prompt is computed,
+    which a stream's first event says. A whole (non-streamed) answer has no first event, and
+    vLLM sends its headers only at its end: it weighed until its answer ended, seconds of
+    decoding after. Now until decode's KV events show the prompt's last full block stored
+    (vLLM stores a block when it schedules the step that computes it and publishes the step's
+    events when the step is done), or the answer ends. Over real HTTP to a stand-in decode
+    whose answer takes 3 s, and vLLM's publisher for its events; the control: before the
+    events, the prompt weighs."""
+    import httpx
+
+    from lmcache_pd.harness.app_thread import AppThread
+    from lmcache_pd.harness.standin import Standin, StandinState
+    from lmcache_pd.proxy.app import Proxy
+    from lmcache_pd.proxy.config import proxy_config
+    from lmcache_pd.proxy.routing import TOKENS_PER_OUTSTANDING
+    from tests.helpers import metric_sample, wait_for
+
+    address = KVEventsAddress("127.0.0.1", free_port(), free_port())
+    prefill_port, decode_port = free_port(), free_port()
+    decode = Standin(StandinState(first_delay_s=3.0))
+    prompt = list(range(100, 140))  # ten blocks of 4, under min_disagg_tokens: served alone
+    events = {"host": "127.0.0.1", "port": address.port, "replay_port": address.replay_port}
+    config = proxy_config(
+        {
+            "model": "tiny",
+            "port": free_port(),
+            "min_disagg_tokens": 100,
+            "prefill": [{"url": f"http://127.0.0.1:{prefill_port}"}],
+            "decode": [
+                {
+                    "url": f"http://127.0.0.1:{decode_port}",
+                    "receiver_host": "127.0.0.1",
+                    "init_port": 1,
+                    "alloc_port": 2,
+                    "kv_events": events,
+                }
+            ],
+        }
+    )
+    proxy = Proxy(config)
+    answers: list[httpx.Response] = []
+    with contextlib.ExitStack() as running:
+        pub = running.enter_context(publisher(address, None))
+        running.enter_context(AppThread(Standin().app(), "127.0.0.1", prefill_port))
+        running.enter_context(AppThread(decode.app(), "127.0.0.1", decode_port))
+        url = running.enter_context(AppThread(proxy.app(), "127.0.0.1", config.port, 20)).url
+        [member] = proxy.decode.members
+        pub.publish(batch(stored([1], None, [7, 7, 7, 7])))  # the index holds something
+        wait_for(
+            lambda: metric_sample(url, "lmcache_pd_proxy_kv_index_blocks", instance=member.url),
+            5,
+            "decode's first block indexed",
+        )
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4}
+        ask = functools.partial(httpx.post, f"{url}/v1/completions", json=body, timeout=30)
+        asking = threading.Thread(target=lambda: answers.append(ask()))
+        asking.start()
+        wait_for(lambda: decode.state.in_flight == 1, 5, "decode serving it")
+
+        def weighs() -> int:  # read from here: no other request runs meanwhile
+            return cost(member, lambda _: 0) - TOKENS_PER_OUTSTANDING
+
+        assert weighs() == 40  # its prompt, still being computed
+        pub.publish(batch(stored(list(range(11, 21)), None, prompt)))  # decode computed it
+        wait_for(lambda: weighs() == 0, 2, "the computed prompt to weigh no more")
+        assert decode.state.in_flight == 1  # while its answer is still to come
+        asking.join(10)
+    assert [answer.status_code for answer in answers] == [200]
+
+
 def test_without_a_work_measure_the_pick_is_least_outstanding_round_robin() -> None:
     a, b = upstream("a"), upstream("b")
     pool = Pool(Role.DECODE, [a, b])
@@ -369,7 +544,7 @@ def test_placement_sends_a_prompt_decode_mostly_holds_to_decode_alone() -> None:
     """Two decode instances publishing over real sockets; one holds 240 of a prompt's 246.
     With ``min_disagg_tokens`` 8, the prompt goes to it alone; one it holds less of goes
     through prefill; and with no index (``routing: load``) the holder is not preferred."""
-    keys = DeploymentKeys.from_secret(generate_secret())
+    keys, instance = role_keys()
     addresses = [KVEventsAddress("127.0.0.1", free_port(), free_port()) for _ in range(2)]
     members = [Upstream(f"http://d{i}", Role.DECODE, kv_events=a) for i, a in enumerate(addresses)]
     held = list(range(500, 740))  # 60 blocks of 4: more than a running request weighs
@@ -393,7 +568,7 @@ def test_placement_sends_a_prompt_decode_mostly_holds_to_decode_alone() -> None:
         return plans
 
     with contextlib.ExitStack() as stack:
-        pubs = [stack.enter_context(publisher(a, keys)) for a in addresses]
+        pubs = [stack.enter_context(publisher(a, instance)) for a in addresses]
         alone, through_prefill, by_load = asyncio.run(run())
     assert alone.decoder is members[1] and alone.alone
     assert alone.trace() == {"prompt_tokens": 246, "decode_held_tokens": 240}
@@ -456,7 +631,7 @@ def test_a_prompt_prefill_would_recompute_goes_to_the_decode_holding_it_alone() 
     prefill holding none would compute all 38 (more than twice as many): decode serves it alone.
     The control: a prefill that holds the same 24 tokens gets it (through prefill, as before);
     so does one that publishes nothing (nothing known of its cache)."""
-    keys = DeploymentKeys.from_secret(generate_secret())
+    keys, instance = role_keys()
     addresses = [KVEventsAddress("127.0.0.1", free_port(), free_port()) for _ in range(3)]
     decode = Upstream("http://d0", Role.DECODE, kv_events=addresses[0])
     cold, warm = (
@@ -491,7 +666,7 @@ def test_a_prompt_prefill_would_recompute_goes_to_the_decode_holding_it_alone() 
         return plans
 
     with contextlib.ExitStack() as stack:
-        pubs = [stack.enter_context(publisher(a, keys)) for a in addresses]
+        pubs = [stack.enter_context(publisher(a, instance)) for a in addresses]
         by_cold, by_warm, by_both, by_silent = asyncio.run(run())
     assert by_cold.alone and by_cold.decoder is decode
     assert not by_warm.alone and by_warm.decode_holds() == 24
@@ -510,7 +685,7 @@ def test_a_shared_prefix_alone_does_not_pile_new_conversations_onto_its_holder()
     weighing (every lacking token as if computed) ``a`` kept every new conversation (fails
     with ``RECEIVE_DISCOUNT`` 1: tried), and weighed as if alone it kept every long one (fails
     without ``_alone`` in the cost: tried)."""
-    keys = DeploymentKeys.from_secret(generate_secret())
+    keys, instance = role_keys()
     addresses = [KVEventsAddress("127.0.0.1", free_port(), free_port()) for _ in range(3)]
     a, b = (Upstream(f"http://d{i}", Role.DECODE, kv_events=addresses[i]) for i in (0, 1))
     prefill = Upstream("http://p0", Role.PREFILL, kv_events=addresses[2])
@@ -548,7 +723,7 @@ def test_a_shared_prefix_alone_does_not_pile_new_conversations_onto_its_holder()
         return plans
 
     with contextlib.ExitStack() as stack:
-        pubs = [stack.enter_context(publisher(address, keys)) for address in addresses]
+        pubs = [stack.enter_context(publisher(address, instance)) for address in addresses]
         idle, again, long_idle, long_again, busier, follow_up = asyncio.run(run())
     assert (idle.decoder, again.decoder) == (a, b) and not idle.alone  # equals: round-robin
     assert (long_idle.decoder, long_again.decoder) == (a, b) and not long_idle.alone
@@ -565,7 +740,7 @@ def test_decode_is_chosen_and_served_alone_for_the_chunks_landed_in_it(past_a_pr
     no prefix cache holds any of it. Past a prefix: the chunk is the second, landed without its
     parent (a push skipped the first, which both decode instances' prefix caches hold). The
     control: the same chunk landed on the other instance moves the choice."""
-    keys = DeploymentKeys.from_secret(generate_secret())
+    keys, instance = role_keys()
     size = 240
     first = list(range(500, 500 + size))
     prompt = [*first, *range(900, 900 + size + 6)] if past_a_prefix else [*first, *range(6)]
@@ -620,7 +795,7 @@ def test_decode_is_chosen_and_served_alone_for_the_chunks_landed_in_it(past_a_pr
             return plans
 
         with contextlib.ExitStack() as stack:
-            pubs = [stack.enter_context(publisher(a, keys)) for a in addresses]
+            pubs = [stack.enter_context(publisher(a, instance)) for a in addresses]
             plans = asyncio.run(run())
         assert plans[0].decoder is plans[1].decoder  # no round-robin between the two
         assert plans[0].decoder is not None
@@ -641,10 +816,10 @@ def test_kv_events_published_beyond_loopback_without_a_secret_are_said_loudly(
     from lmcache_pd.connector import kv_event_publisher
     from lmcache_pd.connector.counters import GAUGES
 
-    keys = DeploymentKeys.from_secret(generate_secret())
+    _, instance = role_keys()
     with caplog.at_level("INFO"):
         assert kv_event_publisher.install(None, ("tcp://*:5557", None))
     assert "SECURITY" in caplog.text and "tcp://*:5557" in caplog.text
-    assert not kv_event_publisher.install(keys, ("tcp://*:5557",))
+    assert not kv_event_publisher.install(instance, ("tcp://*:5557",))
     assert not kv_event_publisher.install(None, ("tcp://127.0.0.1:5557", "tcp://[::1]:5558"))
     assert "kv_events_unauthenticated" in GAUGES

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lmcache_pd.auth import DeploymentKeys, Role, generate_secret, load_keys
 from lmcache_pd.deploy.instance import transfer_settings
-from lmcache_pd.deploy.launcher import LaunchError, PoolLauncher
+from lmcache_pd.deploy.launcher import KEY_ROLE, LaunchError, PoolLauncher, write_shares
 from lmcache_pd.deploy.pools import load_pools
 from lmcache_pd.errors import ConfigError
 
@@ -20,6 +21,22 @@ def write(tmp_path: Path, pools: dict) -> Path:
     path = tmp_path / "pools.yaml"
     path.write_text(yaml.safe_dump(pools))
     return path
+
+
+def test_each_role_s_share_of_the_secret_is_a_file_of_its_own(tmp_path: Path) -> None:
+    """``serve`` keeps the secret out of every file: each role's share in ``kv.ROLE.key``
+    (0600), which only that role's configs name (``PoolLauncher``, ``proxy_config_for``)."""
+    secret = generate_secret()
+    files = write_shares(tmp_path, secret)
+    assert set(files) == set(Role)
+    for role, path in files.items():
+        assert path == tmp_path / f"kv.{role.value}.key"
+        assert path.stat().st_mode & 0o777 == 0o600
+        assert secret not in path.read_text()
+        assert load_keys(str(path), role, environ={}) == DeploymentKeys.from_secret(secret, role)
+    assert KEY_ROLE == {"kv_producer": Role.PRODUCER, "kv_consumer": Role.CONSUMER}
+    with pytest.raises(ConfigError, match="fewer than 32"):
+        write_shares(tmp_path, "short")
 
 
 @pytest.mark.parametrize(

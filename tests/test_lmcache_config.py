@@ -132,6 +132,27 @@ def test_keys_that_mean_nothing_here_are_named_once(
     assert "pd_peer_host" not in warning
 
 
+def test_priority_limit_maps_and_save_decode_cache_true_is_named_unsupported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``priority_limit`` is ours too (requests above it keep nothing in decode's cache of
+    landed chunks); ``save_decode_cache: true`` gets a warning of its own, ``false`` (LMCache's
+    default, and what decode does) none."""
+    with caplog.at_level(logging.WARNING, logger="lmcache_pd.lmcache_config"):
+        config = from_file(tmp_path, RECEIVER | {"priority_limit": 3}, "kv_consumer")
+        assert config.priority_limit == 3
+        assert from_file(tmp_path, RECEIVER, "kv_consumer").priority_limit is None
+        quiet = {k: v for k, v in RECEIVER.items() if k not in ("local_cpu", "max_local_cpu_size")}
+        caplog.clear()
+        from_file(tmp_path, quiet | {"save_decode_cache": False}, "kv_consumer")
+        assert not caplog.records
+        from_file(tmp_path, quiet | {"save_decode_cache": True}, "kv_consumer")
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "save_decode_cache: true is not supported" in warning
+    with pytest.raises(ConfigError, match="priority_limit"):
+        from_file(tmp_path, RECEIVER | {"priority_limit": "high"}, "kv_consumer")
+
+
 @pytest.mark.parametrize(
     ("change", "role", "names"),
     [

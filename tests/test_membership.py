@@ -224,3 +224,25 @@ def test_an_instance_that_leaves_takes_its_error_series_with_it() -> None:
     asyncio.run(membership.refresh())
     text = metrics.exposition().decode()
     assert "127.0.0.1:9000" not in text and text.count('instance="http://127.0.0.1:9001"') >= 2
+
+
+def test_an_error_of_an_instance_that_already_left_makes_no_series() -> None:
+    """A request in flight on an instance when it leaves (it died: its calls fail after) ends
+    after its series were removed: counted under its URL then, the series was never removed
+    again. Such an error goes to the log only; the control: one of an instance still there is
+    counted."""
+    from lmcache_pd.proxy.metrics import ProxyMetrics
+
+    members = [Member(f"d{i}", "decode", f"http://127.0.0.1:{9000 + i}") for i in range(2)]
+    pools = {Role.PREFILL: Pool(Role.PREFILL, []), Role.DECODE: Pool(Role.DECODE, [])}
+    metrics = ProxyMetrics(lambda: pools[Role.DECODE].members, lambda: 0)
+    source = Source(members)
+    membership = Membership(source, pools, lambda: None, metrics.forget_instance)
+    assert asyncio.run(membership.refresh())
+    leaving, staying = pools[Role.DECODE].members
+    source.answer = members[1:]
+    asyncio.run(membership.refresh())
+    metrics.upstream_error(leaving, "broken")  # its request failed after it left
+    metrics.upstream_error(staying, "timeout")
+    text = metrics.exposition().decode()
+    assert "127.0.0.1:9000" not in text and 'instance="http://127.0.0.1:9001"' in text

@@ -243,6 +243,41 @@ def test_kv_transfer_params_refuse_a_bad_spec_and_leave_out_a_bad_notice_address
     assert protocol.KVTransferReturn.from_dict({"first_tok": 3, "other": 1}).first_tok == 3
 
 
+def test_lmcache_request_options_are_read_under_lmcache_keys_and_bounded() -> None:
+    """``lmcache.tag.<name>`` and ``lmcache.skip_save``, as LMCache's users send them, are read
+    beside our keys (tags sorted by name) and written back under the same keys; LMCache's
+    other options are left alone; a tag that is not a string, too long, too many tags or a
+    skip_save that is not a boolean refuses the params, naming the key."""
+    read = protocol.KVTransferParams.from_dict
+    raw = {
+        "lmcache.tag.user": "x",
+        "lmcache.tag.tenant": "a",
+        "lmcache.skip_save": True,
+        "lmcache.ttl": 60,  # LMCache's, meaning nothing here
+        "ret_first_tok": True,
+    }
+    params = read(raw)
+    assert params.tags == (("tenant", "a"), ("user", "x")) and params.skip_save
+    assert params.to_dict() == {k: v for k, v in raw.items() if k != "lmcache.ttl"}
+    assert read(params.to_dict()) == params
+    assert read({"ret_first_tok": True}).to_dict() == {"ret_first_tok": True}  # none: no keys
+    long = "v" * (protocol.MAX_TAG_CHARS + 1)
+    too_many = {f"lmcache.tag.t{i}": "v" for i in range(protocol.MAX_TAGS + 1)}
+    for bad, named in [
+        ({"lmcache.tag.tenant": 7}, "lmcache.tag.tenant must be a string, not int"),
+        ({"lmcache.tag.tenant": ["a"]}, "lmcache.tag.tenant must be a string"),
+        ({"lmcache.tag.tenant": long}, "lmcache.tag.tenant"),
+        ({f"lmcache.tag.{long}": "a"}, "lmcache.tag.vvv"),
+        ({"lmcache.tag.": "a"}, "lmcache.tag."),
+        (too_many, f"more than {protocol.MAX_TAGS}"),
+        ({"lmcache.skip_save": "yes"}, "lmcache.skip_save"),
+    ]:
+        with pytest.raises(ProtocolError, match=named):
+            read(bad)
+    at_most = {f"lmcache.tag.t{i}": "v" * protocol.MAX_TAG_CHARS for i in range(protocol.MAX_TAGS)}
+    assert len(read(at_most).tags) == protocol.MAX_TAGS  # the control: at the bounds
+
+
 def test_decodes_forced_tokens_are_token_ids_or_the_params_are_refused() -> None:
     """``first_tok`` names decode's first output token (the client's own request goes on from
     it), ``next_toks`` the ones after it (a stream continued elsewhere): token ids, read by the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -359,9 +360,7 @@ def test_bad_requests_get_a_clear_error_and_the_proxy_keeps_serving(
     ("fields", "reason"),
     [
         ({"n": 2}, "n"),
-        ({"prompt": [[5, 6, 7], [8, 9]]}, "batch"),
-        ({"prompt": ["a b", "c d"]}, "batch"),
-        ({"best_of": 2}, "best_of"),
+        ({"prompt": [[5, 6, 7], [8, 9]], "echo": True}, "echo"),
         ({"echo": True}, "echo"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"suffix": "x"}, "suffix"),
@@ -371,9 +370,9 @@ def test_bad_requests_get_a_clear_error_and_the_proxy_keeps_serving(
 def test_fields_no_first_token_can_serve_go_to_decode_alone_unchanged(
     stacks, fields: dict[str, Any], reason: str
 ) -> None:
-    """More than one choice or prompt, a prompt computed where it is answered (prompt
-    logprobs, echo), tools: decode gets the client's own request as it was sent, prefill
-    nothing, and the reason is counted (once refused with 400)."""
+    """More than one choice, a prompt computed where it is answered (prompt logprobs, echo;
+    a batch of them too): decode gets the client's own request as it was sent, prefill nothing,
+    and the reason is counted."""
     stack = stacks()
     body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 3} | fields
     response = stack.post("/v1/completions", json=body)
@@ -384,6 +383,51 @@ def test_fields_no_first_token_can_serve_go_to_decode_alone_unchanged(
     name = "lmcache_pd_proxy_not_disaggregated_total"
     assert stack.metric(name, reason=reason) == 1
     assert stack.metric("lmcache_pd_proxy_served_alone_total") == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_batch_of_prompts_is_disaggregated_prompt_by_prompt_and_answered_as_one(
+    stacks, stream: bool
+) -> None:
+    """Each prompt of a batch goes to prefill and decode as a request of its own; the answer
+    is vLLM's for a batch: a choice per prompt numbered by its place, one id, usage summed (a
+    stream's once, at its end), one ``[DONE]``."""
+    stack = stacks()
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 3, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    response = stack.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events.pop() == "[DONE]" and "[DONE]" not in events
+        chunks = [json.loads(event) for event in events]
+        *tokens, last = chunks
+        assert last["choices"] == []
+        usage = last["usage"]
+        texts = {
+            place: "".join(
+                c["choices"][0]["text"] for c in tokens if c["choices"][0]["index"] == place
+            )
+            for place in (0, 1)
+        }
+        assert len({c["id"] for c in chunks}) == 1
+        assert all(c["choices"] for c in tokens)
+    else:
+        answer = response.json()
+        assert [c["index"] for c in answer["choices"]] == [0, 1]
+        texts = {c["index"]: c["text"] for c in answer["choices"]}
+        usage = answer["usage"]
+    assert texts == {place: "".join(expected_tokens(p, 3)) for place, p in enumerate(prompts)}
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (7, 6)
+    to_prefill = [sent for _, _, sent in stack.prefill[0].state.received]
+    to_decode = [sent for _, _, sent in stack.decode[0].state.received]
+    assert sorted(sent["prompt"] for sent in to_prefill) == sorted(prompts)
+    assert sorted(sent["prompt"] for sent in to_decode) == sorted(prompts)
+    assert all(sent["kv_transfer_params"]["first_tok"] for sent in to_decode)
+    assert stack.metric("lmcache_pd_proxy_not_disaggregated_total", reason="batch") == 0
+    stack.wait_counted("ok")
 
 
 def test_vllms_other_routes_are_forwarded_to_an_instance_as_they_are(stacks) -> None:
@@ -553,6 +597,74 @@ def test_decode_failing_a_request_it_serves_alone_is_a_clear_error(stacks, decod
     assert "decode instance" in str(failure.value)
     stack.wait_counted("decode_failed")
     assert stack.prefill[0].state.received == []
+
+
+def vllms_refusal(
+    max_model_len: int, asked: int, param: str, prompt: list[int] | None = None
+) -> dict[str, Any]:
+    """What vLLM 0.32 answers a request its length checks refuse, made by its own code: the
+    checks (``TokenizeParams``: the output tokens asked, then the prompt's) and the answer its
+    error handler makes of the error (``create_error_response``)."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.exceptions import VLLMValidationError
+    from vllm.renderers.params import TokenizeParams
+
+    try:
+        params = TokenizeParams(
+            max_total_tokens=max_model_len,
+            max_output_tokens=asked,
+            max_total_tokens_param="max_model_len",
+            max_output_tokens_param=param,
+        )
+        if prompt is not None:
+            params.apply_post_tokenization(None, {"prompt_token_ids": prompt})
+    except VLLMValidationError as exc:
+        return create_error_response(exc).model_dump()
+    raise AssertionError("vLLM takes this request")
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "expected"),
+    [
+        ("/v1/completions", {"prompt": [1, 2], "max_tokens": 65}, (65, "max_tokens", None)),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100},
+            (100, "max_completion_tokens", None),
+        ),
+        (
+            "/v1/completions",
+            {"prompt": list(range(65)), "max_tokens": 4},
+            (4, "max_tokens", list(range(65))),
+        ),
+        (
+            "/v1/completions",
+            {"prompt": [[1, 2], list(range(70))], "max_tokens": 4},
+            (4, "max_tokens", list(range(70))),
+        ),
+    ],
+    ids=["max_tokens", "max_completion_tokens", "prompt_one_past", "prompt_of_a_batch"],
+)
+def test_a_request_past_the_models_length_gets_vllms_400_and_no_prefill(
+    stacks, path: str, fields: dict[str, Any], expected: tuple
+) -> None:
+    """Prefill is asked for one token, so a ``max_tokens`` past the model's length (64 here, as
+    the instances' ``/v1/models`` says) passed there: the prompt was computed and pushed, then
+    decode refused it (its answer passed on, ``test_decode_refusing_what_prefill_took_...``).
+    Now the proxy refuses it first, as vLLM does and in its words (made by vLLM's own code,
+    ``vllms_refusal``), and so a prompt of token ids past the length; no instance is asked.
+    The control: a prompt and output that only together pass the length are served (vLLM cuts
+    ``max_tokens`` to what is left)."""
+    prefill = Standin(StandinState(max_model_len=64))
+    stack = stacks(prefill=[prefill], decode=[Standin(StandinState(max_model_len=64))])
+    response = stack.post(path, json={"model": MODEL, **fields})
+    assert (response.status_code, response.json()) == (400, vllms_refusal(64, *expected))
+    assert prefill.state.received == []
+    stack.wait_counted("bad_request", path)
+    served = stack.post(
+        "/v1/completions", json={"model": MODEL, "prompt": list(range(60)), "max_tokens": 10}
+    )
+    assert served.status_code == 200 and len(prefill.state.received) == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])

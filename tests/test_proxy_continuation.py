@@ -147,3 +147,26 @@ def test_the_first_events_are_vllms_chat_chunks() -> None:
     assert ended[1]["choices"][0]["finish_reason"] == "length"
     assert ended[2]["usage"] == {"prompt_tokens": 3, "total_tokens": 4, "completion_tokens": 1}
     assert ended[2]["system_fingerprint"] == "fp" and "system_fingerprint" not in ended[1]
+
+
+def chat_chunk(ids: list[int], delta: dict[str, Any], logprobs: Any = None) -> bytes:
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+    return msgspec.json.encode({"id": "c", "choices": [choice | {"token_ids": ids}]})
+
+
+@pytest.mark.parametrize("asked", [False, True], ids=["ids_not_asked", "ids_asked"])
+def test_a_chat_chunk_sent_only_for_its_token_ids_reaches_a_client_that_asked_for_them(
+    asked: bool,
+) -> None:
+    """vLLM sends a chat chunk whose delta its parser held back (a tool call's or reasoning's
+    control tokens) only where token ids are asked: the proxy asks decode for them, so it
+    passes such a chunk on only to a client that asked too. A held-back delta with logprobs
+    goes to every client, as vLLM sends it."""
+    fields = {"return_token_ids": True} if asked else {}
+    relay = DecodeRelay(client(Endpoint.CHAT, **fields), (FIRST,))
+    assert relay.relay(chat_chunk([FIRST], {"content": "a"})) is not None
+    assert (relay.relay(chat_chunk([7], {})) is not None) is asked
+    assert relay.relay(chat_chunk([8], {}, {"content": []})) is not None
+    assert relay.relay(chat_chunk([9], {"content": ""})) is not None
+    # What the client has goes on counting the held-back token (a migration forces it too).
+    assert relay.resume() == (FIRST, 7, 8, 9)

@@ -3,7 +3,8 @@ them (the proxy is what is under test; ``test_proxy_vllm.py`` has the same door 
 vLLM): transfer parameters a client smuggles in are refused, malformed and hostile bodies get a
 4xx naming the field and never a 5xx, error bodies name no upstream address, the clients' key
 (with the official ``openai`` client), the instances' own key on every upstream call, the
-admission limit, and a client's ``cache_salt`` reaching prefill and decode alike."""
+admission limit, and a client's ``cache_salt`` and LMCache request options (``lmcache.*`` in
+its ``kv_transfer_params``) reaching prefill and decode alike."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from aiohttp import web
 
 from lmcache_pd.errors import ConfigError
 from lmcache_pd.harness.standin import Fault, Standin, StandinState
+from lmcache_pd.protocol import MAX_TAG_CHARS, MAX_TAGS
 from lmcache_pd.proxy.app import Proxy
 from lmcache_pd.proxy.config import (
     API_KEY_ENV,
@@ -112,7 +114,19 @@ SMUGGLED = {
     "vllm_xargs: other keys": {"vllm_xargs": {"colour": "blue"}},
     "kv_transfer_params: a spec": {"kv_transfer_params": {"first_tok_to": "tcp://-:1"}},
     "kv_transfer_params: zero": {"kv_transfer_params": 0},
-    "kv_transfer_params: empty": {"kv_transfer_params": {}},
+    "kv_transfer_params: a spec beside a tag": {
+        "kv_transfer_params": {"lmcache.tag.tenant": "a", "disagg_spec": {"req_id": "r"}},
+    },
+    "kv_transfer_params: a tag not a string": {"kv_transfer_params": {"lmcache.tag.tenant": 7}},
+    "kv_transfer_params: a tag too long": {
+        "kv_transfer_params": {"lmcache.tag.tenant": "a" * (MAX_TAG_CHARS + 1)},
+    },
+    "kv_transfer_params: too many tags": {
+        "kv_transfer_params": {f"lmcache.tag.t{i}": "a" for i in range(MAX_TAGS + 1)},
+    },
+    "kv_transfer_params: skip_save not a boolean": {
+        "kv_transfer_params": {"lmcache.skip_save": "yes"},
+    },
     "ec_transfer_params": {"ec_transfer_params": {"x": 1}},
 }
 
@@ -477,4 +491,40 @@ def test_a_prompt_served_by_decode_alone_keeps_its_cache_salt(stacks) -> None:
     assert response.status_code == 200
     [(_, _, to_decode)] = stack.decode[0].state.received
     assert to_decode["cache_salt"] == "t-b"
+    assert not stack.prefill[0].state.received
+
+
+# ---- LMCache's request options ----
+
+LMCACHE_OPTIONS = {"lmcache.tag.tenant": "a", "lmcache.skip_save": True, "lmcache.ttl": 60}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_lmcache_request_options_reach_prefill_and_decode_beside_the_proxys_params(
+    stacks, endpoint: str, stream: bool
+) -> None:
+    """A client of an LMCache deployment sends ``lmcache.*`` options in ``kv_transfer_params``
+    (its tags, ``lmcache.skip_save``, LMCache's others): the door lets them in and both
+    prefill and decode get them, beside the proxy's own params, which a client cannot set
+    (``test_transfer_parameters_from_a_client_are_refused_naming_the_field``)."""
+    stack = stacks()
+    body = chat_body("hello there") if endpoint == "chat" else completion_body([5, 6, 7])
+    path = f"/v1/{'chat/' * (endpoint == 'chat')}completions"
+    params = {"kv_transfer_params": LMCACHE_OPTIONS}
+    assert stack.post(path, json=body | params | {"stream": stream}).status_code == 200
+    [(_, _, to_prefill)] = stack.prefill[0].state.received
+    [(_, _, to_decode)] = stack.decode[0].state.received
+    for sent in (to_prefill, to_decode):
+        ours = {k: v for k, v in sent["kv_transfer_params"].items() if not k.startswith("lmcache.")}
+        assert sent["kv_transfer_params"] == LMCACHE_OPTIONS | ours
+        assert ours["disagg_spec"]["req_id"]  # the proxy's, beside them
+
+
+def test_lmcache_request_options_reach_decode_serving_alone(stacks) -> None:
+    stack = stacks(min_disagg_tokens=100)
+    body = completion_body([5, 6], kv_transfer_params=LMCACHE_OPTIONS)
+    assert stack.post("/v1/completions", json=body).status_code == 200
+    [(_, _, to_decode)] = stack.decode[0].state.received
+    assert to_decode["kv_transfer_params"] == LMCACHE_OPTIONS
     assert not stack.prefill[0].state.received

@@ -465,11 +465,16 @@ def not_disaggregated(served: Served, reason: str | None) -> float:
 
 
 def assert_conforms(
-    served: Served, plain: VLLMServer, body: dict[str, Any], chat: bool, alone: bool = False
-) -> None:
+    served: Served,
+    plain: VLLMServer,
+    body: dict[str, Any],
+    chat: bool,
+    alone: bool = False,
+    prompts: int = 1,
+) -> conformance.Answer:
     """The served answer is the plain one, field for field (``conformance.differences``), and
-    it was disaggregated: decode loaded all of the prompt but its last token; or, ``alone``,
-    decode computed it all."""
+    it was disaggregated: decode loaded all of each of its ``prompts`` but its last token; or,
+    ``alone``, decode computed them all. Returns the answer."""
     decode_url = served.proxy_config()["decode"][0]["url"]
     before = loaded_and_computed(decode_url)
     got = conformance.ask(client_of(served.url), body, chat)
@@ -477,12 +482,14 @@ def assert_conforms(
     want = conformance.ask(client_of(plain.url), body, chat)
     assert not conformance.differences(got, want), conformance.differences(got, want)
     if isinstance(want, dict) and "refusal" in want:
-        return  # refused by both alike (prompt_logprobs streamed): nothing was computed
+        return got  # refused by both alike (prompt_logprobs streamed): nothing was computed
     loaded, computed = (a - b for a, b in zip(after, before, strict=True))
     if alone:
-        assert loaded == 0 and computed >= conformance.PROMPT_TOKENS, (loaded, computed)
+        assert loaded == 0 and computed >= prompts * conformance.PROMPT_TOKENS, (loaded, computed)
     else:
-        assert loaded >= conformance.PROMPT_TOKENS - 1 and computed == 1, (loaded, computed)
+        least = prompts * (conformance.PROMPT_TOKENS - 1)
+        assert loaded >= least and computed == prompts, (loaded, computed)
+    return got
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -494,13 +501,17 @@ def test_every_request_field_is_answered_as_one_vllm_answers_it(
     answer, streamed or whole, is one vLLM's, with its KV loaded, not computed."""
     served, plain = served_and_plain
     before, alone = notices(served), not_disaggregated(served, case.alone)
-    assert_conforms(served, plain, case.body(str(model), stream), case.chat, case.alone is not None)
+    body = case.body(str(model), stream)
+    answer = assert_conforms(served, plain, body, case.chat, case.alone is not None, case.prompts)
+    if case.calls is not None and not stream:
+        assert conformance.called_tools(answer) == [case.calls], answer
     after = notices(served)
     if case.alone is not None:  # served by decode alone, unchanged: counted by its reason
         assert not_disaggregated(served, case.alone) == alone + 1
         return
-    # decode was asked on prefill's notice, or on its answer where that came first
-    assert after["used"] + after["after_answer"] == before["used"] + before["after_answer"] + 1
+    # decode was asked on prefill's notice, or on its answer where that came first (per prompt)
+    asked = after["used"] + after["after_answer"] - before["used"] - before["after_answer"]
+    assert asked == case.prompts
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -37,7 +37,7 @@ import httpx
 import pytest
 import yaml
 
-from lmcache_pd.auth import SECRET_ENV
+from lmcache_pd.auth import SECRET_ENV, DeploymentKeys, Role
 from lmcache_pd.deploy.ray_cluster import asks_for_token
 from lmcache_pd.harness import netns
 from lmcache_pd.metrics_scrape import decode_sources, scrape
@@ -341,12 +341,18 @@ def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
             # Ray's token: a caller without it is refused (the control), so serve did not warn.
             assert cluster.at_head(lambda: asks_for_token(cluster.address), 30) is True
             assert "Ray's token" not in (tmp_path / "serve.log").read_text()
-            # The deployment secret: in every vLLM's environment, on no command line.
-            secret = (tmp_path / "run" / "kv.secret").read_text().strip()
-            for side in (cluster.head, cluster.worker):
+            # Each vLLM's share of the deployment secret (its role's, of the proxy's
+            # deployment): in its environment, on no command line.
+            proxy_share = (tmp_path / "run" / "kv.proxy.key").read_text().strip()
+            deployment = DeploymentKeys.from_share(proxy_share).deployment
+            shares = {proxy_share}
+            for side, role in ((cluster.head, Role.PRODUCER), (cluster.worker, Role.CONSUMER)):
                 for pid in vllm_servers(side).values():
-                    assert process_environment(pid).get(SECRET_ENV) == secret
-                assert not [c for _, c in processes_in(side) if secret in c]
+                    share = process_environment(pid).get(SECRET_ENV, "")
+                    keys = DeploymentKeys.from_share(share)
+                    assert (keys.role, keys.deployment) == (role, deployment)
+                    shares.add(share)
+                assert not [c for _, c in processes_in(side) for s in shares if s in c]
 
             # Answers equal one plain vLLM's; decode loaded the prompts.
             before = cluster.decode_counters(decode_url)
@@ -439,9 +445,12 @@ def test_pools_on_a_two_node_ray_cluster_serve_restart_and_scale(
             assert len(vllm_servers(cluster.worker)) == 1
             measured["serve_total_s"] = time.monotonic() - began
             measured["answers_refused_503"] = cluster.refused
-            # No log of serve's, Ray's or any instance's holds the secret (its own file does).
-            holding = files_holding(secret, [tmp_path, Path(temp)])
-            assert holding == [tmp_path / "run" / "kv.secret"], holding
+            # No log of serve's, Ray's or any instance's holds a share (the proxy's own file
+            # does; the secret itself is in no file).
+            for share in shares:
+                holding = files_holding(share, [tmp_path, Path(temp)])
+                mine = [tmp_path / "run" / "kv.proxy.key"] if share == proxy_share else []
+                assert holding == mine, holding
         # serve, then both nodes, stopped by process group: nothing is left in either namespace
         # (Ray's idle workers end with their raylet).
         for side in (cluster.head, cluster.worker):

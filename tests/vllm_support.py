@@ -22,7 +22,18 @@ from tests.helpers import free_port, wait_for
 MODEL_DIR = Path(__file__).resolve().parents[1] / ".cache" / "tiny-llama"
 # Prefill in steps of at most this many tokens, so that long prompts are pushed chunk by chunk
 # as prefill goes (the same on every instance, so that all compute alike).
-SERVER_ARGS = ("--max-num-batched-tokens", "1024")
+# vLLM 0.32 guides a required or named tool's call only with a tool parser set, and parses
+# "auto" ones only with auto tool choice on: pythonic needs no special tokens of the model. A
+# random model under a JSON grammar that allows any whitespace writes whitespace to the end.
+SERVER_ARGS = (
+    "--max-num-batched-tokens",
+    "1024",
+    "--tool-call-parser",
+    "pythonic",
+    "--enable-auto-tool-choice",
+    "--structured-outputs-config",
+    '{"backend": "xgrammar", "disable_any_whitespace": true}',
+)
 # vLLM's own fp32 results move in the last bits when its step shapes change: one plain instance
 # answering the batch below concurrently instead of one by one differed from itself by up to
 # 5.5e-6 in logprobs (same tokens), and a prompt recomputed together with its first token (as a

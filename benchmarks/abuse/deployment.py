@@ -19,7 +19,7 @@ import psutil
 from rich.console import Console
 
 from benchmarks.chaos.pools import pools_file, wait_until_proxy_sees_all
-from lmcache_pd.auth import DeploymentKeys, load_keys
+from lmcache_pd.auth import DeploymentKeys, Role, load_keys
 from lmcache_pd.deploy.launcher import PoolLauncher, write_key
 from lmcache_pd.deploy.pools import PoolsConfig
 from lmcache_pd.metrics_scrape import scrape
@@ -76,9 +76,10 @@ class Deployment:
 
     @property
     def keys(self) -> DeploymentKeys:
-        """The deployment's keys, from the secret file the launcher wrote for its pools."""
-        assert self.launcher is not None and self.launcher.secret_file is not None
-        keys = load_keys(str(self.launcher.secret_file))
+        """A producer's keys (they open every door an intruder knocks on), from the file the
+        launcher wrote for its prefill instances."""
+        assert self.launcher is not None and self.launcher.key_files is not None
+        keys = load_keys(str(self.launcher.key_files[Role.PRODUCER]), Role.PRODUCER)
         assert keys is not None
         return keys
 

@@ -235,6 +235,8 @@ def proxy_cases(c: Context) -> list[HttpCase]:
                 Call(c.completion(kv_transfer_params={"disagg_spec": c.spec()})),
                 Call(c.completion(kv_transfer_params={"first_tok_to": "tcp://-:1"})),
                 Call(c.completion(kv_transfer_params="x")),
+                Call(c.completion(kv_transfer_params={"lmcache.tag.t": 7})),
+                Call(c.completion(kv_transfer_params={f"lmcache.tag.{i}": "v" for i in range(99)})),
             ),
             short=True,
         ),
@@ -321,6 +323,8 @@ def hostile_params(c: Context) -> list[tuple[str, object, bool]]:
         ),
         ("ret_first_tok_string", {"ret_first_tok": "yes", "disagg_spec": nowhere}, False),
         ("deep_params", {"x": json.loads(deep(DEEP_PARAMS_LEVELS))}, True),
+        ("lmcache_tag_not_a_string", {"disagg_spec": nowhere, "lmcache.tag.t": [1]}, False),
+        ("lmcache_tag_too_long", {"lmcache.tag.t": "a" * 100_000}, False),
     ]
 
 

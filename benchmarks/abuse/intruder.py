@@ -27,7 +27,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from lmcache_pd import protocol
-from lmcache_pd.auth import SECRET_ENV, DeploymentKeys
+from lmcache_pd.auth import SECRET_ENV, DeploymentKeys, Door, Role
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.errors import PDError
 from lmcache_pd.first_token import MAX_NOTICE_BYTES, FirstTokenNotice
@@ -139,6 +139,10 @@ def _socket_type(target: Target) -> int:
     return zmq.PUSH if target.kind == "notice" else zmq.DEALER
 
 
+# The door (``auth.py``) each kind of target is.
+KEY_DOORS = {"init": Door.INIT, "alloc": Door.ALLOC, "notice": Door.NOTICES}
+
+
 class _Probe:
     """One ZMQ socket to the target, its handshake watched; ``keys`` None: no CURVE at all."""
 
@@ -150,7 +154,7 @@ class _Probe:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         if keys is not None:
-            keys.connect(self.socket)
+            keys.connect(self.socket, KEY_DOORS[target.kind])
         self.monitor = self.socket.get_monitor_socket(MONITORED)
         self.socket.connect(f"tcp://{target.host}:{target.port}")
 
@@ -239,7 +243,7 @@ def guessed_messages(target: Target) -> Knock:
 
 def wrong_secret(target: Target) -> Knock:
     """CURVE, with the server key of another deployment's secret."""
-    keys = DeploymentKeys.from_secret("not-this-deployment-" + "x" * 40)
+    keys = DeploymentKeys.from_secret("not-this-deployment-" + "x" * 40, Role.PRODUCER)
     return _zmq_case(target, "wrong_secret", [[m] for m in protocol_messages(target)], keys)
 
 
@@ -320,9 +324,9 @@ def nixl_handshake(target: Target, keys: DeploymentKeys | None = None) -> Knock:
 
 
 def control(target: Target, keys: DeploymentKeys) -> Knock:
-    """The positive control, with the secret: the handshake on an init port (metadata must come
-    back), a cancel of an unknown allocation on an alloc port (a CancelAck), a notice for no
-    request on a notice port (ZMQ's handshake must succeed)."""
+    """The positive control, with a producer's share of the secret: the handshake on an init
+    port (metadata must come back), a cancel of an unknown allocation on an alloc port (a
+    CancelAck), a notice for no request on a notice port (ZMQ's handshake must succeed)."""
     if target.kind == "init":
         return nixl_handshake(target, keys)
     messages = protocol_messages(target)

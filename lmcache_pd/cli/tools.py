@@ -3,12 +3,13 @@ file's Kubernetes manifests) and ``secret`` (a deployment secret)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from lmcache_pd.auth import generate_secret
+from lmcache_pd.auth import SECRET_ENV, Role, generate_secret, role_shares
 from lmcache_pd.cli.common import app, setup_logging
 from lmcache_pd.deploy.pools import load_pools
 
@@ -24,12 +25,17 @@ def make_model_command(
     lora: Annotated[
         Path | None, typer.Option(help="also write a LoRA adapter for the llama into this folder")
     ] = None,
+    vision: Annotated[
+        Path | None,
+        typer.Option(help="also write a tiny vision-language model into this folder"),
+    ] = None,
 ) -> None:
     """Write a tiny random model that vLLM serves offline here, and print its folder.
 
     A folder already holding this seed's build is kept unless --force. The mla model is served
     on CPU with --attention-backend CPU_MLA. The adapter (--lora) is served with vLLM's
-    --enable-lora --max-lora-rank 8 --lora-modules NAME=FOLDER."""
+    --enable-lora --max-lora-rank 8 --lora-modules NAME=FOLDER. The vision model (--vision, an
+    Idefics3) reads images sent as chat content parts, each resized to 32x32, 16 image tokens."""
     from lmcache_pd.harness.model_maker import ARCHITECTURES, ensure_model, make_model
 
     if architecture not in ARCHITECTURES:
@@ -44,6 +50,11 @@ def make_model_command(
         if architecture != "llama":
             raise typer.BadParameter("an adapter is made for the llama only", param_hint="--lora")
         typer.echo(make_lora(lora, built))
+    if vision is not None:
+        from lmcache_pd.harness.vision_maker import ensure_vision_model, make_vision_model
+
+        build_vision = make_vision_model if force else ensure_vision_model
+        typer.echo(build_vision(vision, seed=seed))
 
 
 @app.command()
@@ -80,7 +91,19 @@ if __name__ == "__main__":
 
 
 @app.command()
-def secret() -> None:
+def secret(
+    share: Annotated[
+        Role | None,
+        typer.Option(help=f"print this role's share of ${SECRET_ENV} instead of a new secret"),
+    ] = None,
+) -> None:
     """Print a fresh deployment secret (for LMCACHE_PD_SECRET or a secret_file): every process
-    of one deployment is given the same one; `serve` makes its own for the pools it starts."""
-    typer.echo(generate_secret())
+    of one deployment is given it, or its role's share of it (--share: prefill's connector is
+    the producer, decode's the consumer); `serve` makes its own for the pools it starts."""
+    if share is None:
+        typer.echo(generate_secret())
+        return
+    whole = os.environ.get(SECRET_ENV, "")
+    if not whole.strip():
+        raise typer.BadParameter(f"set {SECRET_ENV} to the secret to share", param_hint="--share")
+    typer.echo(role_shares(whole)[share])

@@ -29,6 +29,7 @@ class _Computing:
     prompt: list[int]
     cache_salt: str | None
     lora: str | None
+    tags: tuple[tuple[str, str], ...] = ()
     start: int = -1  # where its first chunk decode computes begins (-1: not scheduled yet)
     blocks: list[int] = field(default_factory=list)
 
@@ -42,12 +43,18 @@ class ComputedPrompts:
         self._computing: dict[str, _Computing] = {}
 
     def track(
-        self, req_id: str, prompt: list[int], cache_salt: str | None, lora: str | None = None
+        self,
+        req_id: str,
+        prompt: list[int],
+        cache_salt: str | None,
+        lora: str | None = None,
+        tags: tuple[tuple[str, str], ...] = (),
     ) -> None:
         """Decode serves ``req_id`` alone: keep its prompt's chunks once computed (under keys
-        of its salt and LoRA adapter). A prompt shorter than a chunk has none to keep."""
+        of its salt, LoRA adapter and LMCache tags). A prompt shorter than a chunk has none to
+        keep."""
         if len(prompt) >= self._chunk_size:
-            self._computing.setdefault(req_id, _Computing(prompt, cache_salt, lora))
+            self._computing.setdefault(req_id, _Computing(prompt, cache_salt, lora, tags))
 
     def forget(self, req_id: str) -> None:
         self._computing.pop(req_id, None)
@@ -92,6 +99,7 @@ class ComputedPrompts:
                         computing.start,
                         computing.cache_salt,
                         computing.lora,
+                        computing.tags,
                     )
                 )
         return keeps

@@ -188,6 +188,9 @@ class ConsumerWorker(WorkerHalf):
         # sent again then (the process read nothing: ``ConsumerServiceBusy``).
         self._unclaimed: set[str] = set()
         self._unreleased: set[str] = set()
+        # Loads and unneeded requests (by disagg_req_id) whose chunks leave the consumer's cache
+        # when released (``PDConnectorMetadata.uncached``), until their release is sent.
+        self._uncached: set[str] = set()
         self._load_errors: set[int] = set()
         # Chunks decode computes are kept from a CPU cache of this rank's own keys only (a GPU
         # cache's copy out is asynchronous; parts of another TP size are not whole chunks).
@@ -197,6 +200,7 @@ class ConsumerWorker(WorkerHalf):
     def start_load_kv(self, meta: PDConnectorMetadata) -> None:
         deadline = time.monotonic() + self._config.load_timeout_s
         now = time.time()
+        self._uncached |= meta.uncached
         for load in meta.loads:
             # Chunks wholly inside decode's own prefix-cache hit are neither awaited, read, nor
             # (if still to come) written. The salt keeps another tenant's chunks out of reach.
@@ -206,7 +210,9 @@ class ConsumerWorker(WorkerHalf):
                 for chunk in zip(
                     *(
                         held_tail(
-                            keyer.chunk_keys(load.prompt, salt=load.cache_salt, lora=load.lora),
+                            keyer.chunk_keys(
+                                load.prompt, salt=load.cache_salt, lora=load.lora, tags=load.tags
+                            ),
                             load.held,
                             cache,
                             keyer.chunk_size,
@@ -293,7 +299,9 @@ class ConsumerWorker(WorkerHalf):
         keyer, cache = self._sources[0]
         chunks = [
             chunk
-            for chunk in keyer.chunk_keys(keep.prompt, salt=keep.cache_salt, lora=keep.lora)
+            for chunk in keyer.chunk_keys(
+                keep.prompt, salt=keep.cache_salt, lora=keep.lora, tags=keep.tags
+            )
             if chunk.start >= keep.start
         ]
         specs = [ChunkSpec(c.key, cache.chunk_nbytes(c.end - c.start)) for c in chunks]
@@ -412,11 +420,15 @@ class ConsumerWorker(WorkerHalf):
         return True
 
     def _release(self, disagg_req_id: str) -> None:
-        """Hand the request's pages back; while the process reads nothing, again next step (a
-        bounded set: past it, the pages lapse at the consumer's claim timeout)."""
-        sent = self._send(self._service.release, disagg_req_id)
+        """Hand the request's pages back (out of the cache too where it asked to keep nothing:
+        ``uncached``); while the process reads nothing, again next step (a bounded set: past
+        it, the pages lapse at the consumer's claim timeout)."""
+        uncache = disagg_req_id in self._uncached
+        sent = self._send(self._service.release, disagg_req_id, uncache)
         if not sent and len(self._unreleased) < MAX_UNRELEASED:
             self._unreleased.add(disagg_req_id)
+        else:
+            self._uncached.discard(disagg_req_id)
 
     def _release_again(self) -> None:
         unreleased, self._unreleased = self._unreleased, set()

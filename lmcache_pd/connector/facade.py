@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from lmcache_pd.auth import load_keys
+from lmcache_pd.auth import Role, load_keys
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import CONFIG_PATH_ENV, PDConfig, load_config
 from lmcache_pd.connector import kv_event_publisher
@@ -241,6 +241,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
         check_vllm_version(vllm.__version__, self._config.allow_untested_vllm)
         show_our_logs(self._config.log_level)
         producer = self._config.kv_role == "kv_producer"
+        side = Role.PRODUCER if producer else Role.CONSUMER  # not `role`: vLLM's, below
         # The worker half needs the paged cache: it is made in register_kv_caches.
         self._worker: WorkerHalf = WorkerHalf()
         self._scheduler: SchedulerHalf = SchedulerHalf()
@@ -251,7 +252,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
             if publishes:
                 # Before vLLM's scheduler, which makes its publisher after this connector.
                 endpoints = (events.endpoint, events.replay_endpoint)
-                if kv_event_publisher.install(load_keys(self._config.secret_file), endpoints):
+                if kv_event_publisher.install(load_keys(self._config.secret_file, side), endpoints):
                     self._stats.set_gauge("kv_events_unauthenticated", 1)
             layout = tp_layout(vllm_config)
             parts = () if producer else parts_per_chunk(layout, self._config)
@@ -262,7 +263,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
                 vllm_config.kv_transfer_config.kv_load_failure_policy
             )
             self._scheduler = (
-                ProducerScheduler(self._stats.add, load_keys(self._config.secret_file))
+                ProducerScheduler(self._stats.add, load_keys(self._config.secret_file, side))
                 if producer
                 else ConsumerScheduler(
                     self._stats.add,
@@ -282,6 +283,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
                     if landed is not None and recomputes and self._config.cache_share > 0
                     else None,
                     block_size=vllm_config.cache_config.block_size,
+                    priority_limit=self._config.priority_limit,
                 )
             )
         else:

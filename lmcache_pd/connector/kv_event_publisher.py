@@ -4,9 +4,10 @@ vLLM publishes its prefix cache's events (``--kv-events-config``) on a ZMQ PUB s
 replays recent ones on a ROUTER socket, both open to anyone who can connect, and its config
 names only its own publishers (``"zmq"``, ``"null"``). The proxy routes by these events, so a
 stranger who could read them would learn what every tenant's prompts hold. This publisher is
-vLLM's own, but its two sockets are CURVE servers under the deployment secret (``auth.py``) and
-bind to exactly the address given (vLLM's would connect, not bind, to an address that names a
-host). The connector's scheduler half installs it in its engine process, under vLLM's name
+vLLM's own, but its two sockets are CURVE servers under the deployment secret (``auth.py``), on
+a ZMQ context of their own whose gatekeeper admits the proxy's key alone (``gatekeeper.py``),
+and bind to exactly the address given (vLLM's would connect, not bind, to an address that names
+a host). The connector's scheduler half installs it in its engine process, under vLLM's name
 ``"zmq"``, before vLLM's scheduler makes its publisher (vLLM makes the connector first).
 """
 
@@ -18,7 +19,8 @@ import logging
 import zmq
 from vllm.distributed.kv_events import EventPublisherFactory, ZmqEventPublisher
 
-from lmcache_pd.auth import SECRET_ENV, DeploymentKeys, is_loopback
+from lmcache_pd.auth import SECRET_ENV, DeploymentKeys, Door, is_loopback
+from lmcache_pd.gatekeeper import Gatekeeper
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +33,15 @@ class AuthenticatedEventPublisher(ZmqEventPublisher):
 
     def __init__(self, *args: object, keys: DeploymentKeys | None, **kwargs: object) -> None:
         self._keys = keys  # read by _socket_setup, which vLLM's __init__ calls
+        self._gate: Gatekeeper | None = None
         super().__init__(*args, **kwargs)
 
     def _socket_setup(self) -> None:
+        if self._keys is not None:
+            # A context of our own (vLLM's is the process's shared one): its ZAP handler then
+            # judges these two sockets alone, and ends with them.
+            self._ctx = zmq.Context()
+            self._gate = Gatekeeper(self._ctx, self._keys)
         self._pub = self._serving_socket(zmq.PUB, self._endpoint)
         self._pub.set_hwm(self._hwm)
         if self._replay_endpoint is not None:
@@ -42,10 +50,18 @@ class AuthenticatedEventPublisher(ZmqEventPublisher):
     def _serving_socket(self, kind: int, endpoint: str) -> zmq.Socket:
         socket = self._ctx.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
-        if self._keys is not None:
-            self._keys.serve(socket)
+        if self._gate is not None:
+            self._gate.serve(socket, Door.EVENTS)
         socket.bind(endpoint)
         return socket
+
+    def shutdown(self) -> None:
+        super().shutdown()  # closes both sockets
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
+            if not self._thread.is_alive():  # else its sockets are left to the process's exit
+                self._ctx.term()
 
 
 def install(keys: DeploymentKeys | None, endpoints: tuple[str | None, ...] = ()) -> bool:

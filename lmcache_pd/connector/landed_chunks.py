@@ -9,6 +9,10 @@ vLLM evicted need not be computed again. And rank 0's set is published as KV eve
 
 What the boards say is a hint: a chunk may be evicted between the read and the load, whose
 claim on it then fails and vLLM computes those tokens (``kv_load_failure_policy: recompute``).
+
+vLLM asks a waiting request's hit on every scheduling attempt (each step it waits): a board is
+read only when its header says it changed, a request's chunk keys are hashed once (until
+``forget``), and its run is walked again only when a board or the hit it starts from changed.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from lmcache_pd.keys import ChunkKeyer
+from lmcache_pd.keys import ChunkKey, ChunkKeyer
 from lmcache_pd.transfer.landed_keys import KeysReader
 
 
@@ -31,6 +35,10 @@ class LandedChunks:
         self._readers = [KeysReader(board) for board in boards]
         self._sets: list[set[bytes]] = [set() for _ in boards]
         self.version = 0  # bumped whenever a rank's set changed
+        # Per request: its prompt's chunk keys on each rank, and its last run (the version and
+        # the hit it was walked for, and where it ended).
+        self._keys: dict[str, list[list[ChunkKey]]] = {}
+        self._runs: dict[str, tuple[int, int, int]] = {}
 
     @property
     def chunk_size(self) -> int:
@@ -49,16 +57,39 @@ class LandedChunks:
                 self.version += 1
 
     def landed_run(
-        self, tokens: list[int], salt: str | None, computed: int, lora: str | None = None
+        self,
+        request_id: str,
+        tokens: list[int],
+        salt: str | None,
+        computed: int,
+        lora: str | None = None,
     ) -> int:
         """Where the run of ``tokens``' chunks (keyed with ``salt`` and ``lora``) landed on
         every rank ends, from the chunk that holds token ``computed`` on (``computed`` itself if
-        that chunk has not landed, or the prompt ends there)."""
+        that chunk has not landed, or the prompt ends there). ``request_id``'s chunk keys are
+        those of its first call, until ``forget``."""
         self.refresh()
         if computed >= len(tokens) or not all(self._sets):
             return computed
+        run = self._runs.get(request_id)
+        if run is not None and run[:2] == (self.version, computed):
+            return run[2]
+        per_rank = self._keys.get(request_id)
+        if per_rank is None:
+            per_rank = self._keys[request_id] = [
+                keyer.chunk_keys(tokens, salt=salt or None, lora=lora) for keyer in self.keyers
+            ]
+        end = self._run_end(per_rank, computed)
+        self._runs[request_id] = (self.version, computed, end)
+        return end
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: its keys and run go."""
+        self._keys.pop(request_id, None)
+        self._runs.pop(request_id, None)
+
+    def _run_end(self, per_rank: list[list[ChunkKey]], computed: int) -> int:
         end = computed
-        per_rank = [keyer.chunk_keys(tokens, salt=salt or None, lora=lora) for keyer in self.keyers]
         for chunks in zip(*per_rank, strict=True):
             if chunks[0].end <= computed:
                 continue

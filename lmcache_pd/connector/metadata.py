@@ -21,7 +21,8 @@ class SaveRequest:
     request's blocks: those it had, plus ``block_ids`` (or only ``block_ids`` if
     ``replace_blocks``, after a preemption). ``prompt`` is set on the request's first save only.
     ``cache_salt`` and ``lora`` (its LoRA adapter's name): the request's (vLLM's
-    ``Request.cache_salt``, ``Request.lora_request``), part of its chunk keys."""
+    ``Request.cache_salt``, ``Request.lora_request``), part of its chunk keys; ``tags`` (its
+    LMCache tags, ``KVTransferParams.tags``) too."""
 
     req_id: str
     spec: DisaggSpec
@@ -31,6 +32,7 @@ class SaveRequest:
     replace_blocks: bool = False
     cache_salt: str | None = None
     lora: str | None = None
+    tags: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +45,8 @@ class LoadRequest:
     before this step's forward pass, which computes its last token (vLLM's synchronous load),
     instead of in a step of its own. ``cache_salt``: the request's, part of its chunk keys, so
     that it never loads a chunk pushed for a request of another salt; ``lora`` alike, for
-    another adapter or the base model. ``local``: decode serves
-    the request alone and loads ``prompt`` (its tokens up to the end of the chunks it found
+    another adapter or the base model, and ``tags``, for other LMCache tags. ``local``: decode
+    serves the request alone and loads ``prompt`` (its tokens up to the end of the chunks it found
     landed) from chunks pushed for earlier requests, held under ``disagg_req_id`` for the load.
     ``held``: the leading tokens the DisaggSpec told prefill decode holds (its ``decode_holds``):
     the chunk that ends inside them may come as its tail alone (``worker.held_tail``)."""
@@ -59,6 +61,7 @@ class LoadRequest:
     local: bool = False
     held: int = 0
     lora: str | None = None
+    tags: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +77,7 @@ class KeepRequest:
     start: int
     cache_salt: str | None = None
     lora: str | None = None
+    tags: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -81,7 +85,10 @@ class PDConnectorMetadata:
     """One step's saves (producer) or loads and keeps (consumer), the requests that finished,
     the producer's requests that finished before their prompt was computed (aborted), and the
     consumer's disaggregated requests that load nothing (``unneeded``, by ``disagg_req_id``:
-    decode's own prefix cache had all of the prompt it would load)."""
+    decode's own prefix cache had all of the prompt it would load). ``uncached``: of this
+    step's loads and unneeded requests, by ``disagg_req_id``, those whose pushed chunks leave
+    the consumer's cache when released instead of staying for later prompts (the request asked
+    to keep nothing: ``lmcache.skip_save``, or a priority past ``priority_limit``)."""
 
     saves: list[SaveRequest] = field(default_factory=list)
     loads: list[LoadRequest] = field(default_factory=list)
@@ -89,6 +96,7 @@ class PDConnectorMetadata:
     finished: set[str] = field(default_factory=set)
     aborted: set[str] = field(default_factory=set)
     unneeded: set[str] = field(default_factory=set)
+    uncached: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -143,6 +143,7 @@ class _Push:
     notice_to: str | None  # the proxy that wants the first token from the engine at once
     cache_salt: str | None  # the request's, part of its chunk keys
     lora: str | None  # its LoRA adapter's name, part of its chunk keys too
+    tags: tuple[tuple[str, str], ...] = ()  # its LMCache tags, part of its chunk keys too
     announced: bool = False  # the worker has had the prompt
 
 
@@ -180,6 +181,7 @@ class ProducerScheduler(SchedulerHalf):
             params.first_tok_to,
             request.cache_salt,
             lora_name(request),
+            params.tags,
         )
 
     def build_connector_meta(self, output: SchedulerOutput) -> PDConnectorMetadata:
@@ -255,6 +257,7 @@ class ProducerScheduler(SchedulerHalf):
             replace_blocks=replace,
             cache_salt=push.cache_salt,
             lora=push.lora,
+            tags=push.tags,
         )
 
 
@@ -275,6 +278,7 @@ class ConsumerScheduler(SchedulerHalf):
         landed: LandedEvents | None = None,
         computed: ComputedPrompts | None = None,
         block_size: int | None = None,
+        priority_limit: int | None = None,
     ) -> None:
         """``count`` takes the name of a counter to bump (``StatsRecorder.add``); ``boards``:
         each consumer rank's ``landed_board``, on every one of which a request's chunks must
@@ -288,7 +292,8 @@ class ConsumerScheduler(SchedulerHalf):
         they are not published); ``computed``: the prompts of requests served alone, whose
         chunks the worker keeps in the consumer's cache once computed (None: it does not);
         ``block_size``: vLLM's, where a hold that ends inside a chunk may end on a block (None:
-        a hold counts in whole chunks)."""
+        a hold counts in whole chunks); ``priority_limit``: requests of a priority above it keep
+        nothing in the consumer's cache (``_keeps``; None: no limit)."""
         self._count = count
         self._door = ParamsDoor(count)
         self._chunk_size = chunk_size
@@ -314,6 +319,10 @@ class ConsumerScheduler(SchedulerHalf):
         self._landed = landed
         self._computed = computed
         self._block_size = block_size
+        self._priority_limit = priority_limit
+        # Of this step's loads and unneeded requests, those whose chunks leave the consumer's
+        # cache when released (by disagg_req_id).
+        self._uncached: set[str] = set()
         # Per request served alone with chunks landed here past its prefix-cache hit, where
         # their run ends (the answer of get_num_new_matched_tokens, used once its blocks are).
         self._local: dict[str, int] = {}
@@ -392,11 +401,12 @@ class ConsumerScheduler(SchedulerHalf):
     def _local_hit(self, request: Request, num_computed: int) -> int:
         """Tokens past ``num_computed`` that a request served alone, or preempted, loads from
         chunks landed on every rank (0: none); always a synchronous load (they are here)."""
-        if self._landed_chunks is None:
+        if self._landed_chunks is None or self._door.of(request).tags:
+            # LandedChunks keys no LMCache tags (yet): a tagged request finds nothing there.
             return 0
         prompt = list(request.prompt_token_ids or [])[:-1]  # its last token is computed here
         end = self._landed_chunks.landed_run(
-            prompt, request.cache_salt, num_computed, lora_name(request)
+            request.request_id, prompt, request.cache_salt, num_computed, lora_name(request)
         )
         if end <= num_computed:
             self._local.pop(request.request_id, None)
@@ -418,19 +428,21 @@ class ConsumerScheduler(SchedulerHalf):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        spec = self._door.of(request).disagg_spec
+        params = self._door.of(request)
+        spec, keeps = params.disagg_spec, self._keeps(request)
         if request.request_id in self._loaded:
             if self._preempted_again(request):
                 self._after_preemption(request, blocks, num_external_tokens)
         elif spec is None:
             self._load_local(request, blocks, num_external_tokens)
         if spec is None:
-            if self._computed is not None:
+            if self._computed is not None and keeps:
                 self._computed.track(
                     request.request_id,
                     list(request.prompt_token_ids or []),
                     request.cache_salt,
                     lora_name(request),
+                    params.tags,
                 )
             return
         if request.request_id in self._loaded:
@@ -440,10 +452,15 @@ class ConsumerScheduler(SchedulerHalf):
             # Decode had the prompt's KV itself: the pushed chunks go back now, and later
             # pushes for it are refused, instead of held until the claim timeout.
             self._unneeded.add(spec.req_id)
+            if not keeps:
+                self._uncached.add(spec.req_id)
             return
         prompt = self._pushed_prompt(request)
         start = len(request.prompt_token_ids or []) - 1 - num_external_tokens
-        if self._landed is not None and lora_name(request) is None:
+        if not keeps:
+            self._uncached.add(spec.req_id)
+        elif self._landed is not None and lora_name(request) is None and not params.tags:
+            # Published under the proxy's keys, which know no adapter and no LMCache tag.
             self._landed.learn(prompt, request.cache_salt)
         sync = self._sync.pop(request.request_id, False)
         block_ids = list(blocks.get_block_ids()[0])
@@ -458,8 +475,18 @@ class ConsumerScheduler(SchedulerHalf):
                 cache_salt=request.cache_salt,
                 held=spec.decode_holds,
                 lora=lora_name(request),
+                tags=params.tags,
             )
         )
+
+    def _keeps(self, request: Request) -> bool:
+        """Whether ``request``'s KV stays in the consumer's cache for later prompts: not if it
+        asks to keep nothing (``lmcache.skip_save``) or its priority is past the limit (as
+        LMCache's ``priority_limit``: vLLM serves lower values first)."""
+        if self._door.of(request).skip_save:
+            return False
+        limit = self._priority_limit
+        return limit is None or getattr(request, "priority", 0) <= limit
 
     def _after_preemption(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -496,20 +523,24 @@ class ConsumerScheduler(SchedulerHalf):
                 cache_salt=request.cache_salt,
                 local=True,
                 lora=lora_name(request),
+                tags=self._door.of(request).tags,
             )
         )
         return True
 
     def build_connector_meta(self, output: SchedulerOutput) -> PDConnectorMetadata:
         meta = PDConnectorMetadata(
-            loads=self._loads, finished=set(output.finished_req_ids), unneeded=self._unneeded
+            loads=self._loads,
+            finished=set(output.finished_req_ids),
+            unneeded=self._unneeded,
+            uncached=self._uncached,
         )
-        self._loads, self._unneeded = [], set()
+        self._loads, self._unneeded, self._uncached = [], set(), set()
         if self._computed is not None:
             meta.keeps = self._computed.keeps(output)
             if self._landed is not None:
                 for keep in meta.keeps:  # published once they land, under the proxy's keys
-                    if keep.lora is None:  # which know no adapter: the base model's only
+                    if keep.lora is None and not keep.tags:  # which know no adapter nor tag
                         self._landed.learn(keep.prompt, keep.cache_salt)
         return meta
 
@@ -519,6 +550,8 @@ class ConsumerScheduler(SchedulerHalf):
         self._reloaded.pop(request.request_id, None)
         self._sync.pop(request.request_id, None)
         self._local.pop(request.request_id, None)
+        if self._landed_chunks is not None:
+            self._landed_chunks.forget(request.request_id)
         if self._computed is not None:
             self._computed.forget(request.request_id)
         return None

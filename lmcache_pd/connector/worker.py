@@ -246,7 +246,9 @@ class ProducerWorker(WorkerHalf):
                 self._stats.add("pushes_without_rank")
                 logger.error("req %s: not pushed by rank %d: %s", spec.req_id, self._rank, exc)
                 return []
-            keys = self._keyer.chunk_keys(prompt, salt=save.cache_salt, lora=save.lora)
+            keys = self._keyer.chunk_keys(
+                prompt, salt=save.cache_salt, lora=save.lora, tags=save.tags
+            )
             return self._skipping([(Saving(rank_spec, keys, len(prompt)), self._cache)])
         try:
             parts = route(layout.kv_heads, layout.tp_size, spec.ranks)
@@ -260,7 +262,7 @@ class ProducerWorker(WorkerHalf):
             Saving(
                 spec.for_rank(part.dest),
                 part_keyer(self._keyer, layout.kv_heads, part).chunk_keys(
-                    prompt, salt=save.cache_salt, lora=save.lora
+                    prompt, salt=save.cache_salt, lora=save.lora, tags=save.tags
                 ),
                 len(prompt),
             )

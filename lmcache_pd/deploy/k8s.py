@@ -12,14 +12,16 @@ start, as objects a cluster runs, each a plain dict ready for YAML.
   address.
 - The proxy: a Deployment of ``lmcache-pd proxy`` with a Service in front.
 - The transfer YAMLs and the proxy's YAML: ConfigMaps, mounted read-only at /etc/lmcache-pd.
-- A Secret (both items fresh each time the manifests are written) holding the instances' key
-  (vLLM pods answer only /health and /metrics without it; the proxy sends it) and the deployment
-  secret (``LMCACHE_PD_SECRET`` in every vLLM pod and the proxy): the KV channel admits no
-  process without it.
+- A Secret (drawn afresh each time the manifests are written) holding the instances' key
+  (vLLM pods answer only /health and /metrics without it; the proxy sends it) and each role's
+  share of one deployment secret (``lmcache_pd/auth.py``; ``LMCACHE_PD_SECRET`` in each pod:
+  prefill's the producer's share, decode's the consumer's, the proxy's its own): the KV channel
+  admits no process without one, and each door only the roles that use it. The secret itself is
+  in no object.
 - NetworkPolicies (``k8s_policy.py``): the KV ports and vLLM's take only the pools' own pods and
   the proxy; the proxy's HTTP port takes anyone.
 - With the proxy's ``routing: kv``, every vLLM pod publishes its KV events (``--kv-events-config``,
-  bound to the pod's IP, CURVE under the deployment secret) on ``kv_events_port`` and replays
+  bound to the pod's IP, CURVE, admitting the proxy's key alone) on ``kv_events_port`` and replays
   them on the next port; the proxy's list names each pod's, and follows them.
 
 A StatefulSet's pods are alike, so every instance of a pool must be, except in its cores
@@ -37,13 +39,13 @@ from typing import Any
 import msgspec
 import yaml
 
-from lmcache_pd.auth import generate_secret
+from lmcache_pd.auth import generate_secret, role_shares
 from lmcache_pd.deploy.instance import transfer_settings
 from lmcache_pd.deploy.k8s_policy import PortRange, deployment_policies
 from lmcache_pd.deploy.k8s_workloads import (
     EVENTS_PORT_NAME,
     INSTANCE_KEY_ITEM,
-    KV_SECRET_ITEM,
+    KV_SHARE_ITEMS,
     PROXY_NOTICE_PORT,
     RECEIVER_HOST_ENV,
     REPLAY_PORT_NAME,
@@ -78,9 +80,9 @@ def manifests(
 ) -> list[Manifest]:
     """Every object of ``pools``, in an order to apply them: ConfigMaps, the Secret, Services,
     NetworkPolicies, then what runs; the instances' key is ``instance_key`` and the deployment
-    secret ``kv_secret`` (None: fresh random ones). Reads the pools' transfer YAMLs;
-    ``ConfigError`` if a pool's instances differ where pods must be alike, or a decode pod's
-    ports would pass 65535 or meet another."""
+    secret ``kv_secret``, whose roles' shares the Secret holds (None: fresh random ones). Reads
+    the pools' transfer YAMLs; ``ConfigError`` if a pool's instances differ where pods must be
+    alike, or a decode pod's ports would pass 65535 or meet another."""
     k8s = pools.kubernetes
     names = Names(k8s)
     model = model_mount_path(pools)
@@ -146,7 +148,10 @@ def manifests(
     }
     keys = {
         INSTANCE_KEY_ITEM: instance_key or secrets.token_urlsafe(INSTANCE_KEY_BYTES),
-        KV_SECRET_ITEM: kv_secret or generate_secret(),
+        **{
+            KV_SHARE_ITEMS[role]: share
+            for role, share in role_shares(kv_secret or generate_secret()).items()
+        },
     }
     policies = deployment_policies(
         names,

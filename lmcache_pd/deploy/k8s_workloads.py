@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmcache_pd import auth
 from lmcache_pd.auth import SECRET_ENV
 from lmcache_pd.config import ENV_PREFIX
 from lmcache_pd.deploy.instance import (
@@ -31,11 +32,16 @@ TRACE_DIR = "/var/log/lmcache-pd"
 POD_PYTHON = "python3"
 RECEIVER_HOST_ENV = f"{ENV_PREFIX}RECEIVER_HOST"
 # The deployment's Secret (``PREFIX-secrets``) and its items: the instances' key, which vLLM pods
-# want from their callers and the proxy sends, and the deployment secret that authenticates the
-# KV channel between them all (``lmcache_pd/auth.py``).
+# want from their callers and the proxy sends, and each role's share of the deployment secret
+# that authenticates the KV channel between them all (``lmcache_pd/auth.py``), which only that
+# role's pods read.
 SECRETS = "secrets"
 INSTANCE_KEY_ITEM = "instance-api-key"
-KV_SECRET_ITEM = "kv-secret"
+KV_SHARE_ITEMS = {
+    auth.Role.PRODUCER: "kv-producer",
+    auth.Role.CONSUMER: "kv-consumer",
+    auth.Role.PROXY: "kv-proxy",
+}
 # A vLLM pod's own address (the downward API's status.podIP): vLLM and decode's KV ports bind it,
 # not every interface of the pod.
 POD_IP_ENV = "POD_IP"
@@ -168,9 +174,11 @@ def _vllm_container(
     """The vLLM server of a pod: the command ``serve`` would run (``vllm_command``) bound to the
     pod's IP, its environment less ``cpus``'s pinning, which names one host's cores (the pool's
     pod template ``spec`` has no ``cpus``, ``thread_cpus`` nor ``process_cpus``), and both keys
-    from the deployment's Secret (never in the command or a ConfigMap)."""
+    from the deployment's Secret (never in the command or a ConfigMap): the instances' key and
+    its role's share of the deployment secret."""
     k8s = pools.kubernetes
     role: Role = "kv_consumer" if component == "decode" else "kv_producer"
+    key_role = auth.Role.CONSUMER if component == "decode" else auth.Role.PRODUCER
     command = vllm_command(
         model_mount_path(pools),
         k8s.http_port,
@@ -204,7 +212,7 @@ def _vllm_container(
     env += [{"name": name, "value": value} for name, value in values.items()]
     env += [
         secret_env(names, KEY_ENV, INSTANCE_KEY_ITEM),
-        secret_env(names, SECRET_ENV, KV_SECRET_ITEM),
+        secret_env(names, SECRET_ENV, KV_SHARE_ITEMS[key_role]),
     ]
     requests = {
         "cpu": _cpu_quantity(spec.cores),
@@ -259,7 +267,8 @@ def secret_env(names: Names, variable: str, item: str) -> Manifest:
 
 
 def proxy_deployment(names: Names, pools: PoolsConfig) -> Manifest:
-    """``lmcache-pd proxy`` on its ConfigMap, with both keys from the deployment's Secret. Ready
+    """``lmcache-pd proxy`` on its ConfigMap, with the instances' key and the proxy's share of
+    the deployment secret from the deployment's Secret. Ready
     once its /health says a prefill and a decode pod are up; alive while its port accepts (its
     /health fails whenever they are all down, which is no reason to restart it)."""
     k8s = pools.kubernetes
@@ -270,7 +279,7 @@ def proxy_deployment(names: Names, pools: PoolsConfig) -> Manifest:
         "command": ["lmcache-pd", "proxy", f"{CONFIG_DIR}/proxy.yaml"],
         "env": [
             secret_env(names, INSTANCE_API_KEY_ENV, INSTANCE_KEY_ITEM),
-            secret_env(names, SECRET_ENV, KV_SECRET_ITEM),
+            secret_env(names, SECRET_ENV, KV_SHARE_ITEMS[auth.Role.PROXY]),
         ],
         "ports": [
             {"name": "http", "containerPort": pools.proxy.port, "protocol": "TCP"},

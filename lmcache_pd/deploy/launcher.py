@@ -11,10 +11,11 @@ are started again, and ``lmcache-pd restart`` rolls them.
 
 The instances of one launch share a key of their own (``new_instance_key``), so that only the
 proxy in front of them can call them: each vLLM gets it in its environment, the proxy reads it
-from ``WORKDIR/instance.key`` (readable by its owner alone). They also share a deployment secret
-(``lmcache_pd/auth.py``: ``$LMCACHE_PD_SECRET`` if set, else a fresh one) in
-``WORKDIR/kv.secret``, which every transfer config and the proxy's name: the KV channel between
-them admits no other process.
+from ``WORKDIR/instance.key`` (readable by its owner alone). The KV channel between them admits
+no other process: from one deployment secret (``lmcache_pd/auth.py``: ``$LMCACHE_PD_SECRET`` if
+set, else a fresh one, never written) each role's share is written to ``WORKDIR/kv.ROLE.key``,
+and each process's config names its own role's (prefill: the producer's, decode: the consumer's,
+the proxy: the proxy's).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import yaml
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from lmcache_pd import auth
 from lmcache_pd.auth import SECRET_ENV, generate_secret
 from lmcache_pd.deploy.instance import (
     Role,
@@ -82,7 +84,8 @@ PORT_CEILING: int | None = None
 # Bytes of randomness in an instance key (``secrets.token_urlsafe``: 43 characters).
 INSTANCE_KEY_BYTES = 32
 INSTANCE_KEY_FILE = "instance.key"
-KV_SECRET_FILE = "kv.secret"
+# The key role of each instance role (``auth.py``).
+KEY_ROLE = {"kv_producer": auth.Role.PRODUCER, "kv_consumer": auth.Role.CONSUMER}
 
 
 def new_instance_key(environ: Mapping[str, str] | None = None) -> str:
@@ -98,6 +101,21 @@ def write_key(path: Path, key: str) -> None:
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(descriptor, "w") as file:
         file.write(key + "\n")
+
+
+def share_file(workdir: Path, role: auth.Role) -> Path:
+    """Where a launch writes ``role``'s share of the deployment secret."""
+    return workdir / f"kv.{role.value}.key"
+
+
+def write_shares(workdir: Path, secret: str) -> dict[auth.Role, Path]:
+    """Each role's share of ``secret`` in its file (readable by this user alone), by role;
+    ``ConfigError`` for a secret too short."""
+    files = {}
+    for role, text in auth.role_shares(secret).items():
+        files[role] = share_file(workdir, role)
+        write_key(files[role], text)
+    return files
 
 
 def ephemeral_port_start() -> int:
@@ -169,22 +187,23 @@ def start_instance(
     host: str = "127.0.0.1",
     api_key: str | None = None,
     secret_file: Path | None = None,
-    secret: str | None = None,
+    kv_keys: str | None = None,
     kv_events: KVEventsAddress | None = None,
 ) -> VLLMServer:
     """Start instance ``name`` of ``pools`` without waiting for it: its transfer config is a copy
     of ``spec.config`` with ``kv_role`` and ``settings_of_role`` (a decode rank's receive ports,
     a prefill's warm peers), written to ``workdir/NAME.yaml``; its log is ``workdir/NAME.log``
     (or ``LOG_NAME.log``); with ``api_key`` it answers only /health and /metrics without it;
-    ``secret_file``: the deployment secret's (it replaces any the instance's config names);
-    ``secret``: the secret itself, given in the server's environment (``SECRET_ENV``, never on
-    its command line) where no file on its host holds it, over any file its config names;
+    ``secret_file``: the file of its role's share of the deployment secret (it replaces any
+    the instance's config names); ``kv_keys``: that share itself (``auth.share_text``), given in
+    the server's environment (``SECRET_ENV``, never on its command line) where no file on its
+    host holds it, over any file its config names;
     ``kv_events``: where it publishes its prefix cache's KV events (None: nowhere). Every engine
     starts its instances with this."""
     settings = transfer_settings(pools, name, spec, role, settings_of_role)
     if secret_file is not None:
         settings["secret_file"] = str(secret_file.resolve())
-    elif secret is not None:
+    elif kv_keys is not None:
         settings.pop("secret_file", None)
     if pools.trace:
         settings["trace_path"] = str(workdir / f"{name}.trace.jsonl")
@@ -198,7 +217,7 @@ def start_instance(
         kv_transfer_config=connector_config(role, str(config_path)),
         cpu=spec.cpus,
         process_cpus=spec.process_cpus,
-        env=instance_env(pools, spec) | ({} if secret is None else {SECRET_ENV: secret}),
+        env=instance_env(pools, spec) | ({} if kv_keys is None else {SECRET_ENV: kv_keys}),
         engine_args=pools.engine_args,
         extra_args=[
             *instance_args(pools, spec),
@@ -225,7 +244,8 @@ def proxy_config_for(
     """The proxy's config for ``pools`` whose instances are ``prefill`` and ``decode`` and want
     ``instance_key``, also written to ``workdir/proxy.yaml`` (what ``lmcache-pd proxy`` needs to
     front them; the key itself goes to ``workdir/instance.key``, which it names). The clients'
-    key is the pools file's, or the environment's (``API_KEY_ENV``), which is not written."""
+    key is the pools file's, or the environment's (``API_KEY_ENV``), which is not written.
+    ``secret_file``: the proxy's share of the deployment secret (``share_file``)."""
     key_path = workdir / INSTANCE_KEY_FILE
     write_key(key_path, instance_key)
     client_key_file = pools.proxy.api_key_file
@@ -280,7 +300,9 @@ class PoolLauncher:
         self.console = console or Console(stderr=True)
         self.servers: dict[str, VLLMServer] = {}
         self.instance_key = new_instance_key()
-        self.secret_file = workdir / KV_SECRET_FILE if kv_secret else None
+        # Each role's share of the deployment secret, by role (None: no secret).
+        self.key_files: dict[auth.Role, Path] | None = None
+        self._kv_secret = kv_secret
         self._launches: dict[str, _Launch] = {}
         self._restarts: dict[str, int] = {}
         # Held while an instance is replaced or the pools stop: a supervisor's thread restarts
@@ -292,8 +314,10 @@ class PoolLauncher:
     def start(self) -> ProxyConfig:
         """Start every instance, wait until all are healthy, and return the proxy's config."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        if self.secret_file is not None:
-            write_key(self.secret_file, os.environ.get(SECRET_ENV) or generate_secret())
+        if self._kv_secret:
+            self.key_files = write_shares(
+                self.workdir, os.environ.get(SECRET_ENV) or generate_secret()
+            )
         instances = (*self.pools.prefill, *self.pools.decode)
         ports = Ports([self.pools.proxy.port, *(spec.port for spec in instances if spec.port)])
         prefill, decode = [], []
@@ -329,7 +353,12 @@ class PoolLauncher:
             self.stop()
             raise
         return proxy_config_for(
-            self.pools, prefill, decode, self.workdir, self.instance_key, self.secret_file
+            self.pools,
+            prefill,
+            decode,
+            self.workdir,
+            self.instance_key,
+            None if self.key_files is None else self.key_files[auth.Role.PROXY],
         )
 
     def _launch(
@@ -354,7 +383,7 @@ class PoolLauncher:
             settings_of_role,
             log_name=log_name,
             api_key=self.instance_key,
-            secret_file=self.secret_file,
+            secret_file=None if self.key_files is None else self.key_files[KEY_ROLE[role]],
             kv_events=kv_events,
         )
 

@@ -72,12 +72,12 @@ class InstanceActor:
         spec: InstanceSpec,
         settings_of_role: dict[str, Any],
         instance_key: str,
-        secret: str,
+        kv_keys: str,
     ) -> None:
         """Start instance ``name``'s server, answering without ``instance_key`` only /health and
-        /metrics, its KV channel authenticated by the deployment ``secret`` (in the server's
-        environment: no file of it is on this node); a restart by Ray starts it again with the
-        same arguments, key and secret too."""
+        /metrics, its KV channel authenticated by ``kv_keys``, its role's share of the deployment
+        secret (in the server's environment: no file of it is on this node); a restart by Ray
+        starts it again with the same arguments, key and share too."""
         quiet_actor_logging()
         self._host = ray.util.get_node_ip_address()
         with warnings.catch_warnings():  # Ray's own use of a deprecated property inside
@@ -110,7 +110,7 @@ class InstanceActor:
             log_name=f"{name}.{os.getpid()}" if restarted else None,
             host=self._host,
             api_key=instance_key,
-            secret=secret,
+            kv_keys=kv_keys,
             kv_events=events,
         )
         if role == "decode":

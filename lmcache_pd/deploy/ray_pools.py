@@ -13,10 +13,11 @@ finds the controller by name: growing a pool starts instances and returns when t
 shrinking one drains first (no new requests; stopped once neither the proxy nor vLLM has any of
 its requests left, or at ``drain_timeout_s``).
 
-The deployment secret (``lmcache_pd/auth.py``: ``$LMCACHE_PD_SECRET``, else a fresh one) reaches
-the controller and every instance actor as an argument, and each vLLM in its environment; the
-proxy, beside the driver, reads it from ``WORKDIR/kv.secret``. Ray carries it in its own calls,
-so the cluster should ask for Ray's token: ``connect`` warns when it does not
+The deployment secret (``lmcache_pd/auth.py``: ``$LMCACHE_PD_SECRET``, else a fresh one) stays
+in the driver: the controller gets the producer's and the consumer's shares of it, each instance
+actor its own role's as an argument, and each vLLM that share in its environment; the proxy,
+beside the driver, reads its own share from ``WORKDIR/kv.proxy.key``. Ray carries the shares in
+its own calls, so the cluster should ask for Ray's token: ``connect`` warns when it does not
 (``ray_cluster.py``).
 """
 
@@ -37,13 +38,13 @@ from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from lmcache_pd.auth import SECRET_ENV, DeploymentKeys, generate_secret
+from lmcache_pd.auth import SECRET_ENV, Role, generate_secret, role_shares
 from lmcache_pd.deploy.launcher import (
-    KV_SECRET_FILE,
     LaunchError,
     new_instance_key,
     peer_text,
     proxy_config_for,
+    share_file,
     write_key,
 )
 from lmcache_pd.deploy.pools import InstanceSpec, PoolsConfig
@@ -96,14 +97,17 @@ class PoolsController:
     """Owns one deployment's instance actors (a Ray async actor; one event loop, so its state
     needs no locks)."""
 
-    def __init__(self, pools: PoolsConfig, workdir: str, instance_key: str, secret: str) -> None:
-        """``instance_key``: what every instance it starts wants from its callers; ``secret``:
-        the deployment secret they all authenticate the KV channel with."""
+    def __init__(
+        self, pools: PoolsConfig, workdir: str, instance_key: str, shares: dict[PoolName, str]
+    ) -> None:
+        """``instance_key``: what every instance it starts wants from its callers; ``shares``:
+        by pool, its instances' share of the deployment secret (``auth.share_text``), which
+        authenticates their KV channel."""
         quiet_actor_logging()
         self._pools = pools
         self._workdir = workdir
         self._instance_key = instance_key
-        self._secret = secret
+        self._shares = shares
         self._instances: dict[str, _Instance] = {}
         self._indexes = {"prefill": itertools.count(), "decode": itertools.count()}
         self._reports = _Reports()
@@ -198,7 +202,7 @@ class PoolsController:
                 spec,
                 settings,
                 self._instance_key,
-                self._secret,
+                self._shares[role],
             )
         )
         self._instances[name] = _Instance(name, role, spec, handle)
@@ -317,8 +321,8 @@ class RayPools:
         self.workdir = workdir
         self.interval_s = pools.ray.discovery_interval_s
         self.instance_key = new_instance_key()
-        self.secret = os.environ.get(SECRET_ENV) or generate_secret()
-        DeploymentKeys.from_secret(self.secret)  # one too short fails here, not in every vLLM
+        # A secret too short fails here, not in every vLLM.
+        self._shares = role_shares(os.environ.get(SECRET_ENV) or generate_secret())
         self._controller: ActorHandle | None = None
 
     def start(self) -> ProxyConfig:
@@ -335,8 +339,12 @@ class RayPools:
                 "name another (ray.namespace in the pools file)"
             )
         self.workdir.mkdir(parents=True, exist_ok=True)
-        secret_file = self.workdir / KV_SECRET_FILE
-        write_key(secret_file, self.secret)
+        secret_file = share_file(self.workdir, Role.PROXY)
+        write_key(secret_file, self._shares[Role.PROXY])
+        shares: dict[PoolName, str] = {
+            "prefill": self._shares[Role.PRODUCER],
+            "decode": self._shares[Role.CONSUMER],
+        }
         pools = _absolute(self.pools)
         self._controller = (
             ray.remote(PoolsController)
@@ -349,7 +357,7 @@ class RayPools:
                     ray.get_runtime_context().get_node_id(), soft=False
                 ),
             )
-            .remote(pools, str(self.workdir.resolve()), self.instance_key, self.secret)
+            .remote(pools, str(self.workdir.resolve()), self.instance_key, shares)
         )
         members = ray.get(self._controller.start.remote(), timeout=READY_TIMEOUT_S * 2)
         prefill = [PrefillInstance(m.url, m.kv_events) for m in members if m.role == "prefill"]

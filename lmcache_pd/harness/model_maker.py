@@ -18,7 +18,7 @@ import shutil
 import sysconfig
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -130,10 +130,18 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _write_tokenizer(directory: Path) -> dict[str, int]:
+def _write_tokenizer(
+    directory: Path, *, chat_template: str = CHAT_TEMPLATE, extra_tokens: Sequence[str] = ()
+) -> dict[str, int]:
     """tokenizer.json plus the tokenizer_config.json that AutoTokenizer and vLLM read; returns
-    the special tokens' ids for the model's config."""
+    the special tokens' ids for the model's config, ``extra_tokens``' under their own text.
+
+    ``extra_tokens`` are special tokens appended after training (ids from the trained vocabulary
+    on, never split by the BPE), such as a vision model's image placeholder."""
+    from tokenizers import AddedToken
+
     tokenizer = _train_tokenizer()
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in extra_tokens])
     tokenizer.save(str(directory / "tokenizer.json"))
     _write_json(
         directory / "tokenizer_config.json",
@@ -146,7 +154,7 @@ def _write_tokenizer(directory: Path) -> dict[str, int]:
             "model_max_length": MAX_POSITIONS,
             # Keep decode(encode(text)) == text: no space clean-up around punctuation.
             "clean_up_tokenization_spaces": False,
-            "chat_template": CHAT_TEMPLATE,
+            "chat_template": chat_template,
         },
     )
     return {
@@ -154,6 +162,7 @@ def _write_tokenizer(directory: Path) -> dict[str, int]:
         "eos": tokenizer.token_to_id(EOS),
         "pad": tokenizer.token_to_id(PAD),
         "vocab": tokenizer.get_vocab_size(),
+        **{token: tokenizer.token_to_id(token) for token in extra_tokens},
     }
 
 

@@ -55,6 +55,7 @@ class StandinState:
     peers: set[tuple[str, int]] = field(default_factory=set)
     # LoRA adapters it lists beside its model (``/v1/models``), loaded at run time too.
     adapters: list[str] = field(default_factory=list)
+    max_model_len: int = 4096  # its model's context length, as ``/v1/models`` lists it
 
 
 def next_token(context: list[int]) -> int:
@@ -129,7 +130,8 @@ class Standin:
         body = msgspec.json.decode(await request.read())
         self.state.received.append((time.monotonic(), request.path, body))
         tokens = _prompt_ids(body)
-        return web.json_response({"count": len(tokens), "tokens": tokens, "max_model_len": 4096})
+        length = self.state.max_model_len
+        return web.json_response({"count": len(tokens), "tokens": tokens, "max_model_len": length})
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         """A Responses API answer: its output's text, whole or as vLLM's SSE events."""
@@ -151,8 +153,10 @@ class Standin:
         return web.json_response({"version": FINGERPRINT})
 
     async def _models(self, _: web.Request) -> web.Response:
-        adapters = [{"id": name, "parent": "standin"} for name in self.state.adapters]
-        return web.json_response({"object": "list", "data": [{"id": "standin"}, *adapters]})
+        length = {"max_model_len": self.state.max_model_len}
+        adapters = [{"id": name, "parent": "standin", **length} for name in self.state.adapters]
+        cards = [{"id": "standin", **length}, *adapters]
+        return web.json_response({"object": "list", "data": cards})
 
     async def _load_adapter(self, request: web.Request) -> web.Response:
         body = await request.json()

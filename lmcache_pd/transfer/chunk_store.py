@@ -189,7 +189,9 @@ class ChunkStore:
                 continue
             if live is None:
                 page = next(fresh)
-                self._pages.add(page, PageInfo(chunk.key, chunk.nbytes, alloc_id, producer))
+                info = PageInfo(chunk.key, chunk.nbytes, alloc_id, producer)
+                info.pushed_for = request.req_id
+                self._pages.add(page, info)
                 written.append(page)
                 pages.append(page)
             else:
@@ -280,7 +282,9 @@ class ChunkStore:
             if dropped or live is not None or chunk.key in skip:
                 self._allocator.free(page)
                 continue
-            self._pages.add(page, PageInfo(chunk.key, chunk.nbytes, done.reservation_id, producer))
+            info = PageInfo(chunk.key, chunk.nbytes, done.reservation_id, producer)
+            info.pushed_for = done.req_id
+            self._pages.add(page, info)
             assert hold is not None
             self._add_holder(hold, done.req_id, page)
             self._land(page, None if done.checksums is None else done.checksums[index])
@@ -294,11 +298,14 @@ class ChunkStore:
         info = self._pages[page]
         info.checksum = checksum
         self.keys_version += 1
-        if self._cache.enabled:
+        if self._cache.enabled and not info.uncached:
             self._forget_all(self._cache.keep(page, held=bool(info.holders)))
-        elif self._allocator.confirm(page):
-            self._forget(page)
-            return info.nbytes
+        else:
+            # With the cache on, its request let go of it already, asking to keep nothing.
+            self.cache_counts.not_kept += self._cache.enabled
+            if self._allocator.confirm(page):
+                self._forget(page)
+                return info.nbytes
         self._recount(page)
         return info.nbytes
 
@@ -404,27 +411,37 @@ class ChunkStore:
         """Why ``req_id`` was let go, or None while it is not."""
         return self._dropped.get(req_id)
 
-    def release(self, req_id: str, now: float, reason: str = RELEASED) -> int:
+    def release(
+        self, req_id: str, now: float, reason: str = RELEASED, *, uncache: bool = False
+    ) -> int:
         """Let ``req_id`` go: drop everything it holds and refuse its later allocations for
         ``dropped_memory_s``; returns how many pages that freed. Idempotent: the first reason
-        stays."""
+        stays. With ``uncache`` (its request asked to keep nothing: ``lmcache.skip_save``), the
+        chunks written for it that nobody else holds leave the cache as well; chunks it found
+        here, landed for others, stay."""
         self._dropped.remember(req_id, reason, now)
         hold = self._holds.let_go(req_id)
         if hold is None:
             return 0
         # A set: sorted, so that the order pages join the cache in is defined.
-        return sum(self._unhold(req_id, page) for page in sorted(hold.pages))
+        return sum(self._unhold(req_id, page, uncache) for page in sorted(hold.pages))
 
-    def _unhold(self, req_id: str, page: int) -> bool:
+    def _unhold(self, req_id: str, page: int, uncache: bool = False) -> bool:
         """``req_id`` (whose hold no longer names ``page``) lets go of it; True if that freed
-        it, else it stays for its other holders, its write, or the cache."""
+        it, else it stays for its other holders, its write, or the cache (not with ``uncache``,
+        if it was written for ``req_id``)."""
         info = self._pages[page]
         info.holders.discard(req_id)
+        if uncache and info.pushed_for == req_id and not info.holders:
+            info.uncached = True
         if self._allocator.decref(page):
             self._forget(page)
             return True
         if not info.holders:
-            self._forget_all(self._cache.unheld(page))
+            evicted = self._cache.drop(page) if info.uncached else self._cache.unheld(page)
+            self._forget_all(evicted)
+            if page in evicted:
+                return True
         self._recount(page)
         return False
 

@@ -25,7 +25,7 @@ import zmq
 
 from lmcache_pd import protocol
 from lmcache_pd.affinity import unpin_this_thread
-from lmcache_pd.auth import load_keys, unseal, warn_if_open
+from lmcache_pd.auth import Door, Role, load_keys, unseal, warn_if_open
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import (
@@ -36,6 +36,7 @@ from lmcache_pd.errors import (
     RequestDropped,
     VersionMismatch,
 )
+from lmcache_pd.gatekeeper import Gatekeeper, gatekeeper, sender_role
 from lmcache_pd.keys import ChunkKeyer
 from lmcache_pd.protocol import ErrorCode, ErrorReply
 from lmcache_pd.transfer import landed_board, landed_keys
@@ -52,6 +53,8 @@ from lmcache_pd.transfer.watchdog import Watchdog
 logger = logging.getLogger(__name__)
 
 Request = TypeVar("Request")
+# A port's answer to one message: (routing id, body, the sender's role where CURVE tells it).
+Handler = Callable[[bytes, bytes, Role | None], protocol.Message]
 
 # The service loop's wait when no write is pending; with one pending it polls NIXL every
 # BUSY_POLL_S so that a landed chunk is seen within ~0.1 ms.
@@ -119,17 +122,21 @@ class Consumer:
             max_producer_share=config.max_producer_share,
         )
         self._context = zmq.Context()
-        self._keys = load_keys(config.secret_file)
+        self._keys = load_keys(config.secret_file, Role.CONSUMER)
         where = f"consumer ports {config.init_port}/{config.alloc_port}"
         self._unauthenticated = warn_if_open(self._keys, where, config.receiver_host)
         self._stop = threading.Event()
+        # Before the ports: a port that binds with no handler refuses every client.
+        self._gate: Gatekeeper | None = gatekeeper(self._context, self._keys)
         # The ports first: a consumer that cannot have them fails at once, before it touched
         # its buffer or made a NIXL agent (both slow on a busy host, where the agent also waits
         # its turn for the host's UCX lock).
-        host, keys = config.receiver_host, self._keys
+        host, gate = config.receiver_host, self._gate
         try:
-            self._init_socket = bind_router(self._context, host, config.init_port, keys)
-            self._alloc_socket = bind_router(self._context, host, config.alloc_port, keys)
+            self._init_socket = bind_router(self._context, host, config.init_port, gate, Door.INIT)
+            self._alloc_socket = bind_router(
+                self._context, host, config.alloc_port, gate, Door.ALLOC
+            )
             # Zeroed now so that every page is faulted in here, not on the first transfers.
             # The self-test slots follow the pages.
             size = receive_buffer_bytes(config)
@@ -196,6 +203,7 @@ class Consumer:
                 "held_requests": self._store.held_requests,
                 "dropped_requests": self._store.dropped_requests,
                 "unauthenticated": int(self._unauthenticated),
+                "peers_refused": 0 if self._gate is None else self._gate.refused,
             }
 
     @property
@@ -302,11 +310,12 @@ class Consumer:
         with self._lock:
             self.stats.internal_errors += 1
 
-    def release(self, req_id: str) -> None:
-        """The request is done with its chunks; pages nobody else holds return to the free list,
+    def release(self, req_id: str, uncache: bool = False) -> None:
+        """The request is done with its chunks; pages nobody else holds return to the free list
+        (or stay in the cache, unless ``uncache``: the chunks pushed for it then leave it too),
         and its later pushes are refused."""
         with self._lock:
-            freed = self._store.release(req_id, time.monotonic())
+            freed = self._store.release(req_id, time.monotonic(), uncache=uncache)
         logger.debug("req %s released, %d pages freed", req_id, freed)
 
     def close(self) -> None:
@@ -395,9 +404,7 @@ class Consumer:
         self._keys_board.post(keys)  # memory writes only: no system call
         self._keys_posted = (version, now)
 
-    def _drain(
-        self, socket: zmq.Socket, handler: Callable[[bytes, bytes], protocol.Message]
-    ) -> None:
+    def _drain(self, socket: zmq.Socket, handler: Handler) -> None:
         """Answer up to MAX_MESSAGES_PER_TURN queued requests, each exactly once. A request is
         [routing id, one body frame] (a DEALER's); a message of more frames is refused unread,
         its extra frames let go one by one (zmq holds them already: it queues only whole
@@ -407,7 +414,11 @@ class Consumer:
                 routing_id = socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            body = socket.recv(zmq.NOBLOCK) if socket.getsockopt(zmq.RCVMORE) else b""
+            body, role = b"", None
+            if socket.getsockopt(zmq.RCVMORE):
+                frame = socket.recv(zmq.NOBLOCK, copy=False)
+                body = frame.bytes
+                role = None if self._gate is None else sender_role(frame)
             extra = 0
             while socket.getsockopt(zmq.RCVMORE):
                 socket.recv(zmq.NOBLOCK, copy=False)
@@ -422,16 +433,16 @@ class Consumer:
                 )
                 reply = refusal(ErrorCode.MALFORMED, f"expected 1 body frame, got {extra + 1}")
             else:
-                reply = self._handle(handler, routing_id, body)
+                reply = self._handle(handler, routing_id, body, role)
             with contextlib.suppress(zmq.ZMQError):
                 socket.send_multipart([routing_id, protocol.encode(reply)], zmq.NOBLOCK)
 
     def _handle(
-        self, handler: Callable[[bytes, bytes], protocol.Message], peer: bytes, body: bytes
+        self, handler: Handler, peer: bytes, body: bytes, role: Role | None
     ) -> protocol.Message:
         """Run one handler; a bug of ours gets an error reply and a log, and serving goes on."""
         try:
-            return handler(peer, body)
+            return handler(peer, body, role)
         except Exception:
             with self._lock:
                 self.stats.internal_errors += 1
@@ -450,14 +461,23 @@ class Consumer:
             logger.warning("refused a malformed message (%d bytes): %s", len(body), exc)
             return refusal(ErrorCode.MALFORMED, str(exc))
 
-    def _on_init(self, _peer: bytes, body: bytes) -> protocol.Message:
+    def _on_init(self, _peer: bytes, body: bytes, _role: Role | None) -> protocol.Message:
         message = self._decode(protocol.INIT_REQUESTS, body)
         return message if isinstance(message, ErrorReply) else self._init_port.answer(message)
 
-    def _on_alloc(self, producer: bytes, body: bytes) -> protocol.Message:
+    def _on_alloc(self, producer: bytes, body: bytes, role: Role | None) -> protocol.Message:
         request = self._decode(protocol.ALLOC_REQUESTS, body)
         if isinstance(request, ErrorReply):
             return request
+        if role is Role.PROXY and not isinstance(request, protocol.KVAbandoned):
+            # The proxy's key opens this port to let a request go, and for nothing else: a
+            # proxy taken over gets no pages.
+            req_id, kind = getattr(request, "req_id", ""), type(request).__name__
+            with self._lock:
+                self.stats.refused_for_role += 1
+            logger.warning("req %s: refused a %s sent under the proxy's key", req_id, kind)
+            detail = f"the proxy may only let a request go, not send {kind}"
+            return refusal(ErrorCode.BAD_REQUEST, detail, req_id)
         return self._alloc_port.answer(request, producer)
 
     def _on_notifications(self) -> None:
@@ -547,6 +567,8 @@ class Consumer:
             if socket is not None:
                 socket.close(linger=0)
                 setattr(self, name, None)
+        if self._gate is not None:  # after the sockets it guards, before the context ends
+            self._gate.close()
         if not self._context.closed:
             self._context.term()
         channel = getattr(self, "_channel", None)  # None: it failed before it had one

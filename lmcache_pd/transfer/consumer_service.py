@@ -97,6 +97,8 @@ class Claim(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 class Release(msgspec.Struct, frozen=True, tag=True, array_like=True):
     req_id: str
+    # Its pushed chunks leave the cache too (``Consumer.release``).
+    uncache: bool = False
 
 
 class LoadQuery(msgspec.Struct, frozen=True, array_like=True):
@@ -260,9 +262,9 @@ class ConsumerService:
         """A decode will wait for ``req_id``'s KV (see ``Consumer.claim``)."""
         self._send(Claim(req_id, sorted(not_needed)))
 
-    def release(self, req_id: str) -> None:
+    def release(self, req_id: str, uncache: bool = False) -> None:
         """The request is done with its chunks (see ``Consumer.release``)."""
-        self._send(Release(req_id))
+        self._send(Release(req_id, uncache))
 
     def progress(self, loads: Sequence[LoadQuery]) -> ProgressReply | None:
         """The answer to the last progress question, asking ``loads`` if none is out; None if
@@ -466,7 +468,7 @@ def _answer(consumer: Consumer, connection: Connection, command: Command) -> Non
         if isinstance(command, Claim):
             consumer.claim(command.req_id, frozenset(command.not_needed))
         elif isinstance(command, Release):
-            consumer.release(command.req_id)
+            consumer.release(command.req_id, uncache=command.uncache)
         elif isinstance(command, Kept):
             consumer.kept(command.req_id, command.alloc_id, command.checksums)
         elif isinstance(command, LoadNow):

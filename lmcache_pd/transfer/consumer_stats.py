@@ -57,6 +57,9 @@ class ConsumerStats:
     holds_expired: int = _exported("Requests whose pages lapsed unclaimed or unreleased.")
     integrity_failures: int = 0
     handshakes_refused: int = _exported("Producer handshakes refused for incompatible KV.")
+    refused_for_role: int = _exported(
+        "Alloc-port messages refused: the proxy's key may only let a request go."
+    )
     self_tests_landed: int = 0
     chunks_kept: int = _exported(
         "Chunks decode computed itself (a request it served alone) kept in this cache."
@@ -74,6 +77,10 @@ class CacheCounts:
     not_needed: int = _exported("Chunks decode's own prefix cache had: not written.")
     local_hits: int = _exported(
         "Chunks landed for earlier requests that a request decode served alone loaded."
+    )
+    not_kept: int = _exported(
+        "Chunks pushed for a request that asked to keep nothing (lmcache.skip_save, "
+        "priority_limit), let go with it instead of cached."
     )
 
 
@@ -103,6 +110,8 @@ EXPORTED_COUNTERS: Mapping[str, str] = MappingProxyType(
         **_help_texts(ConsumerStats),
         **_help_texts(CacheCounts, "cache_"),
         **_help_texts(LimitCounts),
+        "peers_refused": "CURVE clients refused at the handshake: keys of no role its ports "
+        "admit (auth.py).",
     }
 )
 # Snapshot gauges (the buffer's use now) that reach /metrics, by name, with their help text.

@@ -26,7 +26,7 @@ import torch
 import zmq
 
 from lmcache_pd import protocol, transport
-from lmcache_pd.auth import DeploymentKeys, seal
+from lmcache_pd.auth import DeploymentKeys, Door, seal
 from lmcache_pd.compat import KVProfile, incompatibilities
 from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import (
@@ -106,7 +106,9 @@ class Handshake:
         ``TransportUnusable``, ``PeerUnreachable``, ``ProtocolError`` or ``TransferError``."""
         where = f"consumer {spec.receiver_host}:{spec.receiver_init_port}"
         deadline = time.monotonic() + self.config.handshake_timeout_s
-        socket = dealer(self._context, spec.receiver_host, spec.receiver_init_port, self._keys)
+        socket = dealer(
+            self._context, spec.receiver_host, spec.receiver_init_port, self._keys, Door.INIT
+        )
         try:
             metadata = self._consumer_metadata(spec, socket, deadline)
             choice = transport.choose(
@@ -247,7 +249,7 @@ class Handshake:
             page_bytes=buffer.page_bytes,
             num_pages=buffer.num_pages,
             alloc_socket=dealer(
-                self._context, spec.receiver_host, spec.receiver_alloc_port, self._keys
+                self._context, spec.receiver_host, spec.receiver_alloc_port, self._keys, Door.ALLOC
             ),
             keys=self._keys,
             write_budget_s=min(

@@ -76,6 +76,10 @@ READ_TRIES = 8
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(dict[str, int]).decode
 
+# A post's version: its generation and its payload's CRC-32 (a board made afresh restarts its
+# generation; the CRC tells its posts from the old board's).
+Version = tuple[int, int]
+
 
 def board_path(directory: Path, instance_id: str, rank: int) -> Path:
     """The board of one rank of one vLLM instance (its scheduler and workers share the id), in
@@ -176,22 +180,44 @@ class BoardWriter:
 
 class BoardReader:
     """Decode's scheduler's side: maps the board once its file exists, then each ``read`` is
-    memory reads only. Nothing is ever waited for."""
+    memory reads only. Nothing is ever waited for.
+
+    The scheduler reads on every scheduling attempt of every waiting request, and a board is up
+    to ~1 MiB: a post is copied, CRC-checked and decoded once, and while the header still names
+    it (``posted``: its generation and CRC, no payload read) each read is the same dict."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._map: mmap.mmap | None = None
+        self._last: tuple[Version, dict[str, int]] | None = None  # the last post decoded
 
     def read(self) -> dict[str, int]:
-        """The last post; nothing if there is no board (yet), the consumer closed it, or no
-        whole post was seen in ``READ_TRIES`` tries."""
+        """The last post (the caller must not change it); nothing if there is no board (yet),
+        the consumer closed it, or no whole post was seen in ``READ_TRIES`` tries."""
+        last = self._last
+        if last is not None and self.posted() == last[0]:
+            return last[1]
         post = self.read_payload()
-        try:
-            return {} if post is None else _decode(post[1])
-        except msgspec.DecodeError:
+        if post is None:
             return {}
+        try:
+            landed = _decode(post[1])
+        except msgspec.DecodeError:
+            landed = {}
+        self._last = (post[0], landed)
+        return landed
 
-    def read_payload(self) -> tuple[tuple[int, int], bytes] | None:
+    def posted(self) -> Version | None:
+        """The version of the post the header names, from the header alone (no payload copied,
+        no CRC computed): equal to a version read before only while that post stands. None if
+        there is no board (yet), a post is under way, or the consumer closed it."""
+        board = self._map if self._map is not None else self._open()
+        if board is None:
+            return None
+        generation, _, crc, flags = _HEADER.unpack_from(board, 0)
+        return None if generation & 1 or flags & CLOSED else (generation, crc)
+
+    def read_payload(self) -> tuple[Version, bytes] | None:
         """The last post as its version (generation and CRC: a board made afresh restarts its
         generation) and its bytes, empty once the consumer closed the board; None if there is
         no board (yet) or no whole post was seen in ``READ_TRIES`` tries."""

@@ -57,6 +57,17 @@ class LandedCache:
             evicted.append(self._evict(next(iter(self.idle))))
         return evicted
 
+    def drop(self, page: int) -> list[int]:
+        """Nobody holds ``page`` any more and its request asked to keep nothing: if cached, it
+        leaves the cache at once, freed (counted ``not_kept``)."""
+        if page not in self._cached:
+            return []
+        self._cached.discard(page)
+        self._counts.not_kept += 1
+        freed = self._allocator.decref(page)  # the cache's reference was the last
+        assert freed, f"dropped page {page} is still referenced"
+        return [page]
+
     def make_room(self, needed: int, keep: set[int]) -> list[int]:
         """Evict idle pages, oldest first and none of ``keep``, until ``needed`` pages are free;
         none at all if that would still not be enough (the allocation is refused)."""

@@ -72,7 +72,10 @@ class KeysReader:
 
     def changed(self) -> set[bytes] | None:
         """The keys landed now if the board changed since the last call (an empty set once
-        the consumer closed it); None if it did not, or cannot be read now."""
+        the consumer closed it); None if it did not (its header says so: nothing is copied or
+        checked), or cannot be read now."""
+        if self._version is not None and self._board.posted() == self._version:
+            return None
         post = self._board.read_payload()
         if post is None or post[0] == self._version:
             return None

@@ -17,7 +17,9 @@ from lmcache_pd.transfer.receive_buffer import LandedChunk
 
 @dataclass(slots=True)
 class PageInfo:
-    """What a used page holds, and the producer that writes (or wrote) it."""
+    """What a used page holds, the producer that writes (or wrote) it, and the request it was
+    written for (``pushed_for``). ``uncached``: that request asked to keep nothing and let go of
+    it: it leaves the cache once nobody holds it (at once, or when its write lands)."""
 
     key: bytes
     nbytes: int
@@ -25,6 +27,8 @@ class PageInfo:
     writer: ProducerId
     holders: set[str] = field(default_factory=set)
     checksum: int | None = None
+    pushed_for: str | None = None
+    uncached: bool = False
 
 
 class PageTable(OwnedMapping[int, PageInfo]):

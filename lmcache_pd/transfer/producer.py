@@ -25,7 +25,7 @@ import torch
 import zmq
 
 from lmcache_pd import protocol
-from lmcache_pd.auth import load_keys
+from lmcache_pd.auth import Door, Role, load_keys
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig
 from lmcache_pd.errors import (
@@ -95,7 +95,7 @@ class Producer:
             self._register(channel)
             self._channels[config.ucx_tls] = channel
         self._context = zmq.Context()
-        self._keys = load_keys(config.secret_file)
+        self._keys = load_keys(config.secret_file, Role.PRODUCER)
         self._handshake = Handshake(
             config,
             profile=self.profile,
@@ -266,7 +266,9 @@ class Producer:
         Needs no NIXL handshake. Returns whether the consumer acknowledged it."""
         message = protocol.KVAbandoned.of(spec.req_id, reason, detail, write_in_flight)
         deadline = time.monotonic() + protocol.CANCEL_TIMEOUT_S
-        socket = dealer(self._context, spec.receiver_host, spec.receiver_alloc_port, self._keys)
+        socket = dealer(
+            self._context, spec.receiver_host, spec.receiver_alloc_port, self._keys, Door.ALLOC
+        )
         try:
             reply = ask(socket, message, protocol.ALLOC_REPLIES, deadline, spec.req_id)
         except PDError as exc:

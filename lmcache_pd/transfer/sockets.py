@@ -12,7 +12,7 @@ import time
 import zmq
 
 from lmcache_pd import protocol
-from lmcache_pd.auth import DeploymentKeys
+from lmcache_pd.auth import DeploymentKeys, Door
 from lmcache_pd.errors import (
     AllocationError,
     BufferFull,
@@ -23,17 +23,20 @@ from lmcache_pd.errors import (
     RequestDropped,
     VersionMismatch,
 )
+from lmcache_pd.gatekeeper import Gatekeeper
 from lmcache_pd.protocol import ErrorCode, ErrorReply
 
 
-def dealer(context: zmq.Context, host: str, port: int, keys: DeploymentKeys | None) -> zmq.Socket:
+def dealer(
+    context: zmq.Context, host: str, port: int, keys: DeploymentKeys | None, door: Door
+) -> zmq.Socket:
     """A DEALER socket to ``host:port`` that never lingers or takes an oversized frame, and
-    with ``keys`` reaches only a consumer of this deployment (``auth.py``)."""
+    with ``keys`` reaches only a consumer's ``door`` of this deployment (``auth.py``)."""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
     if keys is not None:
-        keys.connect(socket)
+        keys.connect(socket, door)
     socket.connect(f"tcp://{host}:{port}")
     return socket
 
@@ -89,14 +92,15 @@ def error_from_reply(req_id: str, reply: ErrorReply) -> PDError:
 
 
 def bind_router(
-    context: zmq.Context, host: str, port: int, keys: DeploymentKeys | None
+    context: zmq.Context, host: str, port: int, gate: Gatekeeper | None, door: Door
 ) -> zmq.Socket:
-    """A ROUTER socket bound to ``host:port``, with ``keys`` answering only peers of this
-    deployment (``auth.py``); ``ConfigError`` if the address cannot be bound."""
+    """A ROUTER socket bound to ``host:port``, with ``gate`` (on ``context``) answering only the
+    peers of this deployment that ``door`` admits (``gatekeeper.py``); ``ConfigError`` if the
+    address cannot be bound."""
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
-    if keys is not None:
-        keys.serve(socket)
+    if gate is not None:
+        gate.serve(socket, door)
     # zmq drops a peer that sends a larger frame before we would allocate for it.
     socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
     # Past this many whole messages queued from one peer, zmq stops reading from it.
