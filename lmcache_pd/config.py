@@ -78,6 +78,16 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     # Producer: consumer ranks to shake hands with ahead of their first request (the launcher
     # names every decode rank here), so that no request waits for NIXL's connect.
     warm_peers: list[PeerText] = msgspec.field(default_factory=list)
+    # Producer: the consumer a request that names no DisaggSpec is pushed to, under a req_id of
+    # the producer's own (LMCache's 1p1d shape, whose proxy names none: the sender's configured
+    # peer); None: such a request is computed and pushed nowhere.
+    default_peer: PeerText | None = None
+    # Producer: LMCache's proxy (its pd_proxy_host/pd_proxy_port), sent a ProxyNotif per
+    # decode rank once that rank's KV has landed (``lmcache_proxy.py``), tagged as its
+    # generation decodes it; None: no notices.
+    lmcache_proxy_host: protocol.HostName | None = None
+    lmcache_proxy_port: protocol.Port | None = None
+    lmcache_proxy_tag: Literal["ProxyNotif", "NixlProxyNotif"] = "ProxyNotif"
     max_alloc_retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = protocol.MAX_ALLOC_RETRIES
     # Producer: a push of at most this many chunks writes at once into pages its consumer rank
     # reserved for it ahead (asked for, a few pushes' worth at a time, while a write is in
@@ -94,6 +104,14 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     # its last token (vLLM's synchronous load), not in a step of its own first: its second token
     # comes a step sooner. False: every load asynchronous.
     sync_loads: bool = True
+    # Consumer: a request that names no transfer parameters and whose prompt's chunks have not
+    # all shown landed waits up to this long after it arrived for them (LMCache's proxy sends
+    # decode the prompt and first token, with no parameters, once prefill said the KV landed;
+    # decode's view of its consumer's chunks lags a landing by up to 50 ms), then loads what
+    # landed and computes the rest; and a push no decode claims is no fault (such requests
+    # never claim one): its hold lapsing is logged at debug. 0: no wait (lmcache-pd's proxy,
+    # whose requests served alone have nothing coming).
+    landed_wait_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.0
     integrity_checksums: bool = True
     # Where a vLLM worker's connector appends one JSON line per push or load (None: nowhere).
     trace_path: str | None = None
@@ -146,6 +164,8 @@ class PDConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
             )
         if self.buffer_device == "cuda":
             _check_cuda_buffer(self.integrity_checksums)
+        if (self.lmcache_proxy_host is None) != (self.lmcache_proxy_port is None):
+            raise ValueError("lmcache_proxy_host and lmcache_proxy_port go together")
         if self.buffer_size_bytes < self.page_bytes:
             raise ValueError(
                 f"buffer_size_bytes ({self.buffer_size_bytes}) is smaller than one page "

@@ -9,8 +9,11 @@ adapter (its name, as every instance of a deployment loads the same adapter unde
 elsewhere again: an adapter's KV is never loaded for another adapter or the base model. A
 request's LMCache tags (``lmcache.tag.<name>`` in its ``kv_transfer_params``, tenants' or
 namespaces' names) start it elsewhere once more: two requests share a chunk only if they carry
-the same tags. Python's ``hash()`` is salted per process, so it is never used: the same tokens
-give the same keys in every process on every machine.
+the same tags. A request's multimodal items (images: vLLM's hash of each, at its placeholder
+positions) go into the key of every chunk they overlap, so two prompts of the same text and
+different images share the chunks before the first image and none from it on. Python's
+``hash()`` is salted per process, so it is never used: the same tokens give the same keys in
+every process on every machine.
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 
 KEY_BYTES = 16
+
+# A request's multimodal items, sorted by position: (offset, length, identifier) each, the
+# placeholder tokens ``offset .. offset + length`` of the prompt that the item's features fill,
+# and vLLM's hash of the item (``MultiModalFeatureSpec.identifier``: the model's name, the item's
+# bytes and the processor's options, with a LoRA prefix where the vision tower has adapters).
+MMItems = tuple[tuple[int, int, str], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +97,7 @@ class ChunkKeyer:
         salt: str | None = None,
         lora: str | None = None,
         tags: Iterable[tuple[str, str]] = (),
+        mm: MMItems = (),
     ) -> list[ChunkKey]:
         """Keys of every chunk of ``tokens``; the last chunk may be partial and has its own key.
 
@@ -96,7 +106,8 @@ class ChunkKeyer:
         ``salt``: the request's ``cache_salt``; None or empty means none (vLLM refuses an empty
         one), and keys are then those of an unsalted request. ``lora``: the request's LoRA
         adapter's name (None: the base model). ``tags``: the request's LMCache tags, (name,
-        value) pairs in any order (none: an untagged request's keys).
+        value) pairs in any order (none: an untagged request's keys). ``mm``: its multimodal
+        items (none: a text prompt's keys), each mixed into the key of every chunk it overlaps.
         """
         ids = _as_int64(tokens)
         skip = self._masked_prefix(mask, len(ids))
@@ -104,7 +115,7 @@ class ChunkKeyer:
         previous = self._chain_start(salt, lora, tags)
         for start in range(0, len(ids), self.chunk_size):
             end = min(start + self.chunk_size, len(ids))
-            digest = hashlib.blake2b(previous, digest_size=KEY_BYTES)
+            digest = hashlib.blake2b(_with_mm(previous, mm, start, end), digest_size=KEY_BYTES)
             digest.update(ids[start:end].tobytes())
             previous = digest.digest()
             if start >= skip:
@@ -164,6 +175,25 @@ def _tag_bytes(tags: Iterable[tuple[str, str]]) -> bytes:
             encoded = text.encode("utf-8", "surrogatepass")
             out += len(encoded).to_bytes(4, "little") + encoded
     return bytes(out)
+
+
+def _with_mm(previous: bytes, mm: MMItems, start: int, end: int) -> bytes:
+    """The chain's link into the chunk of tokens ``start .. end``: ``previous``, or where items
+    overlap the chunk, a digest of them keyed by it and personalised unlike a chunk's digest, so
+    that no token ids stand in for an item. Each item counts by its identifier (length-
+    prefixed), its offset from the chunk's start (negative where it began in an earlier chunk)
+    and its length, as vLLM's block hashes take them. An image's placeholder tokens are the same
+    for every image: without this, two images' KV would share keys."""
+    out = bytearray()
+    for offset, length, identifier in mm:
+        if offset < end and offset + length > start:
+            encoded = identifier.encode("utf-8", "surrogatepass")
+            out += len(encoded).to_bytes(4, "little") + encoded
+            out += (offset - start).to_bytes(8, "little", signed=True)
+            out += length.to_bytes(8, "little")
+    if not out:
+        return previous
+    return hashlib.blake2b(bytes(out), digest_size=KEY_BYTES, key=previous, person=b"mm").digest()
 
 
 def from_held(keys: Sequence[ChunkKey], held: int) -> list[ChunkKey]:

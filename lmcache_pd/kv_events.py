@@ -11,8 +11,9 @@ typed decoder at the door.
 vLLM names a block by its own hash, which the proxy cannot compute without vLLM's hashing
 function and seed. So the proxy names blocks by content instead: a ``BlockStored`` carries its
 blocks' token ids and its parent's hash, and ``prefix_key`` chains a 16-byte BLAKE2b over the
-parent's key, the block's token ids and its extra keys (the request's ``cache_salt`` on a
-prompt's first block). The proxy computes the same keys from a prompt's token ids
+parent's key, the block's token ids and its extra keys (as vLLM 0.32 publishes them: a LoRA
+adapter's name on every block of its requests, then the request's ``cache_salt`` on a prompt's
+first block). The proxy computes the same keys from a prompt's token ids
 (``prefix_keys``) and looks them up: a match is a block the instance holds.
 """
 
@@ -88,14 +89,18 @@ def prefix_key(parent: bytes | None, tokens: Sequence[int], extra: Sequence[Any]
     return digest.digest()
 
 
-def prefix_keys(tokens: Sequence[int], block_size: int, salt: str | None = None) -> list[bytes]:
+def prefix_keys(
+    tokens: Sequence[int], block_size: int, salt: str | None = None, lora: str | None = None
+) -> list[bytes]:
     """The keys of ``tokens``' full blocks of ``block_size``, as an instance that cached them
     names them (its partial last block is never cached). ``salt``: the request's cache_salt,
-    which vLLM mixes into the first block."""
+    which vLLM mixes into the first block; ``lora``: the LoRA adapter's name, which it mixes
+    into every block (and publishes first among a block's extra keys)."""
     keys: list[bytes] = []
     parent = None
+    adapter = [lora] if lora is not None else []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        extra = (salt,) if salt is not None and start == 0 else None
+        extra = [*adapter, salt] if salt is not None and start == 0 else adapter
         parent = prefix_key(parent, tokens[start : start + block_size], extra)
         keys.append(parent)
     return keys

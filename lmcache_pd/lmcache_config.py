@@ -10,20 +10,26 @@ each overriding the one before, as LMCache's code applies them: the YAML file na
 
 Three generations of keys are still in users' hands: today's (``enable_pd``, ``pd_*``), the
 xpyd era's (``enable_xpyd``, ``nixl_role``, ``nixl_peer_*``, ``nixl_proxy_*``, which LMCache
-now reads as aliases of today's), and the oldest examples' (``enable_nixl``,
-``nixl_receiver_host``, ``nixl_receiver_port``). One configuration speaks one of them: keys of
-two are refused, naming them. What maps onto ours (``MAPPED``) does; the keys of LMCache's own
-storage and features that mean nothing here are named once in a warning; a missing required key
-or a value that contradicts vLLM's ``kv_role`` fails the start, naming the key.
+now reads as aliases of today's; their files set ``enable_nixl`` too), and the oldest
+examples' (``enable_nixl``, ``nixl_receiver_host``, ``nixl_receiver_port``). One
+configuration speaks one of them: keys of two are refused, naming them. What maps onto ours
+(``MAPPED``) does; the keys of LMCache's own storage and features that mean nothing here are
+named once in a warning; a missing required key or a value that contradicts vLLM's ``kv_role``
+fails the start, naming the key.
 
 Its request options are read per request (``protocol.KVTransferParams``): ``lmcache.tag.*``
 becomes part of chunk keys, ``lmcache.skip_save`` and ``priority_limit`` (mapped here) keep a
 request's KV out of decode's cache of landed chunks. ``save_decode_cache: true`` is named in a
 warning of its own: decode keeps the KV it generates in vLLM's prefix cache only.
 
-Not built yet (issue 58): the proxy notifications LMCache's proxy waits for
-(``pd_proxy_host``/``pd_proxy_port``, named in the warning), a push to the configured peer
-without a ``disagg_spec`` (the 1p1d shape: the peer is only warmed up here).
+Their proxy's protocol: a sender with a proxy address (``pd_proxy_host``/``pd_proxy_port``;
+the xpyd era's ``nixl_proxy_*``) sends it a ``ProxyNotif`` per decode rank once that rank's KV
+landed (``lmcache_proxy.py``, tagged as that generation's proxy decodes it); a sender with a
+peer (``pd_peer_*``) pushes a request that names no ``disagg_spec`` there (the 1p1d shape) and
+connects to it ahead; a receiver serves requests that name no transfer parameters (their proxy
+sends decode the prompt and first token bare) from the chunks landed for them, waiting briefly
+for the last to show (``LANDED_WAIT_S``), and expects no push to be claimed
+(``CLAIM_TIMEOUT_S``).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +56,17 @@ EXTRA_PREFIX = "lmcache."
 CONNECTOR_NAME = "LMCacheConnectorV1"
 
 # Each generation's names for the settings that matter here (None: it has none).
-_SETTINGS = ("enabled", "role", "buffer_size", "buffer_device", "host", "init", "alloc", "proxy")
+_SETTINGS = (
+    "enabled",
+    "role",
+    "buffer_size",
+    "buffer_device",
+    "host",
+    "init",
+    "alloc",
+    "proxy",
+    "proxy_port",
+)
 GENERATIONS: dict[str, dict[str, str | None]] = {
     "pd": {
         "enabled": "enable_pd",
@@ -61,6 +77,7 @@ GENERATIONS: dict[str, dict[str, str | None]] = {
         "init": "pd_peer_init_port",
         "alloc": "pd_peer_alloc_port",
         "proxy": "pd_proxy_host",
+        "proxy_port": "pd_proxy_port",
     },
     "xpyd": {
         "enabled": "enable_xpyd",
@@ -71,6 +88,7 @@ GENERATIONS: dict[str, dict[str, str | None]] = {
         "init": "nixl_peer_init_port",
         "alloc": "nixl_peer_alloc_port",
         "proxy": "nixl_proxy_host",
+        "proxy_port": "nixl_proxy_port",
     },
     "nixl": {
         "enabled": "enable_nixl",
@@ -81,15 +99,19 @@ GENERATIONS: dict[str, dict[str, str | None]] = {
         "init": "nixl_receiver_port",  # its one port; our alloc port is the next one
         "alloc": None,
         "proxy": None,
+        "proxy_port": None,
     },
 }
-# Keys only one generation has: what tells them apart.
+# Keys only one generation has: what tells them apart. ``enable_nixl`` is not one: the xpyd
+# era's files set it beside ``enable_xpyd``.
 _OWN_KEYS = {
-    "pd": {"enable_pd", *(k for k in GENERATIONS["pd"].values() if k), "pd_proxy_port"},
+    "pd": {"enable_pd", *(k for k in GENERATIONS["pd"].values() if k)},
     "xpyd": {"enable_xpyd", "nixl_peer_host", "nixl_peer_init_port", "nixl_peer_alloc_port"}
     | {"nixl_proxy_host", "nixl_proxy_port"},
-    "nixl": {"enable_nixl", "nixl_receiver_host", "nixl_receiver_port", "nixl_peer_port"},
+    "nixl": {"nixl_receiver_host", "nixl_receiver_port", "nixl_peer_port"},
 }
+# The message each generation's proxy decodes (``lmcache_proxy.py``).
+PROXY_TAGS = {"pd": "ProxyNotif", "xpyd": "NixlProxyNotif"}
 # Keys mapped whatever the generation.
 COMMON = {"chunk_size": "chunk_size", "nixl_backends": "nixl_backends"}
 # Every key this module reads (the rest are named in the warning).
@@ -100,6 +122,13 @@ MAPPED = frozenset(
     | {"priority_limit", "save_decode_cache"}
 )
 ROLES = {"sender": "kv_producer", "receiver": "kv_consumer"}
+# A receiver: how long a request with no transfer parameters waits for its chunks to show
+# landed (``PDConfig.landed_wait_s``). Their proxy asks decode once every notice came; what
+# decode's scheduler sees of its consumer lags a landing by up to 50 ms, and a loaded host more.
+LANDED_WAIT_S = 0.5
+# A receiver: its pushes are never claimed (their proxy sends decode no transfer parameters),
+# so a push's pages are held this long for the request that loads them, then join the cache.
+CLAIM_TIMEOUT_S = 5.0
 
 
 def configured(extra: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> bool:
@@ -172,13 +201,40 @@ def load_lmcache_config(
             "receiver_host": str(_required(host, names["host"] or "")),
             "init_port": init[0] if len(init) == 1 else init,
             "alloc_port": alloc[0] if len(alloc) == 1 else alloc,
+            "landed_wait_s": LANDED_WAIT_S,
+            "claim_timeout_s": CLAIM_TIMEOUT_S,
         }
-    elif host is not None and get("init") is not None and (names["alloc"] is None or get("alloc")):
+    else:
+        settings |= _sender_settings(get, names, generation)
+    return load_config(None, environ={}, kv_role=kv_role, **settings)
+
+
+def _sender_settings(
+    get: Callable[[str], Any], names: Mapping[str, str | None], generation: str
+) -> dict[str, Any]:
+    """A sender's peer (pushed to unasked, connected ahead) and proxy (sent notices)."""
+    settings: dict[str, Any] = {}
+    host = get("host")
+    if host is not None and get("init") is not None and (names["alloc"] is None or get("alloc")):
         init = _ports(get("init"), names["init"] or "")
         alloc = [p + 1 for p in init] if names["alloc"] is None else _ports(get("alloc"), "")
         ports = (init[0], alloc[0]) if len(init) == 1 else (init, alloc)
-        settings["warm_peers"] = [format_peer(str(host), *ports)]
-    return load_config(None, environ={}, kv_role=kv_role, **settings)
+        peer = format_peer(str(host), *ports)
+        settings |= {"warm_peers": [peer], "default_peer": peer}
+    proxy_host = get("proxy")
+    if proxy_host is not None:
+        key = names["proxy_port"] or ""
+        port = _ports(_required(get("proxy_port"), key), key)
+        if len(port) != 1:
+            raise ConfigError(f"{names['proxy_port']}: {get('proxy_port')!r} is not one port")
+        settings |= {
+            "lmcache_proxy_host": str(proxy_host),
+            "lmcache_proxy_port": port[0],
+            "lmcache_proxy_tag": PROXY_TAGS[generation],
+        }
+    elif get("proxy_port") is not None:
+        raise ConfigError(f"{names['proxy_port']} without {names['proxy']}")
+    return settings
 
 
 def _raw(extra: Mapping[str, Any], environ: Mapping[str, str], warn: bool) -> dict[str, Any]:

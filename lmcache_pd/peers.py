@@ -56,3 +56,17 @@ def parse_peer(text: str) -> PeerAddress:
     """The address in the text of one consumer rank (``host:init_port:alloc_port``)."""
     host, init_port, alloc_port = text.rsplit(":", 2)
     return PeerAddress(host, int(init_port), int(alloc_port))
+
+
+def peer_spec(text: str, req_id: str) -> DisaggSpec:
+    """A DisaggSpec naming the consumer of ``text`` (a port per rank where it lists several)
+    for the request ``req_id``: what a producer pushes to unasked (its ``default_peer``)."""
+    host, init_ports, alloc_ports = text.rsplit(":", 2)
+    init = [int(port) for port in init_ports.split(",")]
+    alloc = [int(port) for port in alloc_ports.split(",")]
+    return DisaggSpec(
+        req_id,
+        host,
+        init[0] if len(init) == 1 else init,
+        alloc[0] if len(alloc) == 1 else alloc,
+    )

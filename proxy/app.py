@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import aiohttp
 import zmq
 from aiohttp import web
+from prometheus_client.registry import Collector
 
 from lmcache_pd.affinity import unpin_this_thread
 from lmcache_pd.first_token import NoticeBoard
@@ -49,10 +50,16 @@ class Proxy:
     """Owns the pools, the upstream HTTP session, health checks and metrics of one proxy, and
     hands each client request to its ``Orchestrator``."""
 
-    def __init__(self, config: ProxyConfig, members: MemberSource | None = None) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        members: MemberSource | None = None,
+        collectors: Sequence[Collector] = (),
+    ) -> None:
         """Serve the pools of ``config``; with ``members``, whatever it says the pools are now
-        (a cluster engine that adds, restarts and drains instances). Reads the key files now:
-        ``ConfigError`` if one cannot be read."""
+        (a cluster engine that adds, restarts and drains instances); ``collectors``: more
+        metrics for ``/metrics`` (serve's restarts). Reads the key files now: ``ConfigError`` if
+        one cannot be read."""
         self.config = config
         # The instances' key, on every call to their /v1/* (never the client's headers).
         self._instance_headers = config.instance_headers()
@@ -73,6 +80,8 @@ class Proxy:
             ],
         )
         self.metrics = ProxyMetrics(self._upstreams, lambda: self.door.in_flight)
+        for collector in collectors:
+            self.metrics.registry.register(collector)
         self._names = ModelNames(
             config.model,
             self._http,
@@ -283,13 +292,16 @@ async def serve(
     ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
     members: MemberSource | None = None,
+    collectors: Sequence[Collector] = (),
 ) -> None:
     """Serve until ``stop`` is set (by default: until SIGINT or SIGTERM), calling ``ready`` with
     the base URL once listening.
 
     A client that disconnects cancels its handler (``handler_cancellation``), which closes both
-    upstream connections; vLLM then aborts the request. ``members``: see ``Proxy``."""
-    runner = web.AppRunner(Proxy(config, members).app(), access_log=None, handler_cancellation=True)
+    upstream connections; vLLM then aborts the request. ``members``, ``collectors``: see
+    ``Proxy``."""
+    proxy = Proxy(config, members, collectors)
+    runner = web.AppRunner(proxy.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.port).start()
@@ -310,14 +322,16 @@ def run_proxy(
     config: ProxyConfig,
     ready: Callable[[str], None] | None = None,
     members: MemberSource | None = None,
+    collectors: Sequence[Collector] = (),
 ) -> None:
     """``serve`` on a fresh event loop until SIGINT or SIGTERM (uvloop when installed: it comes
     with vLLM), on ``config.cpus`` (the threads it starts inherit them)."""
     if config.cpus is not None:
         unpin_this_thread(config.cpus, "proxy")
+    served = serve(config, ready, members=members, collectors=collectors)
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(config, ready, members=members))
+        asyncio.run(served)
     else:
-        uvloop.run(serve(config, ready, members=members))
+        uvloop.run(served)

@@ -42,15 +42,17 @@ class SentPrompts:
         self._block_tokens = block_tokens
         self._sent: dict[str, OrderedDict[bytes, None]] = {}
 
-    def pick(self, pool: Pool, tokens: list[int], salt: str | None = None) -> Upstream:
-        """The instance for ``tokens``, recorded as sent to it. ``NoHealthyInstance`` if none is
-        up."""
+    def pick(
+        self, pool: Pool, tokens: list[int], salt: str | None = None, lora: str | None = None
+    ) -> Upstream:
+        """The instance for ``tokens`` (with the request's ``cache_salt`` and LoRA adapter),
+        recorded as sent to it. ``NoHealthyInstance`` if none is up."""
         for gone in self._sent.keys() - {m.url for m in pool.members}:
             del self._sent[gone]  # an instance the pool no longer has
         healthy = [m for m in pool.members if m.healthy]
         if not healthy:
             return pool.pick()  # raises NoHealthyInstance
-        keys = prefix_keys(tokens, self._block_tokens, salt)
+        keys = prefix_keys(tokens, self._block_tokens, salt, lora)
         loads = [m.outstanding for m in healthy]
         matched = {m: self._matched(m, keys) for m in healthy}
         best = max(matched.values())

@@ -96,7 +96,7 @@ class Placer:
         sent: SentPrompts | None = None,
     ) -> None:
         """Without ``index`` and ``tokens``: by load, as ``routing: load``; ``model``: the base
-        model's name (a request for another, a LoRA adapter, is placed by load); ``prefill``: its
+        model's name (a request for another names a LoRA adapter); ``prefill``: its
         pool, whose caches weigh for decode alone (None: they do not); ``sent`` (with
         ``tokens``, no ``index``): decode as ``routing: cache_aware`` picks it."""
         self._sent = sent
@@ -111,15 +111,13 @@ class Placer:
         """``NoHealthyInstance`` if decode is needed and none is up."""
         if client.alone_reason is not None:  # served unchanged by decode, by load
             return Plan(self._decode.pick(), alone=True)
-        if client.model != self._model:
-            # A LoRA adapter's: vLLM mixes the adapter into its blocks' keys, which the index
-            # and the record of prompts sent know nothing of: by load.
-            decoder = self._decode.pick() if client.needs_decode else None
-            return Plan(decoder, decoder is not None and self._sizer.is_short(client))
+        # A LoRA adapter's request: vLLM mixes the adapter's name into every block's key and
+        # publishes it with the block, so its prefix cache is its own here too.
+        lora = client.model if client.model != self._model else None
         if self._sent is not None and self._tokens is not None and client.needs_decode:
             token_ids = await self._tokens.of(client, self._model)
             if token_ids is not None:
-                decoder = self._sent.pick(self._decode, token_ids, _salt(client))
+                decoder = self._sent.pick(self._decode, token_ids, _salt(client), lora)
                 return Plan(decoder, self._sizer.is_short(client))
         index, token_ids = self._index, None
         if index is not None and self._tokens is not None and not index.empty:
@@ -129,7 +127,7 @@ class Placer:
             return Plan(decoder, decoder is not None and self._sizer.is_short(client))
         # Decode is weighed by what it would compute or receive: chunks landed in its consumer
         # are not pushed again.
-        keys = _keys(token_ids, _salt(client))
+        keys = _keys(token_ids, _salt(client), lora)
         work, receive = _work(index, token_ids, keys)
         prefill_least = self._prefill_least(work)
 
@@ -189,9 +187,9 @@ def _salt(client: ClientRequest) -> str | None:
     return salt if isinstance(salt, str) else None
 
 
-def _keys(tokens: list[int], salt: str | None) -> Callable[[int], list[bytes]]:
+def _keys(tokens: list[int], salt: str | None, lora: str | None) -> Callable[[int], list[bytes]]:
     """The prompt's block keys for a block size, hashed once per block size."""
-    return functools.cache(lambda block_size: prefix_keys(tokens, block_size, salt))
+    return functools.cache(lambda block_size: prefix_keys(tokens, block_size, salt, lora))
 
 
 def _work(

@@ -28,7 +28,7 @@ from lmcache_pd.connector.metadata import (
     PDConnectorMetadata,
     SaveRequest,
 )
-from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler
+from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler, lora_name
 from lmcache_pd.connector.worker import ProducerWorker
 from lmcache_pd.errors import AllocationError, BufferFull, PeerTimeout, TransferError
 from lmcache_pd.first_token import FirstTokenNotice
@@ -58,13 +58,21 @@ def request(
     status: RequestStatus = RequestStatus.FINISHED_LENGTH_CAPPED,
     cache_salt: str | None = None,
     lora: str | None = None,
+    mm: tuple[tuple[int, int, str], ...] = (),
 ) -> SimpleNamespace:
+    """A stand-in vLLM Request; ``mm``: its images as (offset, length, identifier)."""
     return SimpleNamespace(
         request_id=req_id,
         prompt_token_ids=prompt,
         kv_transfer_params=params,
         cache_salt=cache_salt,
-        lora_request=None if lora is None else SimpleNamespace(lora_name=lora),
+        lora_request=(
+            None if lora is None else SimpleNamespace(lora_name=lora, lora_path=f"/a/{lora}")
+        ),
+        mm_features=[
+            SimpleNamespace(mm_position=SimpleNamespace(offset=o, length=n), identifier=i)
+            for o, n, i in mm
+        ],
         output_token_ids=list(outputs),
         num_computed_tokens=len(prompt) if computed is None else computed,
         num_preemptions=0,
@@ -296,37 +304,86 @@ def test_decode_keeps_the_chunks_of_a_prompt_it_computed_once_the_prompt_is_comp
     assert scheduler.build_connector_meta(step(cached=[("a", [], 200)])).keeps == []
 
 
+IMAGES = ((40, 19, "a1b2"), (3, 19, "c3d4"))  # out of order: vLLM's are sorted, ours are
+
+
 @pytest.mark.parametrize(
-    ("salt", "lora", "tags"),
+    ("salt", "lora", "tags", "mm"),
     [
-        ("tenant-a", None, ()),
-        (None, "tuned", ()),
-        (None, None, (("tenant", "a"), ("user", "x"))),
-        (None, None, ()),
+        ("tenant-a", None, (), ()),
+        (None, "tuned", (), ()),
+        (None, None, (("tenant", "a"), ("user", "x")), ()),
+        (None, None, (), IMAGES),
+        (None, None, (), ()),
     ],
 )
 def test_both_scheduler_halves_pass_the_requests_key_scope_to_their_worker(
-    salt: str | None, lora: str | None, tags: tuple[tuple[str, str], ...]
+    salt: str | None,
+    lora: str | None,
+    tags: tuple[tuple[str, str], ...],
+    mm: tuple[tuple[int, int, str], ...],
 ) -> None:
-    """The workers key a request's chunks with its ``cache_salt``, its LoRA adapter's name and
-    its LMCache tags (``lmcache.tag.*`` in its kv_transfer_params, as LMCache's users send
-    them): every save carries them, and so does the load; a request without them carries none
-    (the control)."""
+    """The workers key a request's chunks with its ``cache_salt``, its LoRA adapter's name, its
+    LMCache tags (``lmcache.tag.*`` in its kv_transfer_params, as LMCache's users send them)
+    and its images (vLLM's hash of each at its placeholders, sorted by position): every save
+    carries them, and so does the load; a request without them carries none (the control)."""
     blocks = SimpleNamespace(get_block_ids=lambda: ([3, 1, 4, 1],))
     params = {"disagg_spec": SPEC} | {f"lmcache.tag.{name}": value for name, value in tags}
     producer = ProducerScheduler()
-    req = request("r", list(range(150)), params, cache_salt=salt, lora=lora)
+    req = request("r", list(range(150)), params, cache_salt=salt, lora=lora, mm=mm)
     producer.update_state_after_alloc(req, None, 0)
     first = producer.build_connector_meta(step(new=[("r", [4, 5], 0)], scheduled={"r": 64}))
     later = producer.build_connector_meta(step(cached=[("r", [6], 64)], scheduled={"r": 86}))
-    scopes = [(s.cache_salt, s.lora, s.tags) for s in first.saves + later.saves]
-    assert scopes == [(salt, lora, tags)] * 2
+    scopes = [(s.cache_salt, s.lora, s.tags, s.mm) for s in first.saves + later.saves]
+    adapter = None if lora is None else f"{lora}\0/a/{lora}"  # its name and its path
+    assert scopes == [(salt, adapter, tags, tuple(sorted(mm)))] * 2
     consumer = ConsumerScheduler()
-    req = request("c", list(range(201)), params, cache_salt=salt, lora=lora)
+    req = request("c", list(range(201)), params, cache_salt=salt, lora=lora, mm=mm)
     assert consumer.get_num_new_matched_tokens(req, 0) == (200, True)
     consumer.update_state_after_alloc(req, blocks, 200)
     [load] = consumer.build_connector_meta(step()).loads
-    assert (load.cache_salt, load.lora, load.tags) == (salt, lora, tags)
+    assert (load.cache_salt, load.lora, load.tags, load.mm) == (
+        salt,
+        adapter,
+        tags,
+        tuple(sorted(mm)),
+    )
+
+
+def test_an_adapter_name_pointed_at_other_weights_keys_other_chunks() -> None:
+    """vLLM keys its own prefix cache by an adapter's name and path: so do the chunk keys."""
+
+    def scope(name: str, path: str) -> str | None:
+        adapter = SimpleNamespace(lora_name=name, lora_path=path)
+        return lora_name(SimpleNamespace(lora_request=adapter))
+
+    assert scope("tuned", "/a") == scope("tuned", "/a")
+    assert scope("tuned", "/a") != scope("tuned", "/b")
+    assert scope("tuned", "/a") != scope("other", "/a")
+
+
+def test_an_image_requests_chunks_are_not_published_under_the_proxys_keys() -> None:
+    """The proxy keys a prompt's blocks by its tokens alone, and an image's placeholder tokens
+    are the same for every image: decode's landed chunks of a request with an image, loaded or
+    computed and kept, are not published as KV events, or the proxy would send a request of
+    another image to them. The same text request's are (the control)."""
+    learned: list[list[int]] = []
+    landed = SimpleNamespace(learn=lambda prompt, salt: learned.append(prompt))
+    scheduler = ConsumerScheduler(computed=ComputedPrompts(CHUNK), landed=landed)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([0, 1, 2, 3, 4, 5, 6],))
+    prompt = list(range(201))
+    for name, mm in (("image", IMAGES), ("text", ())):
+        pushed = request(f"p-{name}", prompt, {"disagg_spec": SPEC | {"req_id": name}}, mm=mm)
+        scheduler.get_num_new_matched_tokens(pushed, 0)
+        scheduler.update_state_after_alloc(pushed, blocks, 200)
+        alone = request(f"a-{name}", prompt, None, mm=mm)
+        scheduler.update_state_after_alloc(alone, blocks, 0)
+        meta = scheduler.build_connector_meta(
+            step(new=[(f"a-{name}", list(range(7)), 0)], scheduled={f"a-{name}": 201})
+        )
+        [keep] = meta.keeps
+        assert keep.mm == tuple(sorted(mm))
+    assert learned == [prompt[:200], prompt[:192]]  # the text request's load, then its keep
 
 
 @pytest.mark.parametrize(

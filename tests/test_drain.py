@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from lmcache_pd.deploy import instance_drain
 from lmcache_pd.deploy.control import ControlError, ControlServer, request_restart, socket_path
@@ -155,8 +156,17 @@ def test_an_instance_that_died_unasked_is_started_again(tmp_path: Path) -> None:
         launcher.servers["decode-0"].returncode = -9
         wait_for(lambda: launcher.restarted == [("decode-0", False)], what="its restart")
         assert launcher.servers["decode-0"].running and supervisor.restarts == {"decode-0": 1}
+        assert counted(supervisor, "decode-0", "died") == 1.0
     finally:
         supervisor.close()
+
+
+def counted(supervisor: Supervisor, instance: str, cause: str) -> float | None:
+    """The supervisor's restarts as the proxy's ``/metrics`` shows them."""
+    registry = CollectorRegistry()
+    registry.register(supervisor.collector())
+    labels = {"instance": instance, "cause": cause}
+    return registry.get_sample_value("lmcache_pd_instance_restarts_total", labels)
 
 
 def test_an_instance_that_keeps_dying_is_left_down_with_its_log(
@@ -174,6 +184,10 @@ def test_an_instance_that_keeps_dying_is_left_down_with_its_log(
         finally:
             supervisor.close()
     assert launcher.restarted == [("prefill-0", False)] * FAST.max_restarts
+    assert counted(supervisor, "prefill-0", "died") == FAST.max_restarts
+    registry = CollectorRegistry()
+    registry.register(supervisor.collector())
+    assert registry.get_sample_value("lmcache_pd_instances_left_down") == 1.0
     given_up = next(r for r in caplog.records if "left down" in r.getMessage())
     assert "prefill-0" in given_up.getMessage()
     assert "the last line of its log" in given_up.getMessage()
@@ -193,6 +207,8 @@ def test_a_roll_drains_and_restarts_one_instance_at_a_time(tmp_path: Path) -> No
     finally:
         supervisor.close()
     assert launcher.restarted == [("prefill-0", True), ("decode-0", True)]
+    assert counted(supervisor, "decode-0", "rolled") == 1.0
+    assert counted(supervisor, "decode-0", "died") is None
     assert lines[0] == "prefill-0: draining" and lines[-1].startswith("decode-0: serving again")
 
 

@@ -180,3 +180,35 @@ def test_lmcache_tags_change_every_key_and_the_same_tags_share_them() -> None:
     assert [k.key.hex() for k in keyer().chunk_keys(tokens, tags=())] == UNSALTED_KEYS
     # Any string encodes, a lone surrogate from a client's JSON included.
     assert keyer().chunk_keys(tokens, tags=[("t", "\ud800")]) != tenant_a
+
+
+def test_another_image_changes_every_key_from_its_chunk_on_and_none_before() -> None:
+    """Two prompts of the same tokens (an image's placeholders are the same for every image)
+    and different images share the chunks before the image and none from the image's chunk on;
+    the same image in the same place makes the same keys (the control)."""
+    tokens = list(range(14))  # chunks 0-4, 4-8, 8-12, 12-14; the image fills 5-7
+    red = keyer().chunk_keys(tokens, mm=((5, 3, "red"),))
+    blue = keyer().chunk_keys(tokens, mm=((5, 3, "blue"),))
+    text = keyer().chunk_keys(tokens)
+    assert [a.key == b.key for a, b in zip(red, blue, strict=True)] == [True, False, False, False]
+    assert [a.key == b.key for a, b in zip(red, text, strict=True)] == [True, False, False, False]
+    assert keyer().chunk_keys(tokens, mm=((5, 3, "red"),)) == red
+    assert [k.key.hex() for k in keyer().chunk_keys(tokens[:10], mm=())] == UNSALTED_KEYS
+
+
+@pytest.mark.parametrize(
+    "other",
+    [((7, 4, "red"),), ((6, 3, "red"),), ((6, 4, "red"), (10, 1, "red")), ((6, 4, "r"),)],
+    ids=["moved", "shorter", "another_item", "another_identifier"],
+)
+def test_an_image_counts_by_its_place_its_length_and_its_hash(other: tuple) -> None:
+    """An image that spans two chunks is part of both keys, by its offset from each chunk's
+    start (negative in the second), its length and its identifier: any of them changed changes
+    the second chunk's key; the chunk before the image keeps its key."""
+    tokens = list(range(12))  # chunks 0-4, 4-8, 8-12; the image fills 6-9
+    red = keyer().chunk_keys(tokens, mm=((6, 4, "red"),))
+    changed = keyer().chunk_keys(tokens, mm=other)
+    assert red[0].key == changed[0].key
+    assert red[2].key != changed[2].key
+    # the control: a chunk's key names its own items, not those of the chunks after it
+    assert (red[1].key == changed[1].key) == (other[0] == (6, 4, "red"))

@@ -97,6 +97,16 @@ def test_a_salted_prefix_is_held_for_its_salt_only() -> None:
     assert blocks.held_tokens(prefix_keys(PROMPT, BLOCK, salt="tenant-b")) == 0
 
 
+def test_an_adapters_prefix_is_held_for_that_adapter_only() -> None:
+    """vLLM 0.32 publishes a LoRA request's blocks with the adapter's name first among every
+    block's extra keys, then the cache_salt on the first (``to_event_extra_keys``)."""
+    blocks = index_of(stored([11, 12], None, PROMPT[:8], extra=[("tuned", "s"), ("tuned",)]))
+    assert blocks.held_tokens(prefix_keys(PROMPT, BLOCK, salt="s", lora="tuned")) == 8
+    assert blocks.held_tokens(prefix_keys(PROMPT, BLOCK, salt="s")) == 0  # the base model's
+    assert blocks.held_tokens(prefix_keys(PROMPT, BLOCK, salt="s", lora="other")) == 0
+    assert blocks.held_tokens(prefix_keys(PROMPT, BLOCK, lora="tuned")) == 0  # unsalted
+
+
 def test_a_block_whose_parent_was_never_seen_is_not_indexed() -> None:
     blocks = index_of(stored([13], 12, PROMPT[8:12]))
     assert len(blocks) == 0 and blocks.orphans == 1

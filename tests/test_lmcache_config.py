@@ -10,8 +10,15 @@ from typing import Any
 import pytest
 import yaml
 
+from lmcache_pd.config import load_config
 from lmcache_pd.errors import ConfigError
-from lmcache_pd.lmcache_config import CONFIG_FILE_ENV, configured, load_lmcache_config
+from lmcache_pd.lmcache_config import (
+    CLAIM_TIMEOUT_S,
+    CONFIG_FILE_ENV,
+    LANDED_WAIT_S,
+    configured,
+    load_lmcache_config,
+)
 
 # LMCache's disagg_prefill examples (xpyd, TP 2 decode), today's keys.
 RECEIVER = {
@@ -68,6 +75,54 @@ def test_a_sender_maps_onto_our_producer_and_warms_its_configured_peer(tmp_path:
     )
     peered = SENDER | {"pd_peer_host": "h", "pd_peer_init_port": 1, "pd_peer_alloc_port": 2}
     assert from_file(tmp_path, peered, "kv_producer").warm_peers == ["h:1:2"]
+
+
+def test_a_senders_proxy_is_sent_notices_tagged_for_its_generation(tmp_path: Path) -> None:
+    """Today's ``pd_proxy_*`` and the xpyd era's ``nixl_proxy_*``, each proxy decoding its own
+    generation's message; a sender without a proxy sends none."""
+    config = from_file(tmp_path, SENDER, "kv_producer")
+    assert (config.lmcache_proxy_host, config.lmcache_proxy_port) == ("127.0.0.1", 7500)
+    assert config.lmcache_proxy_tag == "ProxyNotif"
+    xpyd = {
+        "enable_nixl": True,  # the xpyd era's files set both flags
+        "enable_xpyd": True,
+        "nixl_role": "sender",
+        "nixl_proxy_host": "localhost",
+        "nixl_proxy_port": 7500,
+        "nixl_buffer_size": 1073741824,
+        "nixl_buffer_device": "cpu",
+    }
+    config = from_file(tmp_path, xpyd, "kv_producer")
+    assert (config.lmcache_proxy_host, config.lmcache_proxy_port) == ("localhost", 7500)
+    assert config.lmcache_proxy_tag == "NixlProxyNotif"
+    quiet = {k: v for k, v in SENDER.items() if not k.startswith("pd_proxy")}
+    assert from_file(tmp_path, quiet, "kv_producer").lmcache_proxy_host is None
+
+
+def test_a_sender_with_a_peer_pushes_there_requests_that_name_no_consumer(
+    tmp_path: Path,
+) -> None:
+    """The 1p1d shape: the configured peer is connected ahead and is where a request without a
+    ``disagg_spec`` goes; without a peer, such a request goes nowhere."""
+    peered = SENDER | {
+        "pd_peer_host": "10.0.0.7",
+        "pd_peer_init_port": [7300, 7301],
+        "pd_peer_alloc_port": "7400,7401",
+    }
+    config = from_file(tmp_path, peered, "kv_producer")
+    assert config.default_peer == "10.0.0.7:7300,7301:7400,7401" == config.warm_peers[0]
+    assert from_file(tmp_path, SENDER, "kv_producer").default_peer is None
+
+
+def test_a_receiver_waits_for_chunks_of_requests_with_no_transfer_parameters(
+    tmp_path: Path,
+) -> None:
+    """Their proxy sends decode the prompt and first token bare, once prefill said the KV
+    landed: a request waits briefly for its chunks to show, and unclaimed pushes are the rule
+    (held a short while). Our own configuration waits for nothing (the control)."""
+    config = from_file(tmp_path, RECEIVER, "kv_consumer")
+    assert (config.landed_wait_s, config.claim_timeout_s) == (LANDED_WAIT_S, CLAIM_TIMEOUT_S)
+    assert load_config(None, environ={}, kv_role="kv_consumer").landed_wait_s == 0
 
 
 @pytest.mark.parametrize(
@@ -165,6 +220,13 @@ def test_priority_limit_maps_and_save_decode_cache_true_is_named_unsupported(
         ({"pd_peer_init_port": "7300,x"}, "kv_consumer", "pd_peer_init_port"),
         ({"enable_pd": False}, "kv_consumer", "enable_pd"),
         ({"transfer_channel": "mooncake"}, "kv_consumer", "transfer_channel"),
+        ({"pd_role": "sender", "pd_proxy_host": "p"}, "kv_producer", "pd_proxy_port"),
+        ({"pd_role": "sender", "pd_proxy_port": 7500}, "kv_producer", "pd_proxy_host"),
+        (
+            {"pd_role": "sender", "pd_proxy_host": "p", "pd_proxy_port": "1,2"},
+            "kv_producer",
+            "pd_proxy_port",
+        ),
     ],
 )
 def test_a_mixed_conflicting_or_incomplete_configuration_fails_naming_the_key(
@@ -197,9 +259,15 @@ def test_the_name_lmcache_users_give_vllm_is_our_connector_reading_their_config(
             kv_connector=name,
             kv_role="kv_consumer",
             kv_connector_extra_config={},
+            kv_load_failure_policy="fail",  # vLLM's default, which their launchers leave
             get_from_extra_config=lambda key, default: default,
         )
         return SimpleNamespace(kv_transfer_config=transfer)
 
-    assert connector_config(vllm_config("LMCacheConnectorV1")).init_port == [7300, 7301]
-    assert connector_config(vllm_config("LMCachePDConnector")).init_port == 55555
+    theirs, ours = vllm_config("LMCacheConnectorV1"), vllm_config("LMCachePDConnector")
+    assert connector_config(theirs).init_port == [7300, 7301]
+    assert connector_config(ours).init_port == 55555
+    # Under their name decode computes what it cannot load, as LMCache's connector does (and
+    # loads landed chunks, which it does only under that policy); under ours, vLLM's is kept.
+    assert theirs.kv_transfer_config.kv_load_failure_policy == "recompute"
+    assert ours.kv_transfer_config.kv_load_failure_policy == "fail"

@@ -299,9 +299,10 @@ def test_eos_as_first_token_ends_the_answer_without_decode(stacks, stream) -> No
 
 
 def test_every_name_the_instances_serve_is_served_and_no_other(stacks) -> None:
-    """An adapter the instances list (``--lora-modules``) is served, disaggregated, placed by
-    load; a name nobody serves gets vLLM's 404 at the door, with no instance asked to compute;
-    one loaded at run time through the proxy reaches every instance and is served at once."""
+    """An adapter the instances list (``--lora-modules``) is served, disaggregated (placed by
+    its own prefix cache: ``test_kv_index.py``); a name nobody serves gets vLLM's 404 at the
+    door, with no instance asked to compute; one loaded at run time through the proxy reaches
+    every instance and is served at once."""
     prefill, decode = (Standin(StandinState(adapters=["tuned"])) for _ in range(2))
     stack = stacks(prefill=[prefill], decode=[decode])
     answer = stack.client.completions.create(model="tuned", prompt=[1, 2, 3], max_tokens=3)

@@ -33,10 +33,12 @@ VLLM_MODULES = frozenset(
         "test_fleet_bench",
         "test_kv_routing",
         "test_launcher",
+        "test_lmcache_proxy_vllm",
         "test_lora_vllm",
         "test_nixl_baseline",
         "test_proxy_vllm",
         "test_ray_cluster",
+        "test_vision_vllm",
     }
 )
 

@@ -63,6 +63,9 @@ class CounterTrack:
         self.snapshot()
 
     def snapshot(self) -> None:
+        # An instance no longer served (a pool scaled down) has no gauges to read.
+        for name in set(self.gauges) - set(self.launcher.servers):
+            del self.gauges[name]
         for name in self.launcher.servers:
             now = read_counters(self.launcher, name, self.source)
             if now is None:

@@ -35,8 +35,15 @@ by reason and prefill retries, and the seconds from the event until the instance
 
 Goals: failed 0, wrong 0, pages left 0 for every event.
 
+``--engine ray`` runs the same load and judging through the Ray engine's deployment
+(``engine: ray``: the pools as actors, ``ray_serve.py``) on a one-node Ray cluster the benchmark
+starts and stops itself, 1P2D, with the Ray events of ``ray_events.py``: a decode actor
+SIGKILLed mid-stream, and ``lmcache-pd scale decode 1`` while the leaving decode streams
+(``benchmarks/results/fleet-ray.json``, ``fleet-ray.md``).
+
 Reproduce::
 
     .venv/bin/python -m benchmarks.fleet                      # 2P2D, every event (~25 min)
     .venv/bin/python -m benchmarks.fleet --short              # 1P2D, two events (~4 min)
+    .venv/bin/python -m benchmarks.fleet --engine ray         # 1P2D on Ray, two events (~6 min)
 """

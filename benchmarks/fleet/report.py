@@ -19,6 +19,22 @@ from benchmarks.fleet.events import Phase
 # The proxy's line for each answer that went on on another decode (proxy/migration.py).
 MIGRATED_LINE = re.compile(r"req (pd-[0-9a-f]+): going on on (\S+),")
 REFUSED_LINE = re.compile(r"req (pd-[0-9a-f]+): its answer cannot go on on another decode")
+# Notes of an event that the Markdown lists under the table, in this order.
+NOTED = (
+    "instance",
+    "signal",
+    "in_flight_at_event",
+    "in_flight_with_tokens",
+    "running_at_scale",
+    "routing_stopped_s",
+    "scale_s",
+    "scale_exit",
+    "decode_after",
+    "old_server_left",
+    "victim",
+    "back",
+    "cut_short",
+)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -164,10 +180,19 @@ def markdown(records: list[dict[str, Any]], layout: str) -> str:
         "Goals: failed 0, wrong 0 (tokens equal to one plain vLLM's, logprobs within "
         "1e-4), pages left on decode 0.",
     ]
+    noted = [(r["event"], _noted(r["notes"])) for r in records]
+    if any(text for _, text in noted):
+        lines += ["", "What each event struck and saw:"]
+        lines += [f"- {event}: {text}" for event, text in noted if text]
     for r in records:
         if r["failures"]:
             lines += ["", f"{r['event']} failures:", *(f"- {f}" for f in r["failures"])]
     return "\n".join(lines) + "\n"
+
+
+def _noted(notes: dict[str, Any]) -> str:
+    """The notes worth a line under the table (what was struck, when, what came of it)."""
+    return ", ".join(f"{key} {notes[key]}" for key in NOTED if notes.get(key) not in (None, ""))
 
 
 def _labels(counts: dict[str, int]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ from benchmarks.chaos.counters import CounterTrack, refresh_gauges
 from benchmarks.chaos.judge import Answer, Prompt, random_tokens
 from benchmarks.chaos.load import Stream
 from benchmarks.chaos.report import LogWatch
-from benchmarks.fleet.events import EVENTS, Phase
+from benchmarks.fleet.events import EVENTS, Event, Phase
 from benchmarks.fleet.report import phase_record
 from benchmarks.fleet.serve import Serve
 
@@ -98,8 +99,9 @@ def run_phase(
     prompts: list[Prompt],
     references: dict[str, Answer],
     load: Load,
+    events: Mapping[str, Event] = EVENTS,
 ) -> dict[str, Any]:
-    """``event`` under the load, and its record."""
+    """``event`` (of ``events``) under the load, and its record."""
     assert serve.proxy is not None
     before = proxy_counters(serve.url)
     counters = CounterTrack(serve, "metrics")  # type: ignore[arg-type]  # reads .servers[*].url
@@ -108,7 +110,7 @@ def run_phase(
     phase = Phase(serve, stream)
     began = time.monotonic()
     try:
-        _stream_through(event, phase, load)
+        _stream_through(events[event], phase, load)
     finally:
         stream.close()
     stopped = stream.now()
@@ -122,7 +124,7 @@ def run_phase(
     return record
 
 
-def _stream_through(event: str, phase: Phase, load: Load) -> None:
+def _stream_through(event: Event, phase: Phase, load: Load) -> None:
     """Start the load, strike the event after ``LEAD_S``, and stop the load once it sent its
     ``requests``, ``tail`` of them after the deployment was whole again, and one of those
     succeeded (or ``RECOVERY_WAIT_S`` passed); at most ``max_phase_s``."""
@@ -131,7 +133,7 @@ def _stream_through(event: str, phase: Phase, load: Load) -> None:
     try:
         while stream.now() < LEAD_S or len(stream.sent()) < 2:
             time.sleep(0.05)
-        EVENTS[event](phase)
+        event(phase)
         assert phase.back is not None
         while stream.now() < load.max_phase_s:
             after = stream.sent(since=phase.back)

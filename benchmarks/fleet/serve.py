@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import msgspec
 import yaml
 
 from benchmarks.chaos.pools import pools_file, proxy_url
+from lmcache_pd.deploy.pools import RaySpec
 from lmcache_pd.proxy.config import ProxyConfig, load_proxy_config
 
 logger = logging.getLogger(__name__)
@@ -55,10 +57,22 @@ class Serve:
     ``drain_timeout_s`` as given), its output in ``workdir/serve.log``; a context manager that
     stops it, and every instance with it, on exit."""
 
-    def __init__(self, pools_path: str, workdir: Path, drain_timeout_s: float) -> None:
+    def __init__(
+        self,
+        pools_path: str,
+        workdir: Path,
+        drain_timeout_s: float,
+        *,
+        ray: RaySpec | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """``ray``: serve the pools as actors on that Ray cluster (``engine: ray``) rather than
+        as serve's children; ``env``: more of serve's environment (Ray's token)."""
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         pools = msgspec.structs.replace(pools_file(pools_path), drain_timeout_s=drain_timeout_s)
+        if ray is not None:
+            pools = msgspec.structs.replace(pools, engine="ray", ray=ray)
         self.pools = pools
         self.pools_path = workdir / "fleet-pools.yaml"
         self.pools_path.write_text(yaml.safe_dump(msgspec.to_builtins(pools)))
@@ -71,7 +85,7 @@ class Serve:
             stderr=subprocess.STDOUT,
             # A group of its own (its instances make theirs), in this session: see VLLMServer.
             process_group=0,
-            env=os.environ | {"COLUMNS": LOG_COLUMNS},
+            env=os.environ | dict(env or {}) | {"COLUMNS": LOG_COLUMNS},
         )
         self.proxy: ProxyConfig | None = None
         self.servers: dict[str, Member] = {}

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from prometheus_client.registry import Collector
 from rich.console import Console
 from rich.table import Table
 
@@ -37,6 +38,7 @@ from lmcache_pd.deploy.vllm_server import (
 
 if TYPE_CHECKING:
     from lmcache_pd.deploy.ray_pools import RayPools
+    from lmcache_pd.deploy.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +94,13 @@ def serve(
     with terminate_on_sigterm(), engine:
         proxy = engine.start()
         stack = contextlib.ExitStack()
+        collectors: list[Collector] = []
         if isinstance(engine, PoolLauncher):
-            stack.enter_context(supervised(engine, workdir))
+            collectors.append(stack.enter_context(supervised(engine, workdir)).collector())
         with stack:
             run_proxy(
                 proxy,
+                collectors=collectors,
                 ready=lambda url: console.print(
                     f"[bold green]serving {settings.model} at {url}/v1[/bold green] "
                     f"({len(proxy.prefill)} prefill, {len(proxy.decode)} decode; {where}); "
@@ -107,9 +111,10 @@ def serve(
 
 
 @contextlib.contextmanager
-def supervised(launcher: PoolLauncher, workdir: Path) -> Iterator[None]:
+def supervised(launcher: PoolLauncher, workdir: Path) -> Iterator[Supervisor]:
     """Instances that die are started again, and ``lmcache-pd restart`` rolls them through the
-    control socket, while the block runs (``supervisor.py``, ``control.py``)."""
+    control socket, while the block runs (``supervisor.py``, ``control.py``); yields the
+    supervisor (its counts go on the proxy's ``/metrics``)."""
     supervisor = launcher.supervise()
     per_instance_s = (
         launcher.pools.drain_timeout_s + DRAIN_EXIT_MARGIN_S + START_TIMEOUT_S + WARM_UP_TIMEOUT_S
@@ -127,10 +132,10 @@ def supervised(launcher: PoolLauncher, workdir: Path) -> Iterator[None]:
             workdir,
             exc,
         )
-        yield
+        yield supervisor
         return
     try:
-        yield
+        yield supervisor
     finally:
         control.close()
 

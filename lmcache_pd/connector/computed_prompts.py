@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lmcache_pd.connector.metadata import KeepRequest
+from lmcache_pd.keys import MMItems
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -30,6 +31,7 @@ class _Computing:
     cache_salt: str | None
     lora: str | None
     tags: tuple[tuple[str, str], ...] = ()
+    mm: MMItems = ()
     start: int = -1  # where its first chunk decode computes begins (-1: not scheduled yet)
     blocks: list[int] = field(default_factory=list)
 
@@ -49,12 +51,13 @@ class ComputedPrompts:
         cache_salt: str | None,
         lora: str | None = None,
         tags: tuple[tuple[str, str], ...] = (),
+        mm: MMItems = (),
     ) -> None:
         """Decode serves ``req_id`` alone: keep its prompt's chunks once computed (under keys
-        of its salt, LoRA adapter and LMCache tags). A prompt shorter than a chunk has none to
-        keep."""
+        of its salt, LoRA adapter, LMCache tags and images). A prompt shorter than a chunk has
+        none to keep."""
         if len(prompt) >= self._chunk_size:
-            self._computing.setdefault(req_id, _Computing(prompt, cache_salt, lora, tags))
+            self._computing.setdefault(req_id, _Computing(prompt, cache_salt, lora, tags, mm))
 
     def forget(self, req_id: str) -> None:
         self._computing.pop(req_id, None)
@@ -100,6 +103,7 @@ class ComputedPrompts:
                         computing.cache_salt,
                         computing.lora,
                         computing.tags,
+                        computing.mm,
                     )
                 )
         return keeps

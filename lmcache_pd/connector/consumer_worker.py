@@ -211,7 +211,11 @@ class ConsumerWorker(WorkerHalf):
                     *(
                         held_tail(
                             keyer.chunk_keys(
-                                load.prompt, salt=load.cache_salt, lora=load.lora, tags=load.tags
+                                load.prompt,
+                                salt=load.cache_salt,
+                                lora=load.lora,
+                                tags=load.tags,
+                                mm=load.mm,
                             ),
                             load.held,
                             cache,
@@ -300,7 +304,7 @@ class ConsumerWorker(WorkerHalf):
         chunks = [
             chunk
             for chunk in keyer.chunk_keys(
-                keep.prompt, salt=keep.cache_salt, lora=keep.lora, tags=keep.tags
+                keep.prompt, salt=keep.cache_salt, lora=keep.lora, tags=keep.tags, mm=keep.mm
             )
             if chunk.start >= keep.start
         ]

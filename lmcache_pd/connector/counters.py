@@ -61,6 +61,16 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "consumer's cache.",
         "held_prefix_lost": "Requests whose prefix the proxy saw decode's cache hold (prefill "
         "did not push it) but that decode no longer held when it scheduled them: recomputed.",
+        # LMCache's proxy protocol (lmcache_proxy.py).
+        "proxy_notices": "ProxyNotif messages queued for LMCache's proxy: one per decode rank "
+        "per request, once the request's pushes to that rank are done.",
+        "proxy_notices_unlanded": "Of those, notices sent after a push of the request to that "
+        "rank failed or was given up (its decode computes what did not land).",
+        "proxy_notices_dropped": "ProxyNotif messages ZMQ could not queue (LMCache's proxy "
+        "not reading them): that request waits at LMCache's proxy.",
+        "landed_waits": "Requests with no transfer parameters (from LMCache's proxy) that "
+        "waited, at most landed_wait_s from their arrival, for their prompt's chunks to show "
+        "landed.",
         # Handshakes, by the transports they settled on (transport.py).
         "peers_local_transport": "Handshakes with a consumer on this network stack (ucx_tls).",
         "peers_remote_transport": "Handshakes with a consumer on another host or namespace "

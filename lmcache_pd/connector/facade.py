@@ -90,7 +90,19 @@ def connector_config(vllm_config: VllmConfig) -> PDConfig:
             f"LMCachePDConnector needs kv_role kv_producer or kv_consumer, got {role}"
         )
     if transfer.kv_connector == LMCACHE_CONNECTOR:
-        return load_lmcache_config(transfer.kv_connector_extra_config or {}, role)
+        config = load_lmcache_config(transfer.kv_connector_extra_config or {}, role)
+        if role == "kv_consumer" and transfer.kv_load_failure_policy != "recompute":
+            # LMCache's connector computes what it cannot load, and their launchers leave
+            # vLLM's policy at its default (fail): under that default decode would load no
+            # landed chunks for the requests their proxy sends it bare. vLLM's scheduler reads
+            # the policy after making this connector.
+            logger.warning(
+                "%s: kv_load_failure_policy %r set to recompute, as LMCache's connector does",
+                LMCACHE_CONNECTOR,
+                transfer.kv_load_failure_policy,
+            )
+            transfer.kv_load_failure_policy = "recompute"
+        return config
     path = transfer.get_from_extra_config("config_path", None) or os.environ.get(CONFIG_PATH_ENV)
     return load_config(path, kv_role=role)
 
@@ -263,7 +275,11 @@ class LMCachePDConnector(KVConnectorBase_V1):
                 vllm_config.kv_transfer_config.kv_load_failure_policy
             )
             self._scheduler = (
-                ProducerScheduler(self._stats.add, load_keys(self._config.secret_file, side))
+                ProducerScheduler(
+                    self._stats.add,
+                    load_keys(self._config.secret_file, side),
+                    self._config.default_peer,
+                )
                 if producer
                 else ConsumerScheduler(
                     self._stats.add,
@@ -284,6 +300,7 @@ class LMCachePDConnector(KVConnectorBase_V1):
                     else None,
                     block_size=vllm_config.cache_config.block_size,
                     priority_limit=self._config.priority_limit,
+                    landed_wait_s=self._config.landed_wait_s,
                 )
             )
         else:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from lmcache_pd.keys import ChunkKey, ChunkKeyer
+from lmcache_pd.keys import ChunkKey, ChunkKeyer, MMItems
 from lmcache_pd.transfer.landed_keys import KeysReader
 
 
@@ -63,8 +63,9 @@ class LandedChunks:
         salt: str | None,
         computed: int,
         lora: str | None = None,
+        mm: MMItems = (),
     ) -> int:
-        """Where the run of ``tokens``' chunks (keyed with ``salt`` and ``lora``) landed on
+        """Where the run of ``tokens``' chunks (keyed with ``salt``, ``lora`` and ``mm``) landed on
         every rank ends, from the chunk that holds token ``computed`` on (``computed`` itself if
         that chunk has not landed, or the prompt ends there). ``request_id``'s chunk keys are
         those of its first call, until ``forget``."""
@@ -77,7 +78,8 @@ class LandedChunks:
         per_rank = self._keys.get(request_id)
         if per_rank is None:
             per_rank = self._keys[request_id] = [
-                keyer.chunk_keys(tokens, salt=salt or None, lora=lora) for keyer in self.keyers
+                keyer.chunk_keys(tokens, salt=salt or None, lora=lora, mm=mm)
+                for keyer in self.keyers
             ]
         end = self._run_end(per_rank, computed)
         self._runs[request_id] = (self.version, computed, end)

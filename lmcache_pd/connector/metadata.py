@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lmcache_pd.keys import MMItems
 from lmcache_pd.protocol import DisaggSpec
 
 
@@ -22,7 +23,7 @@ class SaveRequest:
     ``replace_blocks``, after a preemption). ``prompt`` is set on the request's first save only.
     ``cache_salt`` and ``lora`` (its LoRA adapter's name): the request's (vLLM's
     ``Request.cache_salt``, ``Request.lora_request``), part of its chunk keys; ``tags`` (its
-    LMCache tags, ``KVTransferParams.tags``) too."""
+    LMCache tags, ``KVTransferParams.tags``) and ``mm`` (its images, ``keys.MMItems``) too."""
 
     req_id: str
     spec: DisaggSpec
@@ -33,6 +34,7 @@ class SaveRequest:
     cache_salt: str | None = None
     lora: str | None = None
     tags: tuple[tuple[str, str], ...] = ()
+    mm: MMItems = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +47,8 @@ class LoadRequest:
     before this step's forward pass, which computes its last token (vLLM's synchronous load),
     instead of in a step of its own. ``cache_salt``: the request's, part of its chunk keys, so
     that it never loads a chunk pushed for a request of another salt; ``lora`` alike, for
-    another adapter or the base model, and ``tags``, for other LMCache tags. ``local``: decode
+    another adapter or the base model, ``tags``, for other LMCache tags, and ``mm``, for
+    other images in the same places. ``local``: decode
     serves the request alone and loads ``prompt`` (its tokens up to the end of the chunks it found
     landed) from chunks pushed for earlier requests, held under ``disagg_req_id`` for the load.
     ``held``: the leading tokens the DisaggSpec told prefill decode holds (its ``decode_holds``):
@@ -62,6 +65,7 @@ class LoadRequest:
     held: int = 0
     lora: str | None = None
     tags: tuple[tuple[str, str], ...] = ()
+    mm: MMItems = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +73,8 @@ class KeepRequest:
     """Consumer: decode computed the KV of ``prompt`` (whole chunks, from ``start``, a chunk
     boundary) into ``block_ids`` for a request it serves alone; copy those chunks into its
     consumer's cache, beside the chunks pushed to it, so that a later request continuing the
-    prompt loads them once vLLM has evicted the blocks (``landed_chunks.py``)."""
+    prompt loads them once vLLM has evicted the blocks (``landed_chunks.py``). ``cache_salt``,
+    ``lora``, ``tags`` and ``mm``: the request's, part of its chunk keys."""
 
     req_id: str
     prompt: list[int]
@@ -78,6 +83,7 @@ class KeepRequest:
     cache_salt: str | None = None
     lora: str | None = None
     tags: tuple[tuple[str, str], ...] = ()
+    mm: MMItems = ()
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from lmcache_pd.connector.metadata import (
 )
 from lmcache_pd.errors import ProtocolError
 from lmcache_pd.first_token import FirstTokenNotice, NoticeSender
+from lmcache_pd.keys import MMItems
+from lmcache_pd.peers import peer_spec
 from lmcache_pd.protocol import NOTICE_KEY, DisaggSpec, KVTransferParams, KVTransferReturn
 from lmcache_pd.transfer import landed_board
 
@@ -45,10 +48,23 @@ logger = logging.getLogger(__name__)
 
 
 def lora_name(request: Request) -> str | None:
-    """The request's LoRA adapter's name (None: the base model): part of its chunk keys, as it
-    is of vLLM's own prefix-cache keys."""
+    """The request's LoRA adapter, its name and the path it was loaded from (None: the base
+    model): part of its chunk keys, as both are of vLLM's own prefix-cache keys, so that a name
+    pointed at other weights on one instance than on another never shares KV (prefill and
+    decode load an adapter from the same path, or decode recomputes)."""
     lora = getattr(request, "lora_request", None)
-    return None if lora is None else lora.lora_name
+    return None if lora is None else f"{lora.lora_name}\0{lora.lora_path}"
+
+
+def mm_items(request: Request) -> MMItems:
+    """The request's multimodal items (images) at their placeholder positions, by vLLM's hash of
+    each (``MultiModalFeatureSpec.identifier``): part of its chunk keys, as they are of vLLM's
+    own prefix-cache keys. Prefill and decode hash an image alike when they serve the model
+    under the same name."""
+    features = getattr(request, "mm_features", None) or ()
+    return tuple(
+        sorted((f.mm_position.offset, f.mm_position.length, f.identifier) for f in features)
+    )
 
 
 class ParamsDoor:
@@ -103,7 +119,10 @@ class SchedulerHalf:
     """What the facade asks of a scheduler-side half; a role does what its half needs and
     inherits "nothing to do" for the rest."""
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed: int
+    ) -> tuple[int | None, bool]:
+        """None: ask again next step (the request is not scheduled meanwhile)."""
         return 0, False
 
     def update_state_after_alloc(
@@ -144,6 +163,7 @@ class _Push:
     cache_salt: str | None  # the request's, part of its chunk keys
     lora: str | None  # its LoRA adapter's name, part of its chunk keys too
     tags: tuple[tuple[str, str], ...] = ()  # its LMCache tags, part of its chunk keys too
+    mm: MMItems = ()  # its images at their positions, part of its chunk keys too
     announced: bool = False  # the worker has had the prompt
 
 
@@ -151,11 +171,16 @@ class ProducerScheduler(SchedulerHalf):
     """Tracks requests with a DisaggSpec and tells the worker how far their prefill got."""
 
     def __init__(
-        self, count: Callable[[str], None] = lambda _: None, keys: DeploymentKeys | None = None
+        self,
+        count: Callable[[str], None] = lambda _: None,
+        keys: DeploymentKeys | None = None,
+        default_peer: str | None = None,
     ) -> None:
         """``count`` takes the name of a counter to bump (``StatsRecorder.add``); ``keys``
-        authenticate first-token notices to the proxy (``auth.py``)."""
+        authenticate first-token notices to the proxy (``auth.py``); ``default_peer``: where a
+        request that names no DisaggSpec is pushed (``PDConfig.default_peer``; None: nowhere)."""
         self._door = ParamsDoor(count)
+        self._default_peer = default_peer
         self._pushes: dict[str, _Push] = {}
         # Ended since the last step's metadata (vLLM calls request_finished before it lists the
         # request in a step's finished_req_ids): the worker forgets them, or tells their
@@ -169,20 +194,38 @@ class ProducerScheduler(SchedulerHalf):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        if request.request_id in self._pushes:
+            return
         params = self._door.of(request)
-        if params.disagg_spec is None or request.request_id in self._pushes:
+        spec = params.disagg_spec or self._to_default_peer(request)
+        if spec is None:
             return
         if params.first_tok_to is not None and not self._notices.connect(params.first_tok_to):
             params = self._door.refuse_notices(request, f"ZMQ refuses {NOTICE_KEY}")
         self._pushes[request.request_id] = _Push(
-            params.disagg_spec,
+            spec,
             list(request.prompt_token_ids or []),
             params.ret_first_tok,
             params.first_tok_to,
             request.cache_salt,
             lora_name(request),
             params.tags,
+            mm_items(request),
         )
+
+    def _to_default_peer(self, request: Request) -> DisaggSpec | None:
+        """LMCache's 1p1d shape: a request that names no consumer is pushed to the configured
+        peer, under a req_id of our own (its proxy names none); None without a peer."""
+        if self._default_peer is None:
+            return None
+        spec = peer_spec(self._default_peer, f"peer-{secrets.token_hex(8)}")
+        logger.debug(
+            "req %s: no disagg_spec, pushed to %s as %s",
+            request.request_id,
+            self._default_peer,
+            spec.req_id,
+        )
+        return spec
 
     def build_connector_meta(self, output: SchedulerOutput) -> PDConnectorMetadata:
         meta = PDConnectorMetadata(finished=self._ended, aborted=self._aborted)
@@ -258,6 +301,7 @@ class ProducerScheduler(SchedulerHalf):
             cache_salt=push.cache_salt,
             lora=push.lora,
             tags=push.tags,
+            mm=push.mm,
         )
 
 
@@ -279,6 +323,7 @@ class ConsumerScheduler(SchedulerHalf):
         computed: ComputedPrompts | None = None,
         block_size: int | None = None,
         priority_limit: int | None = None,
+        landed_wait_s: float = 0.0,
     ) -> None:
         """``count`` takes the name of a counter to bump (``StatsRecorder.add``); ``boards``:
         each consumer rank's ``landed_board``, on every one of which a request's chunks must
@@ -293,7 +338,9 @@ class ConsumerScheduler(SchedulerHalf):
         chunks the worker keeps in the consumer's cache once computed (None: it does not);
         ``block_size``: vLLM's, where a hold that ends inside a chunk may end on a block (None:
         a hold counts in whole chunks); ``priority_limit``: requests of a priority above it keep
-        nothing in the consumer's cache (``_keeps``; None: no limit)."""
+        nothing in the consumer's cache (``_keeps``; None: no limit); ``landed_wait_s``: how
+        long a request that names no transfer parameters waits for its prompt's chunks to show
+        landed (``_awaits_landing``; 0: not at all)."""
         self._count = count
         self._door = ParamsDoor(count)
         self._chunk_size = chunk_size
@@ -328,6 +375,8 @@ class ConsumerScheduler(SchedulerHalf):
         self._local: dict[str, int] = {}
         # Names of local loads' holds on the consumers: unique across this scheduler's life.
         self._local_ids = (f"local-{secrets.token_hex(4)}-{n}" for n in itertools.count())
+        self._landed_wait_s = landed_wait_s
+        self._waited: set[str] = set()  # requests counted in landed_waits
 
     def take_events(self) -> list[KVCacheEvent]:
         return [] if self._landed is None else self._landed.take()
@@ -338,7 +387,9 @@ class ConsumerScheduler(SchedulerHalf):
         if self._landed is not None:
             self._landed.close()
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed: int
+    ) -> tuple[int | None, bool]:
         """All of the prompt past decode's own hit (``num_computed``, which vLLM ends on a block
         boundary) but its last token, computed here: the client's prompt's last (a request that
         names ``first_tok``: its whole prompt's KV was pushed, and the last token's is loaded
@@ -349,7 +400,8 @@ class ConsumerScheduler(SchedulerHalf):
         if request.request_id in self._loaded:
             return self._reload(request, num_computed), False
         if spec is None:
-            return self._local_hit(request, num_computed), False
+            hit = self._local_hit(request, num_computed)
+            return (None if self._awaits_landing(request, num_computed + hit) else hit), False
         external = len(request.prompt_token_ids or []) - 1 - num_computed
         if external <= 0:
             return 0, False
@@ -406,13 +458,35 @@ class ConsumerScheduler(SchedulerHalf):
             return 0
         prompt = list(request.prompt_token_ids or [])[:-1]  # its last token is computed here
         end = self._landed_chunks.landed_run(
-            request.request_id, prompt, request.cache_salt, num_computed, lora_name(request)
+            request.request_id,
+            prompt,
+            request.cache_salt,
+            num_computed,
+            lora_name(request),
+            mm_items(request),
         )
         if end <= num_computed:
             self._local.pop(request.request_id, None)
             return 0
         self._local[request.request_id] = end
         return end - num_computed
+
+    def _awaits_landing(self, request: Request, reached: int) -> bool:
+        """Whether a request that names no transfer parameters, its chunks landed up to token
+        ``reached`` of its prompt, waits (vLLM asks again next step) for the rest to show: until
+        ``landed_wait_s`` after it arrived. LMCache's proxy asks decode so once prefill said
+        the KV landed, and the keys board that shows it here lags a landing (up to
+        ``landed_keys.POST_INTERVAL_S``)."""
+        if self._landed_wait_s <= 0 or self._landed_chunks is None:
+            return False
+        if reached >= len(request.prompt_token_ids or []) - 1:
+            return False
+        if time.time() - getattr(request, "arrival_time", 0.0) >= self._landed_wait_s:
+            return False
+        if request.request_id not in self._waited:
+            self._waited.add(request.request_id)
+            self._count("landed_waits")
+        return True
 
     def _all_landed(self, spec: DisaggSpec, kv_tokens: int) -> bool:
         """Whether every rank posted every chunk the producer pushes of its prompt
@@ -443,6 +517,7 @@ class ConsumerScheduler(SchedulerHalf):
                     request.cache_salt,
                     lora_name(request),
                     params.tags,
+                    mm_items(request),
                 )
             return
         if request.request_id in self._loaded:
@@ -459,8 +534,9 @@ class ConsumerScheduler(SchedulerHalf):
         start = len(request.prompt_token_ids or []) - 1 - num_external_tokens
         if not keeps:
             self._uncached.add(spec.req_id)
-        elif self._landed is not None and lora_name(request) is None and not params.tags:
-            # Published under the proxy's keys, which know no adapter and no LMCache tag.
+        elif self._landed is not None and not self._keyed_past_the_proxy(request):
+            # Published under the proxy's keys, which know no adapter, no LMCache tag and no
+            # image.
             self._landed.learn(prompt, request.cache_salt)
         sync = self._sync.pop(request.request_id, False)
         block_ids = list(blocks.get_block_ids()[0])
@@ -476,8 +552,14 @@ class ConsumerScheduler(SchedulerHalf):
                 held=spec.decode_holds,
                 lora=lora_name(request),
                 tags=params.tags,
+                mm=mm_items(request),
             )
         )
+
+    def _keyed_past_the_proxy(self, request: Request) -> bool:
+        """Whether ``request``'s chunk keys hold what the proxy's block keys cannot (a LoRA
+        adapter, LMCache tags, images): its chunks are not published to the proxy."""
+        return bool(lora_name(request) or self._door.of(request).tags or mm_items(request))
 
     def _keeps(self, request: Request) -> bool:
         """Whether ``request``'s KV stays in the consumer's cache for later prompts: not if it
@@ -524,6 +606,7 @@ class ConsumerScheduler(SchedulerHalf):
                 local=True,
                 lora=lora_name(request),
                 tags=self._door.of(request).tags,
+                mm=mm_items(request),
             )
         )
         return True
@@ -540,7 +623,7 @@ class ConsumerScheduler(SchedulerHalf):
             meta.keeps = self._computed.keeps(output)
             if self._landed is not None:
                 for keep in meta.keeps:  # published once they land, under the proxy's keys
-                    if keep.lora is None and not keep.tags:  # which know no adapter nor tag
+                    if keep.lora is None and not keep.tags and not keep.mm:  # which know none
                         self._landed.learn(keep.prompt, keep.cache_salt)
         return meta
 
@@ -550,6 +633,7 @@ class ConsumerScheduler(SchedulerHalf):
         self._reloaded.pop(request.request_id, None)
         self._sync.pop(request.request_id, None)
         self._local.pop(request.request_id, None)
+        self._waited.discard(request.request_id)
         if self._landed_chunks is not None:
             self._landed_chunks.forget(request.request_id)
         if self._computed is not None:

@@ -6,7 +6,10 @@ the sender thread of the request's consumer pushes them (``sender.py``); the gat
 chunk's checksum in the same pass where the cache allows (``integrity.py``); from a GPU cache the
 copies are queued on the connector's own CUDA stream and the sender waits for them
 (``cuda_kv.py``). The chunk format follows the cache (``paged_kv.py``). A request that cannot
-be pushed (no staging room, prefill aborted) is abandoned: its consumer is told at once.
+be pushed (no staging room, prefill aborted) is abandoned: its consumer is told at once. With
+LMCache's proxy configured, once a request's prompt is computed, a notice job follows its pushes
+to each consumer rank: when they are done, LMCache's proxy is sent a ``ProxyNotif``
+(``lmcache_proxy.py``).
 Consumer: each step, pending loads whose chunks have all landed are scattered into their blocks
 and reported as received; a load whose KV was abandoned, not complete by its deadline, or with a
 chunk that fails its checksum, is reported as failed and vLLM recomputes the prompt.
@@ -15,6 +18,7 @@ Counters go to a ``StatsRecorder``: vLLM ships them to its own ``/metrics``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
+from lmcache_pd.auth import Role, load_keys
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.config import PDConfig, replace
 from lmcache_pd.connector.counters import StatsRecorder
@@ -34,13 +39,14 @@ from lmcache_pd.connector.metadata import (
 from lmcache_pd.errors import AllocationError, ProtocolError
 from lmcache_pd.kernels.paged_kv import COPIED, Copy, PagedKV, head_slice, recognise
 from lmcache_pd.keys import ChunkKey, ChunkKeyer, from_held
+from lmcache_pd.lmcache_proxy import ProxyNotifier
 from lmcache_pd.peers import parse_peer
 from lmcache_pd.protocol import AbandonReason
 from lmcache_pd.tp_parts import TPLayout, part_keyer, rank_heads, route
 from lmcache_pd.trace import TraceFile
 from lmcache_pd.transfer.producer import Producer
 from lmcache_pd.transfer.sender import SenderPool
-from lmcache_pd.transfer.sender_jobs import AbandonJob, Filling, PushJob, Saving
+from lmcache_pd.transfer.sender_jobs import AbandonJob, Filling, NoticeJob, PushJob, Saving
 from lmcache_pd.transfer.staging import Staging
 
 logger = logging.getLogger(__name__)
@@ -184,6 +190,15 @@ class ProducerWorker(WorkerHalf):
             [parse_peer(peer) for peer in config.warm_peers],
             config.thread_cpus,
         )
+        self._notices: ProxyNotifier | None = None
+        if config.lmcache_proxy_host is not None and config.lmcache_proxy_port is not None:
+            self._notices = ProxyNotifier(
+                config.lmcache_proxy_host,
+                config.lmcache_proxy_port,
+                config.lmcache_proxy_tag,
+                count=stats.add,
+                secret=load_keys(config.secret_file, Role.PRODUCER) is not None,
+            )
 
     def wait_for_save(self, meta: PDConnectorMetadata) -> None:
         """Runs on vLLM's model-runner thread: never raises, a request that cannot be pushed is
@@ -196,6 +211,8 @@ class ProducerWorker(WorkerHalf):
                 logger.exception("req %s: copying its KV out failed", save.spec.req_id)
                 for request, _ in self._saving.get(save.req_id, ()):
                     self._abandon(request, AbandonReason.PRODUCER_ERROR, "copy-out failed")
+                    if save.computed_end >= request.prompt_tokens:
+                        self._notice_after_pushes(request)
         for req_id in meta.aborted:
             for request, _ in self._saving.get(req_id, ()):
                 self._abandon(request, AbandonReason.REQUEST_ABORTED, "prefill ended early")
@@ -207,8 +224,11 @@ class ProducerWorker(WorkerHalf):
         return PushProgress(self._senders.outstanding)
 
     def close(self) -> None:
-        """Stop the senders (each closes its own NIXL agent) before anything is freed."""
+        """Stop the senders (each closes its own NIXL agent) before anything is freed, and
+        then the notices they send."""
         self._senders.close()
+        if self._notices is not None:
+            self._notices.close()
         self._cache.close()
 
     def _save(self, save: SaveRequest) -> None:
@@ -231,6 +251,8 @@ class ProducerWorker(WorkerHalf):
                 request.block_ids.extend(save.block_ids)
             if not request.abandoned.is_set():
                 self._push_ready(request, cache, save.computed_end)
+            if save.computed_end >= request.prompt_tokens:
+                self._notice_after_pushes(request)
 
     def _targets(self, save: SaveRequest, prompt: Sequence[int]) -> list[tuple[Saving, PagedKV]]:
         """Where this rank pushes the request's KV, and which of its heads: to the consumer
@@ -247,7 +269,7 @@ class ProducerWorker(WorkerHalf):
                 logger.error("req %s: not pushed by rank %d: %s", spec.req_id, self._rank, exc)
                 return []
             keys = self._keyer.chunk_keys(
-                prompt, salt=save.cache_salt, lora=save.lora, tags=save.tags
+                prompt, salt=save.cache_salt, lora=save.lora, tags=save.tags, mm=save.mm
             )
             return self._skipping([(Saving(rank_spec, keys, len(prompt)), self._cache)])
         try:
@@ -262,7 +284,7 @@ class ProducerWorker(WorkerHalf):
             Saving(
                 spec.for_rank(part.dest),
                 part_keyer(self._keyer, layout.kv_heads, part).chunk_keys(
-                    prompt, salt=save.cache_salt, lora=save.lora, tags=save.tags
+                    prompt, salt=save.cache_salt, lora=save.lora, tags=save.tags, mm=save.mm
                 ),
                 len(prompt),
             )
@@ -329,6 +351,30 @@ class ProducerWorker(WorkerHalf):
         # Checksums taken in the copy's pass; a cache that cannot has the producer take them.
         hashed = self._hashed and None not in digests
         filling.done([d for d in digests if d is not None] if hashed else None, copy)
+
+    def _notice_after_pushes(self, request: Saving) -> None:
+        """The prompt is computed and its last push queued (or the request given up): LMCache's
+        proxy, if there is one, hears of this consumer rank once those pushes are done."""
+        if self._notices is None or request.noticed:
+            return
+        request.noticed = True
+        self._senders.submit(NoticeJob(request, functools.partial(self._notify, request)))
+
+    def _notify(self, request: Saving, landed: bool) -> None:
+        """On the request's sender thread, its pushes to that rank done: a ``ProxyNotif``. Sent
+        also when they failed, so that LMCache's proxy, which waits for it with no deadline,
+        asks decode, which then computes what did not land."""
+        assert self._notices is not None
+        if not landed:
+            self._stats.add("proxy_notices_unlanded")
+            logger.warning(
+                "req %s: its KV did not all reach %s:%d; LMCache's proxy is told anyway, and "
+                "decode computes what is missing",
+                request.spec.req_id,
+                request.spec.receiver_host,
+                request.spec.receiver_init_port,
+            )
+        self._notices.send(request.spec.req_id)
 
     def _abandon(self, request: Saving, reason: AbandonReason, detail: str) -> None:
         """No more of this request is pushed; its sender tells the consumer (off this thread)."""

@@ -16,9 +16,12 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from lmcache_pd.deploy.vllm_server import VLLMServer
 from lmcache_pd.errors import PDError
@@ -86,13 +89,19 @@ class Supervisor:
         self._rolls: queue.Queue[_Roll] = queue.Queue()
         self._restarted_at: dict[str, deque[float]] = {}
         self._due: dict[str, float] = {}  # a dead instance -> when to start it again
-        self._left_down: set[str] = set()
-        # Restarts after a death, per instance (not those asked for).
+        self.left_down: set[str] = set()
+        # Restarts after a death, per instance (not those asked for), and rolls asked for.
         self.restarts: dict[str, int] = {}
+        self.rolled: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="pool-supervisor", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def collector(self) -> Collector:
+        """The supervisor's counts for a Prometheus registry (the proxy's ``/metrics`` in
+        ``serve``): restarts by instance and cause, and instances left down."""
+        return _Counts(self)
 
     def stop_soon(self) -> None:
         """Start no more restarts; the one in progress ends when its instance is stopped."""
@@ -147,7 +156,8 @@ class Supervisor:
                     raise RollError("serve is stopping")
                 job.report(f"{name}: draining")
                 seconds = self._launcher.restart(name, drain=True)
-                self._left_down.discard(name)
+                self.rolled[name] = self.rolled.get(name, 0) + 1
+                self.left_down.discard(name)
                 self._due.pop(name, None)
                 job.report(f"{name}: serving again after {seconds:.1f} s")
         except PDError as exc:  # LaunchError or RollError
@@ -161,13 +171,13 @@ class Supervisor:
         for name, server in list(self._launcher.servers.items()):
             if self._stop.is_set():
                 return  # everything is being stopped: an exit now was asked for
-            if server.running or name in self._due or name in self._left_down:
+            if server.running or name in self._due or name in self.left_down:
                 continue
             times = self._restarted_at.setdefault(name, deque())
             while times and now - times[0] > self._policy.window_s:
                 times.popleft()
             if len(times) >= self._policy.max_restarts:
-                self._left_down.add(name)
+                self.left_down.add(name)
                 logger.error(
                     "%s died (exit %s) after %d restarts in %.0f s; left down. Its log (%s) "
                     "ends:\n%s",
@@ -204,3 +214,30 @@ class Supervisor:
                 seconds,
                 self.restarts[name],
             )
+
+
+class _Counts(Collector):
+    """``lmcache_pd_instance_restarts_total{instance, cause}`` (cause ``died``: started again
+    after dying unasked; ``rolled``: drained and restarted by ``lmcache-pd restart``) and
+    ``lmcache_pd_instances_left_down`` (dead past the restart limit), read at each scrape."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self._supervisor = supervisor
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        supervisor = self._supervisor
+        restarts = CounterMetricFamily(
+            "lmcache_pd_instance_restarts",
+            "Instances started again by serve: after dying unasked (died), or drained and "
+            "restarted by `lmcache-pd restart` (rolled)",
+            labels=["instance", "cause"],
+        )
+        for cause, counts in (("died", supervisor.restarts), ("rolled", supervisor.rolled)):
+            for name, count in dict(counts).items():  # a copy: the supervisor's thread adds
+                restarts.add_metric([name, cause], count)
+        yield restarts
+        yield GaugeMetricFamily(
+            "lmcache_pd_instances_left_down",
+            "Instances that died more often than the restart limit allows and are left down",
+            value=len(supervisor.left_down),
+        )

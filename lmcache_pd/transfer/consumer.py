@@ -514,8 +514,12 @@ class Consumer:
                 req_id,
                 self.config.alloc_lease_s,
             )
+        # Requests that name no transfer parameters (LMCache's proxy, landed_wait_s) never
+        # claim their pushes: a hold lapsing is then how their pages join the cache.
+        lapse_level = logging.DEBUG if self.config.landed_wait_s > 0 else logging.WARNING
         for req_id in lapsed_holds:
-            logger.warning(
+            logger.log(
+                lapse_level,
                 "req %s: chunks not claimed by a decode within %.1f s (or not released within "
                 "%.1f s once claimed), hold dropped",
                 req_id,

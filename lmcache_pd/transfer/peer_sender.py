@@ -35,7 +35,14 @@ from lmcache_pd.protocol import DEVICE_COPY_TIMEOUT_S, AbandonReason, DisaggSpec
 from lmcache_pd.trace import TraceFile
 from lmcache_pd.transfer.handshake import Count
 from lmcache_pd.transfer.producer import Producer
-from lmcache_pd.transfer.sender_jobs import AbandonJob, Job, Outstanding, PushJob, Saving
+from lmcache_pd.transfer.sender_jobs import (
+    AbandonJob,
+    Job,
+    NoticeJob,
+    Outstanding,
+    PushJob,
+    Saving,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +218,12 @@ class PeerSender:
 
     def _handle(self, producer: Producer, job: Job) -> None:
         request = job.request
+        if isinstance(job, NoticeJob):
+            try:
+                job.notify(not request.abandoned.is_set())
+            finally:
+                self._give_back(job)
+            return
         if isinstance(job, AbandonJob):
             try:
                 self._tell(producer, request, job.reason, job.detail, job.write_in_flight)
@@ -386,4 +399,6 @@ class PeerSender:
                 continue
             job.request.abandoned.set()
             self._count("push_failures", isinstance(job, PushJob))
+            if isinstance(job, NoticeJob):
+                job.notify(False)
             self._give_back(job)

@@ -20,7 +20,7 @@ from lmcache_pd.trace import TraceFile
 from lmcache_pd.transfer.handshake import Count
 from lmcache_pd.transfer.peer_sender import PeerSender
 from lmcache_pd.transfer.producer import Producer
-from lmcache_pd.transfer.sender_jobs import Job, Outstanding, PushJob
+from lmcache_pd.transfer.sender_jobs import Job, NoticeJob, Outstanding, PushJob
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,9 @@ class SenderPool:
         sender = self._senders.get(address)
         if sender is None:
             if len(self._senders) >= MAX_PEERS and not self._let_idlest_go():
+                if isinstance(job, NoticeJob):  # its pushes were refused alike: said so
+                    job.notify(False)
+                    return False
                 job.request.abandoned.set()
                 self._count("push_failures", 1)
                 logger.error(

@@ -1,11 +1,12 @@
 """What a producer rank's model-runner thread hands its sender threads: the requests being
-saved, push and abandon jobs, and the count of jobs not finished yet."""
+saved, push, abandon and notice jobs, and the count of jobs not finished yet."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,8 +21,9 @@ from lmcache_pd.protocol import AbandonReason, DisaggSpec
 class Saving:
     """A producer request whose prompt's KV is being copied out and pushed as prefill goes.
 
-    ``pushed_upto`` and ``block_ids`` belong to the model-runner thread; ``abandoned`` is set by
-    either thread and read by both; ``consumer_told`` belongs to the sender thread."""
+    ``pushed_upto``, ``block_ids`` and ``noticed`` belong to the model-runner thread;
+    ``abandoned`` is set by either thread and read by both; ``consumer_told`` belongs to the
+    sender thread."""
 
     spec: DisaggSpec
     keys: list[ChunkKey]
@@ -30,6 +32,7 @@ class Saving:
     pushed_upto: int = 0
     abandoned: threading.Event = field(default_factory=threading.Event)
     consumer_told: bool = False
+    noticed: bool = False  # its NoticeJob was handed over
 
 
 class Filling:
@@ -100,7 +103,17 @@ class AbandonJob:
     write_in_flight: bool = False
 
 
-Job = PushJob | AbandonJob
+@dataclass(frozen=True, slots=True)
+class NoticeJob:
+    """Once every job of the request queued before it on this consumer rank is done (pushed,
+    failed or dropped: a rank's jobs run in order on its one thread), call ``notify`` with
+    whether its KV is all there (no push of it failed or was given up)."""
+
+    request: Saving
+    notify: Callable[[bool], None]
+
+
+Job = PushJob | AbandonJob | NoticeJob
 
 
 class Outstanding:
