@@ -61,11 +61,13 @@ class Case:
         seed = 2 * self.seed + stream
         if self.chat:
             body["messages"] = chat_messages(seed)
+            if "ends_with" in self.fields:  # the assistant's answer so far, to go on from
+                body["messages"].append({"role": "assistant", "content": self.fields["ends_with"]})
         elif self.prompts > 1:
             body["prompt"] = [token_prompt(seed + 1000 * i) for i in range(self.prompts)]
         else:
             body["prompt"] = token_prompt(seed)
-        body |= self.fields | {"stream": stream}
+        body |= {k: v for k, v in self.fields.items() if k != "ends_with"} | {"stream": stream}
         if not stream:  # vLLM refuses stream options on a whole answer
             body.pop("stream_options", None)
         return body
@@ -148,6 +150,33 @@ CASES = [
         {"stream_options": {"include_usage": True, "continuous_usage_stats": False}},
         chat=True,
         seed=15,
+    ),
+    # vLLM's own sampling and output fields, each on a request of its own.
+    Case("n2_greedy", {"n": 2}, seed=30, alone="n"),
+    Case(
+        "top_k_p_min_p",
+        {"temperature": 1.0, "seed": 9, "top_k": 20, "top_p": 0.9, "min_p": 0.05},
+        seed=31,
+    ),
+    Case("stop_token_ids", {"stop_token_ids": [5, 6, 7], "logprobs": 1}, seed=32),
+    Case("include_stop_str", {"stop": ["ing"], "include_stop_str_in_output": True}, seed=33),
+    Case("ignore_eos", {"ignore_eos": True}, seed=34),
+    Case(
+        "special_tokens_kept",
+        {"skip_special_tokens": False, "spaces_between_special_tokens": False},
+        seed=35,
+    ),
+    Case("allowed_token_ids", {"allowed_token_ids": list(range(100, 300)), "logprobs": 1}, seed=36),
+    Case("bad_words", {"bad_words": ["the", " a"]}, seed=37),
+    Case("tokens_as_ids", {"logprobs": 2, "return_tokens_as_token_ids": True}, seed=38),
+    Case("logprob_token_ids", {"logprobs": 1, "logprob_token_ids": [100, 101]}, seed=39),
+    Case("stream_interval", {"stream_interval": 3, "logprobs": 1}, seed=40),
+    Case("user", {"user": "someone"}, seed=41),
+    Case(
+        "chat_continue_final_message",
+        {"continue_final_message": True, "add_generation_prompt": False, "ends_with": "Sure,"},
+        chat=True,
+        seed=42,
     ),
 ]
 

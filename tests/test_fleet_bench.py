@@ -1,11 +1,11 @@
 """The fleet benchmark's short run (python -m benchmarks.fleet --short): a real ``lmcache-pd
 serve`` of one prefill and two decode instances, a steady load of greedy streams, and after a
-control phase (the same load, no event) two events: decode-0 SIGKILLed mid-stream, then
-decode-0 SIGTERMed (it drains; serve's supervisor starts it again).
+control phase (the same load, no event) one event: decode-0 SIGKILLed mid-stream (a drain on
+SIGTERM under streams is ``test_drain_vllm.py``'s; every event is the full benchmark's).
 
-What the design promises for these two is asserted: no client sees a failure and every answer
-is one plain vLLM's (``proxy/migration.py`` carries the killed decode's streams over to the
-other; the drain finishes what it runs), and the killed instance serves again. The negative
+What the design promises is asserted: no client sees a failure and every answer is one plain
+vLLM's (``proxy/migration.py`` carries the killed decode's streams over to the other), and the
+killed instance serves again. The negative
 controls: the control phase migrates nothing, and the judge the run relies on does call an
 answer wrong when one token differs.
 """
@@ -26,8 +26,8 @@ from benchmarks.fleet.events import SHORT_EVENTS
 from tests.vllm_support import PlainVLLM
 
 ROOT = Path(__file__).resolve().parents[1]
-# serve (~60-90 s to start three instances), the control, a kill and a drain, each with its
-# instance started again (~30-60 s each on two cores).
+# serve (~60-90 s to start three instances), the control, and a kill with its instance
+# started again (~30-60 s on two cores).
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 RUN_TIMEOUT_S = 1140
 PROMISED = SHORT_EVENTS.split(",")
