@@ -15,6 +15,9 @@ from lmcache_pd.config import PDConfig, load_config
 from lmcache_pd.deploy.launcher import unused_port
 from lmcache_pd.keys import ChunkKey, ChunkKeyer
 from lmcache_pd.protocol import DisaggSpec
+from lmcache_pd.transfer.sender import SenderPool
+from lmcache_pd.transfer.sender_jobs import PushJob, Saving
+from lmcache_pd.transfer.staging import Staging
 
 CHUNK_SIZE = 256
 BYTES_PER_TOKEN = 512  # 128 float32 values a token: a page is 128 KiB
@@ -101,6 +104,19 @@ def make_chunks(keys: list[ChunkKey], seed: int) -> list[tuple[bytes, torch.Tens
         (k.key, torch.randn(k.end - k.start, BYTES_PER_TOKEN // 4, generator=generator))
         for k in keys
     ]
+
+
+def submit_push(
+    pool: SenderPool, staging: Staging, request: Saving, chunks: list[tuple[bytes, torch.Tensor]]
+) -> None:
+    """Stage ``chunks`` as the producer worker does (each in a page of ``staging``) and hand
+    them to ``pool`` as one push of ``request``."""
+    pages = staging.pages(len(chunks))
+    staged = []
+    for (key, tensor), page in zip(chunks, pages.__enter__(), strict=True):
+        data = tensor.view(-1).view(torch.uint8)
+        staged.append((key, page[: data.numel()].copy_(data)))
+    pool.submit(PushJob(request, staged, pages, time.time()))
 
 
 def wait_for(

@@ -51,7 +51,7 @@ from lmcache_pd.transfer.fake_channel import FakeChannel, FakeFabric
 from lmcache_pd.transfer.holds import STALE_DEADLINES
 from lmcache_pd.transfer.producer import Producer
 from lmcache_pd.transfer.sender import MAX_PEERS, SenderPool
-from lmcache_pd.transfer.sender_jobs import PushJob, Saving
+from lmcache_pd.transfer.sender_jobs import Saving
 from lmcache_pd.transfer.sockets import bind_router
 from lmcache_pd.transfer.staging import Staging
 from tests.helpers import (
@@ -62,6 +62,7 @@ from tests.helpers import (
     make_chunks,
     producer_config,
     spec_for,
+    submit_push,
     wait_for,
     write_config,
 )
@@ -571,12 +572,7 @@ class Pushes:
 
     def submit(self, spec: DisaggSpec, chunks: list[tuple[bytes, torch.Tensor]]) -> Saving:
         request = Saving(spec, [], prompt_tokens=len(chunks) * CHUNK_SIZE)
-        pages = self.staging.pages(len(chunks))
-        staged = []
-        for (key, tensor), page in zip(chunks, pages.__enter__(), strict=True):
-            data = tensor.view(-1).view(torch.uint8)
-            staged.append((key, page[: data.numel()].copy_(data)))
-        self.pool.submit(PushJob(request, staged, pages, time.time()))
+        submit_push(self.pool, self.staging, request, chunks)
         return request
 
     def settle(self) -> None:

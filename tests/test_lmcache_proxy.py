@@ -18,7 +18,6 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
-import torch
 import zmq
 
 from lmcache_pd import lmcache_proxy
@@ -34,7 +33,7 @@ from lmcache_pd.transfer.fake_channel import FakeChannel, FakeFabric
 from lmcache_pd.transfer.landed_keys import KeysWriter
 from lmcache_pd.transfer.producer import Producer
 from lmcache_pd.transfer.sender import SenderPool
-from lmcache_pd.transfer.sender_jobs import NoticeJob, PushJob, Saving
+from lmcache_pd.transfer.sender_jobs import NoticeJob, Saving
 from lmcache_pd.transfer.staging import Staging
 from tests.helpers import (
     CHUNK_SIZE,
@@ -44,6 +43,7 @@ from tests.helpers import (
     make_keyer,
     producer_config,
     spec_for,
+    submit_push,
     wait_for,
 )
 
@@ -192,12 +192,7 @@ class Senders:
 
     def push(self, request: Saving, tokens: list[int], seed: int) -> None:
         chunks = make_chunks(self.keyer.chunk_keys(tokens), seed=seed)
-        pages = self.staging.pages(len(chunks))
-        staged = []
-        for (key, tensor), page in zip(chunks, pages.__enter__(), strict=True):
-            data = tensor.view(-1).view(torch.uint8)
-            staged.append((key, page[: data.numel()].copy_(data)))
-        self.pool.submit(PushJob(request, staged, pages, time.time()))
+        submit_push(self.pool, self.staging, request, chunks)
 
     def close(self) -> None:
         self.pool.close()
