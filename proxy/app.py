@@ -152,13 +152,14 @@ class Proxy:
             )
         if self.config.first_token_notices:
             try:
-                self._notices = NoticeBoard(self.config.host, keys, self.config.notice_port)
+                board = self._notices = NoticeBoard(self.config.host, keys, self.config.notice_port)
             except zmq.ZMQError as exc:  # serve anyway: a notice is only a head start
                 logger.warning(
                     "no first-token notices (cannot listen on %s): %s", self.config.host, exc
                 )
             else:
-                self._notices.start()
+                board.start()
+                self.metrics.count_notice_refusals(lambda: board.refused)
         self._dropper = KVDropper(keys, self.metrics.kv_drops_skipped.inc)
         placer = Placer(self.decode, self._sizer)
         if self.config.routing != "load":

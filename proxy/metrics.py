@@ -6,7 +6,7 @@ import enum
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from lmcache_pd.proxy.routing import Upstream
@@ -155,6 +155,11 @@ class ProxyMetrics:
         self.registry.register(_InstanceGauges(upstreams))
         self.registry.register(_InFlightGauge(in_flight))
 
+    def count_notice_refusals(self, refused: Callable[[], int]) -> None:
+        """Serve the first-token board's refused handshakes (``refused`` reads its
+        gatekeeper's count): a key of no role that sends notices knocked on its port."""
+        self.registry.register(_NoticeRefusals(refused))
+
     def upstream_error(self, member: Upstream, kind: str) -> None:
         """Count a failed call to ``member``, unless it left its pool while the call ran (it
         died, say): its series went then (``forget_instance``), and one made now would stay
@@ -185,6 +190,22 @@ class _InFlightGauge(Collector):
             "lmcache_pd_proxy_in_flight",
             "Client requests the proxy serves now (at most max_in_flight)",
             value=self._in_flight(),
+        )
+
+
+class _NoticeRefusals(Collector):
+    """The first-token board's refused CURVE handshakes, read at scrape time from the count
+    its gatekeeper keeps (the consumer serves its own as ``peers_refused``)."""
+
+    def __init__(self, refused: Callable[[], int]) -> None:
+        self._refused = refused
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "lmcache_pd_proxy_notice_peers_refused",
+            "CURVE clients refused at the first-token board's handshake: keys of no role that "
+            "sends notices (only producers do)",
+            value=self._refused(),
         )
 
 

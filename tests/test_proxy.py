@@ -27,7 +27,7 @@ import pytest
 import yaml
 import zmq
 
-from lmcache_pd import protocol
+from lmcache_pd import auth, protocol
 from lmcache_pd.deploy.vllm_server import wait_until_healthy
 from lmcache_pd.harness.app_thread import AppThread, proxy_thread
 from lmcache_pd.harness.standin import FINGERPRINT, Fault, Standin, StandinState, next_token
@@ -817,6 +817,35 @@ def test_garbage_on_the_notice_port_is_ignored_and_notices_keep_working(stacks) 
     assert _text_of(stack, prompt, 3, True) == "".join(expected_tokens(prompt, 3))
     metric = "lmcache_pd_proxy_first_token_notices_total"
     assert stack.metric(metric, outcome="used") == 2
+
+
+def test_a_stranger_refused_at_the_notice_board_is_counted_on_metrics(
+    stacks, tmp_path: Path
+) -> None:
+    """Review 55.7's last piece: the board admits producers' keys alone, and a key of no role
+    that knocks (it holds the board's public key, as anyone may) shows on the proxy's /metrics."""
+    secret = auth.generate_secret()
+    (tmp_path / "secret").write_text(secret)
+    port = free_port()
+    stack = stacks(secret_file=str(tmp_path / "secret"), notice_port=port)
+    assert stack.metric("lmcache_pd_proxy_notice_peers_refused_total") == 0
+    server = auth.DeploymentKeys.from_secret(secret, auth.Role.PRODUCER).server_publics
+    context = zmq.Context()
+    stranger = context.socket(zmq.DEALER)
+    try:
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.curve_serverkey = server[auth.Door.NOTICES]
+        stranger.curve_publickey, stranger.curve_secretkey = zmq.curve_keypair()
+        stranger.connect(f"tcp://127.0.0.1:{port}")
+        stranger.send(b"knock")
+        wait_for(
+            lambda: stack.metric("lmcache_pd_proxy_notice_peers_refused_total") >= 1,
+            30,
+            "the refusal counted",
+        )
+    finally:
+        stranger.close()
+        context.term()
 
 
 def test_a_client_that_leaves_after_the_notice_cancels_prefill_and_decode(stacks) -> None:
