@@ -27,6 +27,16 @@ Protocol history:
      tied to no chunk yet, under the same lease as an allocation; a push small enough writes
      into them at once, without an AllocRequest, and says in its ReservedWriteDone
      notification which chunk went where.
+  6: a deployment secret puts CURVE on every ZMQ socket and a MAC on every NIXL notification
+     (``lmcache_pd/auth.py``).
+  7: prefill and decode at different TP sizes: a KV profile carries the model's KV heads, and a
+     part of a chunk travels under keys of its own heads (``lmcache_pd/tp_parts.py``).
+  8: each role holds its own share of the secret and its own CURVE client keypair, checked by a
+     ZAP allow-list per door (``lmcache_pd/gatekeeper.py``): a 7 peer's keys are refused at the
+     handshake (upgrade every process of a deployment together). Chunk keys carry a request's
+     LoRA adapter (name and path), its images (vLLM's multimodal identifiers at their
+     positions) and its LMCache tags, so a 7 peer keys such requests otherwise (no load,
+     recompute). Without a secret, a mixed pair is refused here as ``VersionMismatch``.
   (no version change) DisaggSpec, which travels in HTTP bodies and on no socket of ours, may
      give its ports as lists indexed by rank (tensor parallelism); single integers still mean
      a consumer of one rank.
@@ -54,7 +64,7 @@ import msgspec
 from lmcache_pd.compat import KVProfile
 from lmcache_pd.errors import ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 # Limits, checked before anything is allocated for a message.
 MAX_FRAME_BYTES = 1 << 20
