@@ -18,7 +18,9 @@ from lmcache_pd.config import load_config
 from lmcache_pd.connector.consumer_worker import ConsumerWorker
 from lmcache_pd.connector.counters import StatsRecorder
 from lmcache_pd.connector.metadata import LoadRequest, PDConnectorMetadata, SaveRequest
+from lmcache_pd.connector.receive_pages import receive_config
 from lmcache_pd.connector.worker import CacheFacts, ProducerWorker
+from lmcache_pd.errors import ConfigError
 from lmcache_pd.kernels.paged_kv import BlockKV, head_slice, recognise
 from lmcache_pd.protocol import DisaggSpec
 from lmcache_pd.tp_parts import Part, TPLayout, part_keyer, rank_heads, route
@@ -87,6 +89,34 @@ def test_a_parts_keys_name_its_heads_and_differ_from_every_ranks_own() -> None:
     # Another process builds the same keyer from its params.
     again = type(first)(**first.params)
     assert [k.key for k in again.chunk_keys(tokens)] == keys["first"]
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "prefill", "decode", "pages", "page_heads"),
+    [
+        (2, 1, 1, [16], [2]),  # equal sizes: a page a chunk, as always
+        (2, 2, 1, [32], [1]),  # fan-in 2: two pages of half a chunk, in the same bytes
+        (6, 2, 3, [16, 32, 16], [2, 1, 2]),  # rank 1 takes 2 parts of one head, the others 1
+        (12, 3, 2, [32, 32], [4, 4]),  # parts of 4 and 2 heads: pages of 4, more bytes
+    ],
+)
+def test_a_fan_in_ranks_buffer_holds_the_chunks_its_size_says_in_pages_of_a_part(
+    kv_heads: int, prefill: int, decode: int, pages: list[int], page_heads: list[int]
+) -> None:
+    head_bytes = 1024  # a chunk's bytes of one head
+    asked = 16 * kv_heads // decode * head_bytes  # 16 chunks of a decode rank's heads
+    config = load_config(
+        None, environ={}, kv_role="kv_consumer", buffer_size_bytes=asked, page_bytes=head_bytes
+    )
+    for rank in range(decode):
+        parts = [p for p in route(kv_heads, prefill, decode) if p.dest == rank]
+        got = receive_config(config, [(p.hi - p.lo) * head_bytes for p in parts], rank)
+        assert (got.num_pages, got.page_bytes) == (pages[rank], page_heads[rank] * head_bytes)
+        assert got.num_pages // len(parts) == 16  # whole chunks
+        # The bytes asked, but where a rank's parts differ in size (12 heads, 3 -> 2: 4 + 2).
+        assert (got.buffer_size_bytes > asked) == (kv_heads == 12)
+    with pytest.raises(ConfigError, match="holds no chunk of this rank's cache"):
+        receive_config(config, [asked, asked], 0)
 
 
 def full_cache(seed: int | None) -> list[torch.Tensor]:
@@ -158,10 +188,14 @@ def profile(tp_size: int, rank: int, prefill_tp_size: int | None = None) -> KVPr
 
 @pytest.fixture
 def resharded(request: pytest.FixtureRequest) -> Iterator[Pair]:
-    """A prefill of ``request.param[0]`` ranks and a decode of ``request.param[1]``."""
+    """A prefill of ``request.param[0]`` ranks and a decode of ``request.param[1]``, each
+    decode rank's receive buffer the bytes of PROMPT's chunks (of its heads) and no more, no
+    page reserved ahead (up to 1/8 of them, at any TP size): at fan-in too the buffer takes
+    the chunks its size says, however many parts each comes in."""
     prefill_tp, decode_tp = request.param
     init, alloc = [free_port() for _ in range(decode_tp)], [free_port() for _ in range(decode_tp)]
-    common = {"chunk_size": CHUNK, "buffer_size_bytes": 16 << 20, "load_timeout_s": 3.0}
+    common = {"chunk_size": CHUNK, "load_timeout_s": 3.0}
+    buffer = -(-len(PROMPT) // CHUNK) * kv_bytes(CHUNK // BLOCK, HEADS // decode_tp)
     consumer_config = load_config(
         None,
         environ={},
@@ -169,9 +203,18 @@ def resharded(request: pytest.FixtureRequest) -> Iterator[Pair]:
         init_port=init,
         alloc_port=alloc,
         prefill_tp_size=prefill_tp,
+        buffer_size_bytes=buffer,
+        page_bytes=buffer,  # the worker sets its own
         **common,
     )
-    producer_config = load_config(None, environ={}, kv_role="kv_producer", **common)
+    producer_config = load_config(
+        None,
+        environ={},
+        kv_role="kv_producer",
+        buffer_size_bytes=16 << 20,
+        reserved_pages=0,
+        **common,
+    )
     source = full_cache(7)
     prefill, decode = Side([], [], []), Side([], [], [])
     try:
@@ -261,7 +304,9 @@ def test_each_decode_rank_loads_its_heads_from_the_prefill_ranks_that_hold_them(
         lo, hi = rank_heads(HEADS, decode_tp, rank)
         for got, want in zip(cache, pair.source, strict=True):
             assert torch.equal(got[BLOCKS], want[BLOCKS, lo:hi])
-        assert pair.decode.stats[rank].totals()["tokens_loaded"] == len(PROMPT)
+        totals = pair.decode.stats[rank].totals()
+        assert totals["tokens_loaded"] == len(PROMPT)
+        assert totals.get("consumer_refused_buffer_full", 0) == 0, totals
     # Every head once: the bytes pushed are the KV's size (7 blocks, all heads).
     pushed = sum(stats.totals()["bytes_pushed"] for stats in pair.prefill.stats)
     assert pushed == kv_bytes(len(BLOCKS), HEADS)

@@ -41,10 +41,11 @@ from pathlib import Path
 import torch
 
 from lmcache_pd.compat import KVProfile
-from lmcache_pd.config import PDConfig, replace
+from lmcache_pd.config import PDConfig
 from lmcache_pd.connector.chunk_checks import ChunkChecks
 from lmcache_pd.connector.counters import CONSUMER_PREFIX, StatsRecorder
 from lmcache_pd.connector.metadata import KeepRequest, LoadRequest, PDConnectorMetadata
+from lmcache_pd.connector.receive_pages import receive_config
 from lmcache_pd.connector.worker import (
     UNKNOWN,
     CacheFacts,
@@ -167,7 +168,10 @@ class ConsumerWorker(WorkerHalf):
         self._rank = rank
         self._cache = paged_kv(kv_caches, config, facts)
         self._sources = chunk_sources(keyer, self._cache, rank, layout, config.prefill_tp_size)
-        rank_config = replace(config, page_bytes=self._cache.chunk_nbytes(config.chunk_size))
+        # A page a part: a fan-in rank holds as many chunks as its buffer's size says.
+        rank_config = receive_config(
+            config, [cache.chunk_nbytes(config.chunk_size) for _, cache in self._sources], rank
+        )
         profile = rank_profile(profile, self._cache, rank_config)
         # With buffer_device cuda the receive buffer is in the cache's GPU memory.
         device = self._cache.device if config.buffer_device == "cuda" else None
