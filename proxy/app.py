@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from lmcache_pd.affinity import unpin_this_thread
 from lmcache_pd.first_token import NoticeBoard
+from lmcache_pd.proxy.adapter_loads import AdapterLoads
 from lmcache_pd.proxy.cache_aware import SentPrompts
 from lmcache_pd.proxy.client_request import Endpoint
 from lmcache_pd.proxy.config import ProxyConfig
@@ -89,6 +90,12 @@ class Proxy:
             self._instance_headers,
             config.timeouts.health_s,
         )
+        self._adapter_loads = AdapterLoads(
+            self._http,
+            self._instance_headers,
+            config.timeouts.prefill_read_s,
+            self.metrics.adapter_replay_failures.inc,
+        )
         self._forwarder = Forwarder(
             self._http,
             self._upstreams,
@@ -97,6 +104,7 @@ class Proxy:
             config.timeouts,
             self.metrics,
             self._names.refresh,
+            self._adapter_loads,
         )
         self.door = Door(
             config.client_key(),
@@ -208,6 +216,7 @@ class Proxy:
             lambda: self._session,
             interval_s=self.config.health_interval_s,
             timeout_s=self.config.timeouts.health_s,
+            on_up=self._adapter_loads.replay,
         )
         await self._health.check_all()  # start with what is up now, not with assumptions
         self._health.periodic.start()

@@ -6,7 +6,8 @@ through as it comes (SSE with vLLM's ``event:`` lines, or one JSON body). Loadin
 LoRA adapter at run time (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``; vLLM serves them
 where ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is set) goes to every instance, prefill and decode
 alike, since either may serve the adapter's requests; the first refusal is the answer, else the
-first instance's, and the proxy lists the served names again.
+first instance's, and the proxy lists the served names again. What every instance took is
+recorded (``adapter_loads.py``) and loaded again on an instance that comes back up without it.
 
 vLLM keeps a response only where ``VLLM_ENABLE_RESPONSES_API_STORE`` is set (off by default),
 and then in one instance's memory: retrieving or cancelling one, or going on from one
@@ -23,6 +24,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from lmcache_pd.proxy.adapter_loads import AdapterLoads
 from lmcache_pd.proxy.config import Timeouts
 from lmcache_pd.proxy.metrics import ProxyMetrics
 from lmcache_pd.proxy.responses import ClientGone, close_after_done, error_response, write
@@ -55,9 +57,12 @@ class Forwarder:
         timeouts: Timeouts,
         metrics: ProxyMetrics,
         adapters_changed: Callable[[], Awaitable[None]],
+        adapter_loads: AdapterLoads,
     ) -> None:
-        """``adapters_changed`` is awaited after an adapter was loaded or unloaded."""
+        """``adapters_changed`` is awaited after an adapter was loaded or unloaded;
+        ``adapter_loads`` records what every instance took."""
         self._adapters_changed = adapters_changed
+        self._adapter_loads = adapter_loads
         self._session = session
         self._instances = instances
         self._decode = decode
@@ -114,6 +119,7 @@ class Forwarder:
         finally:
             await self._adapters_changed()
         assert first is not None
+        self._adapter_loads.done(request.path, body)
         return first
 
     async def forward(self, request: web.Request) -> web.StreamResponse:

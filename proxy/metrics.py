@@ -97,6 +97,12 @@ class ProxyMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.adapter_replay_failures = Counter(
+            f"{prefix}_adapter_replay_failures",
+            "Instances back up that could not be given the LoRA adapters loaded at run time "
+            "through the proxy (they stay down until a later health check gives them)",
+            registry=self.registry,
+        )
         self.prefill_retries = Counter(
             f"{prefix}_prefill_retries",
             "Requests retried on another prefill instance before their first token",

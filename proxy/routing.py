@@ -201,8 +201,12 @@ class HealthChecker:
         *,
         interval_s: float,
         timeout_s: float,
+        on_up: Callable[[Upstream], Awaitable[bool]] | None = None,
     ) -> None:
+        """``on_up``: asked before an instance that was down is marked up again, which it
+        is only if that says True (``adapter_loads.py``: it is given what it lacks)."""
         self._upstreams = upstreams
+        self._on_up = on_up
         self._session_factory = session_factory
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.periodic = Periodic("health-checks", self.check_all, interval_s)
@@ -218,4 +222,6 @@ class HealthChecker:
                 healthy, why = response.status == 200, f"/health answered {response.status}"
         except (aiohttp.ClientError, TimeoutError) as exc:
             healthy, why = False, f"/health failed: {exc!r}"
+        if healthy and not member.healthy and self._on_up and not await self._on_up(member):
+            healthy, why = False, "what it must serve could not be given it"
         member.mark(healthy, why)

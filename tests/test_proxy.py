@@ -321,6 +321,36 @@ def test_every_name_the_instances_serve_is_served_and_no_other(stacks) -> None:
     assert unnamed.status_code == 200  # no model: the base model's, as vLLM takes it
 
 
+def test_an_instance_back_up_is_given_the_adapters_loaded_at_run_time_before_it_serves(
+    stacks,
+) -> None:
+    """``serve`` starts a dead instance again with its command line's adapters only: before
+    the proxy marks it up again, it loads on it those loaded at run time through the proxy and
+    not unloaded since. One that fails a load stays down, counted; the instance never down is
+    given nothing again (the control)."""
+    prefill, decode = Standin(), Standin()
+    stack = stacks(prefill=[prefill], decode=[decode], health_interval_s=0.05)
+    for name in ("late", "gone"):
+        body = {"lora_name": name, "lora_path": f"/{name}"}
+        assert stack.post("/v1/load_lora_adapter", json=body).status_code == 200
+    assert stack.post("/v1/unload_lora_adapter", json={"lora_name": "gone"}).status_code == 200
+    decode.state.healthy = False  # stopped, then started again without "late"
+    wait_for(lambda: httpx.get(f"{stack.proxy.url}/health").status_code == 503, what="down")
+    decode.state.adapters.clear()
+    decode.state.refuse_loads = True
+    decode.state.healthy = True
+    failures = "lmcache_pd_proxy_adapter_replay_failures_total"
+    wait_for(lambda: stack.metric(failures) >= 1, what="a failed load counted")
+    assert httpx.get(f"{stack.proxy.url}/health").status_code == 503  # still down
+    decode.state.refuse_loads = False
+    wait_for(lambda: httpx.get(f"{stack.proxy.url}/health").status_code == 200, what="up")
+    assert decode.state.adapters == ["late"]
+    answer = stack.client.completions.create(model="late", prompt=[1, 2, 3], max_tokens=3)
+    assert answer.model == "late"
+    loads = [body for _, path, body in prefill.state.received if path == "/v1/load_lora_adapter"]
+    assert [body["lora_name"] for body in loads] == ["late", "gone"]  # asked once each
+
+
 # ---- bad input ----
 
 

@@ -55,6 +55,8 @@ class StandinState:
     peers: set[tuple[str, int]] = field(default_factory=set)
     # LoRA adapters it lists beside its model (``/v1/models``), loaded at run time too.
     adapters: list[str] = field(default_factory=list)
+    refuse_loads: bool = False  # answer a load with vLLM's 500, as a load that failed
+    healthy: bool = True  # False: /health answers 503, as a draining or starting vLLM
     max_model_len: int = 4096  # its model's context length, as ``/v1/models`` lists it
 
 
@@ -117,6 +119,7 @@ class Standin:
         app.router.add_get("/version", self._version)
         app.router.add_post("/v1/responses", self._responses)
         app.router.add_post("/v1/load_lora_adapter", self._load_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self._unload_adapter)
         app.on_cleanup.append(self._close)
         return app
 
@@ -124,7 +127,7 @@ class Standin:
         self._notices.close()
 
     async def _health(self, _: web.Request) -> web.Response:
-        return web.json_response({})
+        return web.json_response({}, status=200 if self.state.healthy else 503)
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())
@@ -161,8 +164,22 @@ class Standin:
     async def _load_adapter(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.state.received.append((time.monotonic(), request.path, body))
+        if self.state.refuse_loads:
+            error = {"message": "cannot load", "type": "InternalServerError", "code": 500}
+            return web.json_response({"error": error}, status=500)
         self.state.adapters.append(body["lora_name"])
         return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+    async def _unload_adapter(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.state.received.append((time.monotonic(), request.path, body))
+        name = body["lora_name"]
+        if name not in self.state.adapters:
+            message = f"The lora adapter '{name}' cannot be found."
+            error = {"message": message, "type": "NotFoundError", "code": 404}
+            return web.json_response({"error": error}, status=404)
+        self.state.adapters.remove(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = msgspec.json.decode(await request.read())
