@@ -155,6 +155,13 @@ RESERVED_LEASE_S = RESERVED_WRITE_S + LEASE_MARGIN_S
 
 # How long a consumer waits for a request's KV before it recomputes the prompt instead.
 LOAD_TIMEOUT_S = 30.0
+# A LoRA adapter's files are read for its identity in chunk keys (``adapter_identity.py``) up
+# to this many bytes (rank-64 adapters of 70B models are ~1.6 GiB) within this deadline; an
+# adapter past either is served without disaggregation. Its requests wait for the read.
+ADAPTER_DIGEST_MAX_BYTES = 16 << 30
+ADAPTER_DIGEST_TIMEOUT_S = 60.0
+# Adapter paths whose digests one process remembers (the oldest read go first).
+MAX_ADAPTER_PATHS = 1024
 BUFFER_FULL_RETRY_AFTER_S = 0.05
 MAX_ALLOC_RETRIES = 3
 

@@ -18,6 +18,7 @@ import zmq
 from vllm.v1.request import RequestStatus
 
 from lmcache_pd.config import load_config
+from lmcache_pd.connector.adapter_identity import AdapterIdentities, AdapterState, folder_digest
 from lmcache_pd.connector.computed_prompts import ComputedPrompts
 from lmcache_pd.connector.consumer_worker import SYNC_LOAD_WAIT_S, ConsumerWorker
 from lmcache_pd.connector.counters import StatsRecorder
@@ -28,7 +29,7 @@ from lmcache_pd.connector.metadata import (
     PDConnectorMetadata,
     SaveRequest,
 )
-from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler, lora_name
+from lmcache_pd.connector.scheduler import ConsumerScheduler, ProducerScheduler
 from lmcache_pd.connector.worker import ProducerWorker
 from lmcache_pd.errors import AllocationError, BufferFull, PeerTimeout, TransferError
 from lmcache_pd.first_token import FirstTokenNotice
@@ -59,15 +60,19 @@ def request(
     cache_salt: str | None = None,
     lora: str | None = None,
     mm: tuple[tuple[int, int, str], ...] = (),
+    lora_path: Path | None = None,
 ) -> SimpleNamespace:
-    """A stand-in vLLM Request; ``mm``: its images as (offset, length, identifier)."""
+    """A stand-in vLLM Request; ``mm``: its images as (offset, length, identifier); ``lora``:
+    its adapter's name, loaded from ``lora_path`` (by default a path that holds nothing)."""
     return SimpleNamespace(
         request_id=req_id,
         prompt_token_ids=prompt,
         kv_transfer_params=params,
         cache_salt=cache_salt,
         lora_request=(
-            None if lora is None else SimpleNamespace(lora_name=lora, lora_path=f"/a/{lora}")
+            None
+            if lora is None
+            else SimpleNamespace(lora_name=lora, lora_path=str(lora_path or f"/a/{lora}"))
         ),
         mm_features=[
             SimpleNamespace(mm_position=SimpleNamespace(offset=o, length=n), identifier=i)
@@ -307,6 +312,27 @@ def test_decode_keeps_the_chunks_of_a_prompt_it_computed_once_the_prompt_is_comp
 IMAGES = ((40, 19, "a1b2"), (3, 19, "c3d4"))  # out of order: vLLM's are sorted, ours are
 
 
+def write_adapter(folder: Path, weights: bytes) -> Path:
+    """An adapter folder with the files vLLM reads (their bytes only: nothing parses them)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    return folder
+
+
+def settled(half: ProducerScheduler | ConsumerScheduler, req: SimpleNamespace) -> tuple:
+    """``get_num_new_matched_tokens``'s answer once it is not "ask again" (the request's
+    adapter's files read)."""
+    answers: list[tuple] = []
+    wait_for(
+        lambda: (
+            answers.append(half.get_num_new_matched_tokens(req, 0)) or answers[-1][0] is not None
+        ),
+        what="the adapter's files read",
+    )
+    return answers[-1]
+
+
 @pytest.mark.parametrize(
     ("salt", "lora", "tags", "mm"),
     [
@@ -322,24 +348,33 @@ def test_both_scheduler_halves_pass_the_requests_key_scope_to_their_worker(
     lora: str | None,
     tags: tuple[tuple[str, str], ...],
     mm: tuple[tuple[int, int, str], ...],
+    tmp_path: Path,
 ) -> None:
-    """The workers key a request's chunks with its ``cache_salt``, its LoRA adapter's name, its
-    LMCache tags (``lmcache.tag.*`` in its kv_transfer_params, as LMCache's users send them)
-    and its images (vLLM's hash of each at its placeholders, sorted by position): every save
-    carries them, and so does the load; a request without them carries none (the control)."""
+    """The workers key a request's chunks with its ``cache_salt``, its LoRA adapter (name, path
+    and a digest of its files), its LMCache tags (``lmcache.tag.*`` in its kv_transfer_params,
+    as LMCache's users send them) and its images (vLLM's hash of each at its placeholders,
+    sorted by position): every save carries them, and so does the load; a request without them
+    carries none (the control)."""
     blocks = SimpleNamespace(get_block_ids=lambda: ([3, 1, 4, 1],))
     params = {"disagg_spec": SPEC} | {f"lmcache.tag.{name}": value for name, value in tags}
+    folder = write_adapter(tmp_path / "tuned", b"weights") if lora else None
     producer = ProducerScheduler()
-    req = request("r", list(range(150)), params, cache_salt=salt, lora=lora, mm=mm)
+    req = request(
+        "r", list(range(150)), params, cache_salt=salt, lora=lora, mm=mm, lora_path=folder
+    )
+    assert settled(producer, req) == (0, False)
     producer.update_state_after_alloc(req, None, 0)
     first = producer.build_connector_meta(step(new=[("r", [4, 5], 0)], scheduled={"r": 64}))
     later = producer.build_connector_meta(step(cached=[("r", [6], 64)], scheduled={"r": 86}))
     scopes = [(s.cache_salt, s.lora, s.tags, s.mm) for s in first.saves + later.saves]
-    adapter = None if lora is None else f"{lora}\0/a/{lora}"  # its name and its path
+    digest = None if folder is None else folder_digest(folder, 1 << 20, time.monotonic() + 5)
+    adapter = None if lora is None else f"{lora}\0{folder}\0{digest}"  # name, path, files
     assert scopes == [(salt, adapter, tags, tuple(sorted(mm)))] * 2
     consumer = ConsumerScheduler()
-    req = request("c", list(range(201)), params, cache_salt=salt, lora=lora, mm=mm)
-    assert consumer.get_num_new_matched_tokens(req, 0) == (200, True)
+    req = request(
+        "c", list(range(201)), params, cache_salt=salt, lora=lora, mm=mm, lora_path=folder
+    )
+    assert settled(consumer, req) == (200, True)
     consumer.update_state_after_alloc(req, blocks, 200)
     [load] = consumer.build_connector_meta(step()).loads
     assert (load.cache_salt, load.lora, load.tags, load.mm) == (
@@ -348,18 +383,95 @@ def test_both_scheduler_halves_pass_the_requests_key_scope_to_their_worker(
         tags,
         tuple(sorted(mm)),
     )
+    producer.close()
+    consumer.close()
 
 
-def test_an_adapter_name_pointed_at_other_weights_keys_other_chunks() -> None:
-    """vLLM keys its own prefix cache by an adapter's name and path: so do the chunk keys."""
+def test_one_adapter_name_and_path_holding_other_files_keys_other_chunks(tmp_path: Path) -> None:
+    """Two hosts (or one file replaced between starts) hold other weights under one adapter
+    name and path: prefill's pushed chunks and decode's expected ones get other keys, so decode
+    loads none of them (it computes the prompt), never another adapter's KV. The control: the
+    same files, the same keys."""
+    folder = tmp_path / "tuned"
+    prompt = list(range(201))
+    blocks = SimpleNamespace(get_block_ids=lambda: ([3, 1, 4, 1],))
 
-    def scope(name: str, path: str) -> str | None:
-        adapter = SimpleNamespace(lora_name=name, lora_path=path)
-        return lora_name(SimpleNamespace(lora_request=adapter))
+    def pushed(weights: bytes) -> list:
+        write_adapter(folder, weights)
+        producer = ProducerScheduler()  # a process of its own: another host, or a restart
+        req = request("r", prompt[:-1], {"disagg_spec": SPEC}, lora="tuned", lora_path=folder)
+        settled(producer, req)
+        producer.update_state_after_alloc(req, None, 0)
+        meta = producer.build_connector_meta(step(new=[("r", [4], 0)], scheduled={"r": 200}))
+        producer.close()
+        return make_keyer(chunk_size=CHUNK).chunk_keys(prompt[:-1], lora=meta.saves[0].lora)
 
-    assert scope("tuned", "/a") == scope("tuned", "/a")
-    assert scope("tuned", "/a") != scope("tuned", "/b")
-    assert scope("tuned", "/a") != scope("other", "/a")
+    def expected(weights: bytes) -> list:
+        write_adapter(folder, weights)
+        consumer = ConsumerScheduler()
+        req = request("c", prompt, {"disagg_spec": SPEC}, lora="tuned", lora_path=folder)
+        assert settled(consumer, req) == (200, True)
+        consumer.update_state_after_alloc(req, blocks, 200)
+        [load] = consumer.build_connector_meta(step()).loads
+        consumer.close()
+        return make_keyer(chunk_size=CHUNK).chunk_keys(load.prompt, lora=load.lora)
+
+    on_prefill = pushed(b"weights of one adapter")
+    assert not {k.key for k in expected(b"weights of another")} & {k.key for k in on_prefill}
+    assert expected(b"weights of one adapter") == on_prefill  # the control
+
+
+def test_an_adapter_scope_differs_by_name_path_and_files(tmp_path: Path) -> None:
+    """As vLLM's own prefix cache keys it, by name and path; and by what the files hold."""
+    one, same, other = (
+        write_adapter(tmp_path / n, w) for n, w in [("1", b"a"), ("2", b"a"), ("3", b"b")]
+    )
+    identities = AdapterIdentities()
+
+    def scope(name: str, folder: Path) -> str:
+        req = SimpleNamespace(lora_request=SimpleNamespace(lora_name=name, lora_path=str(folder)))
+        answers: list = []
+        wait_for(
+            lambda: answers.append(identities.of(req)) or answers[-1] is not AdapterState.PENDING
+        )
+        return answers[-1]
+
+    assert scope("tuned", one) == scope("tuned", one)
+    assert scope("tuned", one) != scope("other", one)
+    assert scope("tuned", one) != scope("tuned", same)  # the same files on another path
+    assert scope("tuned", one).split("\0")[2] == scope("tuned", same).split("\0")[2]
+    assert scope("tuned", one).split("\0")[2] != scope("tuned", other).split("\0")[2]
+    assert identities.of(SimpleNamespace(lora_request=None)) is None  # the base model
+    identities.close()
+
+
+@pytest.mark.parametrize(
+    ("why", "bounds"),
+    [("missing", {}), ("too large", {"max_bytes": 10}), ("too slow", {"timeout_s": 0.0})],
+)
+def test_an_adapter_whose_files_cannot_be_read_is_served_without_disaggregation(
+    tmp_path: Path, why: str, bounds: dict
+) -> None:
+    """Prefill pushes nothing of it and decode computes its prompt (the pushed chunks, if any,
+    released), each counted and logged; never a load under keys that do not name its files."""
+    folder = tmp_path / "nothing" if why == "missing" else write_adapter(tmp_path / "a", b"x" * 64)
+    counted: list[str] = []
+    producer = ProducerScheduler(counted.append, adapters=AdapterIdentities(**bounds))
+    req = request("r", list(range(150)), {"disagg_spec": SPEC}, lora="tuned", lora_path=folder)
+    assert settled(producer, req) == (0, False)
+    producer.update_state_after_alloc(req, None, 0)
+    assert (
+        producer.build_connector_meta(step(new=[("r", [4], 0)], scheduled={"r": 150})).saves == []
+    )
+    consumer = ConsumerScheduler(counted.append, adapters=AdapterIdentities(**bounds))
+    req = request("c", list(range(151)), {"disagg_spec": SPEC}, lora="tuned", lora_path=folder)
+    assert settled(consumer, req) == (0, False)
+    consumer.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([3],)), 0)
+    meta = consumer.build_connector_meta(step())
+    assert (meta.loads, meta.unneeded) == ([], {"d-1"})
+    assert counted == ["adapters_unreadable"] * 2
+    producer.close()
+    consumer.close()
 
 
 def test_an_image_requests_chunks_are_not_published_under_the_proxys_keys() -> None:

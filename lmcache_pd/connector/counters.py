@@ -59,6 +59,9 @@ COUNTERS: Mapping[str, str] = MappingProxyType(
         "preemption_recomputes": "Requests preempted after their load, recomputed by vLLM.",
         "preemption_reloads": "Requests preempted after their load, loaded again from the "
         "consumer's cache.",
+        "adapters_unreadable": "Requests of a LoRA adapter whose files could not be read for "
+        "its chunk keys (not a folder, missing, too large, too slow): served without "
+        "disaggregation.",
         "held_prefix_lost": "Requests whose prefix the proxy saw decode's cache hold (prefill "
         "did not push it) but that decode no longer held when it scheduled them: recomputed.",
         # LMCache's proxy protocol (lmcache_proxy.py).

@@ -20,6 +20,7 @@ import msgspec
 from vllm.v1.request import RequestStatus
 
 from lmcache_pd.auth import DeploymentKeys
+from lmcache_pd.connector.adapter_identity import AdapterIdentities, AdapterState
 from lmcache_pd.connector.metadata import (
     LoadRequest,
     PDConnectorMetadata,
@@ -47,13 +48,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def lora_name(request: Request) -> str | None:
-    """The request's LoRA adapter, its name and the path it was loaded from (None: the base
-    model): part of its chunk keys, as both are of vLLM's own prefix-cache keys, so that a name
-    pointed at other weights on one instance than on another never shares KV (prefill and
-    decode load an adapter from the same path, or decode recomputes)."""
-    lora = getattr(request, "lora_request", None)
-    return None if lora is None else f"{lora.lora_name}\0{lora.lora_path}"
+def not_shared(count: Callable[[str], None], request: Request) -> None:
+    """Count and log a request whose adapter's files could not be read for its chunk keys: it
+    is served without disaggregation (``adapter_identity.py``)."""
+    count("adapters_unreadable")
+    logger.warning(
+        "req %s: LoRA adapter %s unreadable for its chunk keys; served without disaggregation",
+        request.request_id,
+        request.lora_request.lora_path,
+    )
 
 
 def mm_items(request: Request) -> MMItems:
@@ -161,7 +164,7 @@ class _Push:
     ret_first_tok: bool
     notice_to: str | None  # the proxy that wants the first token from the engine at once
     cache_salt: str | None  # the request's, part of its chunk keys
-    lora: str | None  # its LoRA adapter's name, part of its chunk keys too
+    lora: str | None  # its LoRA adapter's name, path and digest, part of its chunk keys too
     tags: tuple[tuple[str, str], ...] = ()  # its LMCache tags, part of its chunk keys too
     mm: MMItems = ()  # its images at their positions, part of its chunk keys too
     announced: bool = False  # the worker has had the prompt
@@ -175,10 +178,14 @@ class ProducerScheduler(SchedulerHalf):
         count: Callable[[str], None] = lambda _: None,
         keys: DeploymentKeys | None = None,
         default_peer: str | None = None,
+        adapters: AdapterIdentities | None = None,
     ) -> None:
         """``count`` takes the name of a counter to bump (``StatsRecorder.add``); ``keys``
         authenticate first-token notices to the proxy (``auth.py``); ``default_peer``: where a
-        request that names no DisaggSpec is pushed (``PDConfig.default_peer``; None: nowhere)."""
+        request that names no DisaggSpec is pushed (``PDConfig.default_peer``; None: nowhere);
+        ``adapters``: LoRA adapters' identities (None: its own), closed with this half."""
+        self._count = count
+        self._adapters = adapters or AdapterIdentities()
         self._door = ParamsDoor(count)
         self._default_peer = default_peer
         self._pushes: dict[str, _Push] = {}
@@ -191,6 +198,13 @@ class ProducerScheduler(SchedulerHalf):
         self._outstanding = 0
         self._notices = NoticeSender(keys)
 
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed: int
+    ) -> tuple[int | None, bool]:
+        """Nothing to load; None (ask again next step) while the files of the request's LoRA
+        adapter are read for the keys its chunks are pushed under."""
+        return (None if self._adapters.of(request) is AdapterState.PENDING else 0), False
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -200,6 +214,10 @@ class ProducerScheduler(SchedulerHalf):
         spec = params.disagg_spec or self._to_default_peer(request)
         if spec is None:
             return
+        adapter = self._adapters.of(request)
+        if isinstance(adapter, AdapterState):  # its decode computes the prompt: none of this KV
+            not_shared(self._count, request)
+            return
         if params.first_tok_to is not None and not self._notices.connect(params.first_tok_to):
             params = self._door.refuse_notices(request, f"ZMQ refuses {NOTICE_KEY}")
         self._pushes[request.request_id] = _Push(
@@ -208,7 +226,7 @@ class ProducerScheduler(SchedulerHalf):
             params.ret_first_tok,
             params.first_tok_to,
             request.cache_salt,
-            lora_name(request),
+            adapter,
             params.tags,
             mm_items(request),
         )
@@ -261,6 +279,7 @@ class ProducerScheduler(SchedulerHalf):
 
     def close(self) -> None:
         self._notices.close()
+        self._adapters.close()
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         """Blocks are freed at once: the worker copied the KV out during the step. A request
@@ -324,6 +343,7 @@ class ConsumerScheduler(SchedulerHalf):
         block_size: int | None = None,
         priority_limit: int | None = None,
         landed_wait_s: float = 0.0,
+        adapters: AdapterIdentities | None = None,
     ) -> None:
         """``count`` takes the name of a counter to bump (``StatsRecorder.add``); ``boards``:
         each consumer rank's ``landed_board``, on every one of which a request's chunks must
@@ -340,8 +360,10 @@ class ConsumerScheduler(SchedulerHalf):
         a hold counts in whole chunks); ``priority_limit``: requests of a priority above it keep
         nothing in the consumer's cache (``_keeps``; None: no limit); ``landed_wait_s``: how
         long a request that names no transfer parameters waits for its prompt's chunks to show
-        landed (``_awaits_landing``; 0: not at all)."""
+        landed (``_awaits_landing``; 0: not at all); ``adapters``: LoRA adapters' identities
+        (None: its own), closed with this half."""
         self._count = count
+        self._adapters = adapters or AdapterIdentities()
         self._door = ParamsDoor(count)
         self._chunk_size = chunk_size
         self._parts = tuple(parts_per_chunk) or (1,) * len(boards)
@@ -386,6 +408,7 @@ class ConsumerScheduler(SchedulerHalf):
             self._landed_chunks.close()
         if self._landed is not None:
             self._landed.close()
+        self._adapters.close()
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed: int
@@ -395,7 +418,15 @@ class ConsumerScheduler(SchedulerHalf):
         names ``first_tok``: its whole prompt's KV was pushed, and the last token's is loaded
         too, then computed again) or, for a prompt the proxy made of the client's and prefill's
         first token, that token. A hit that ends inside a chunk is fine: only that chunk's
-        later blocks are loaded."""
+        later blocks are loaded. None (ask again next step) while the files of the request's
+        LoRA adapter are read for its chunk keys; nothing if they could not be."""
+        adapter = self._adapters.of(request)
+        if adapter is AdapterState.PENDING:
+            return None, False
+        if adapter is AdapterState.UNREADABLE:
+            if request.request_id not in self._loaded:
+                not_shared(self._count, request)
+            return 0, False
         spec = self._door.of(request).disagg_spec
         if request.request_id in self._loaded:
             return self._reload(request, num_computed), False
@@ -462,7 +493,7 @@ class ConsumerScheduler(SchedulerHalf):
             prompt,
             request.cache_salt,
             num_computed,
-            lora_name(request),
+            self._adapter(request),
             mm_items(request),
         )
         if end <= num_computed:
@@ -510,12 +541,13 @@ class ConsumerScheduler(SchedulerHalf):
         elif spec is None:
             self._load_local(request, blocks, num_external_tokens)
         if spec is None:
-            if self._computed is not None and keeps:
+            adapter = self._adapters.of(request)
+            if self._computed is not None and keeps and not isinstance(adapter, AdapterState):
                 self._computed.track(
                     request.request_id,
                     list(request.prompt_token_ids or []),
                     request.cache_salt,
-                    lora_name(request),
+                    adapter,
                     params.tags,
                     mm_items(request),
                 )
@@ -550,7 +582,7 @@ class ConsumerScheduler(SchedulerHalf):
                 sync=sync,
                 cache_salt=request.cache_salt,
                 held=spec.decode_holds,
-                lora=lora_name(request),
+                lora=self._adapter(request),
                 tags=params.tags,
                 mm=mm_items(request),
             )
@@ -559,7 +591,15 @@ class ConsumerScheduler(SchedulerHalf):
     def _keyed_past_the_proxy(self, request: Request) -> bool:
         """Whether ``request``'s chunk keys hold what the proxy's block keys cannot (a LoRA
         adapter, LMCache tags, images): its chunks are not published to the proxy."""
-        return bool(lora_name(request) or self._door.of(request).tags or mm_items(request))
+        return bool(self._adapter(request) or self._door.of(request).tags or mm_items(request))
+
+    def _adapter(self, request: Request) -> str | None:
+        """``request``'s adapter where it loads KV: ``get_num_new_matched_tokens`` found it
+        none, or its name, path and digest (a request of an adapter in any other state loads
+        nothing)."""
+        adapter = self._adapters.of(request)
+        assert not isinstance(adapter, AdapterState), (request.request_id, adapter)
+        return adapter
 
     def _keeps(self, request: Request) -> bool:
         """Whether ``request``'s KV stays in the consumer's cache for later prompts: not if it
@@ -604,7 +644,7 @@ class ConsumerScheduler(SchedulerHalf):
                 sync=True,
                 cache_salt=request.cache_salt,
                 local=True,
-                lora=lora_name(request),
+                lora=self._adapter(request),
                 tags=self._door.of(request).tags,
                 mm=mm_items(request),
             )
