@@ -50,6 +50,9 @@ Protocol history:
      forced too: a stream that broke on one decode goes on on another (``proxy/migration.py``).
   (no version change) ``KVTransferParams.tags`` and ``skip_save``: LMCache's request options,
      under LMCache's own keys (``lmcache.tag.<name>``, ``lmcache.skip_save``).
+  (no version change) Chunk keys of a LoRA adapter's requests carry a digest of its files
+     beside its name and path (``connector/adapter_identity.py``): a peer without it keys such
+     requests otherwise (no load, recompute), as a 7 peer does.
 """
 
 from __future__ import annotations
