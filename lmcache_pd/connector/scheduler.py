@@ -596,7 +596,8 @@ class ConsumerScheduler(SchedulerHalf):
     def _adapter(self, request: Request) -> str | None:
         """``request``'s adapter where it loads KV: ``get_num_new_matched_tokens`` found it
         none, or its name, path and digest (a request of an adapter in any other state loads
-        nothing)."""
+        nothing). Asked in the same scheduling pass as that, with no other request's adapter
+        read between: its answer stands."""
         adapter = self._adapters.of(request)
         assert not isinstance(adapter, AdapterState), (request.request_id, adapter)
         return adapter
