@@ -61,8 +61,11 @@ def shows_first_alone(client: ClientRequest, prefill_answer: dict[str, Any]) -> 
     """Whether a stream's first token can go out before decode's stream, exactly as vLLM would
     stream it: not where stop strings are set (vLLM holds back text that may begin one), nor
     where tools are offered or the chat's first token is not plain content (a tool-call or
-    reasoning parser shapes its delta)."""
+    reasoning parser shapes its delta), nor where every event carries the usage so far
+    (``continuous_usage_stats``: decode's first event has it)."""
     if not client.stream or client.body.get("stop") or client.body.get("tools"):
+        return False
+    if client.continuous_usage:
         return False
     if client.endpoint is Endpoint.COMPLETIONS:
         return True
@@ -120,7 +123,9 @@ def first_events(
             | {
                 "choices": [role],
                 "prompt_token_ids": prompt_ids if asked else None,
-                "prompt_text": None,
+                # the rendered prompt, where asked (``return_prompt_text``): prefill's answer
+                # has it, as vLLM's first chunk
+                "prompt_text": prefill_answer.get("prompt_text"),
             }
         )
         token: dict[str, Any] = {"index": 0, "delta": {"content": choice["message"]["content"]}}
