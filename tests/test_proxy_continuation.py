@@ -124,6 +124,11 @@ def test_the_first_token_goes_out_alone_only_where_vllm_would_show_it_so() -> No
     assert not shows_first_alone(client(chat), prefill_answer(None, tool_calls=[{}]))
     assert not shows_first_alone(client(chat), prefill_answer("", reasoning="think"))
     assert not shows_first_alone(client(chat, stream=False), prefill_answer())
+    # vLLM's first event carries the usage so far: decode's has it (before, it went out alone,
+    # without)
+    continuous = {"include_usage": True, "continuous_usage_stats": True}
+    for endpoint in (chat, Endpoint.COMPLETIONS):
+        assert not shows_first_alone(client(endpoint, stream_options=continuous), prefill_answer())
 
 
 def test_the_first_events_are_vllms_chat_chunks() -> None:
@@ -138,6 +143,12 @@ def test_the_first_events_are_vllms_chat_chunks() -> None:
         "token_ids": None,
     }
     assert {event["id"] for event in events} == {"chatcmpl-r"}
+    assert role["prompt_text"] is None
+    # The rendered prompt where asked (return_prompt_text), as prefill's answer has it (before,
+    # always None)
+    shown = prefill_answer() | {"prompt_text": "<s>hi"}
+    asked = first_events(client(Endpoint.CHAT, return_prompt_text=True), shown, "c", ends=False)
+    assert asked[0]["prompt_text"] == "<s>hi"
     ended = first_events(
         client(Endpoint.CHAT, stream_options={"include_usage": True}),
         prefill_answer(),
