@@ -261,9 +261,14 @@ def _check_prompts(prompt: str | list[Any]) -> None:
 
 def _alone_reason(body: dict[str, Any], fields: _CompletionFields | _ChatFields) -> str | None:
     """Why decode serves the request alone, its own request unchanged (``ALONE_FIELDS``, more
-    than one choice); None: it is disaggregated (a batch of prompts one request per prompt)."""
+    than one choice, hidden reasoning); None: it is disaggregated (a batch of prompts one
+    request per prompt)."""
     if (fields.n or 1) > 1:
         return "n"
+    if isinstance(fields, _ChatFields) and body.get("include_reasoning") is False:
+        # vLLM then hides every chunk's token ids (where it has a parser), and decode's stream
+        # cannot be followed token by token from prefill's first token.
+        return "include_reasoning"
     for name, reason in ALONE_FIELDS.items():
         if body.get(name) not in (None, False, [], {}):
             return reason

@@ -70,7 +70,9 @@ def shows_first_alone(client: ClientRequest, prefill_answer: dict[str, Any]) -> 
     if client.endpoint is Endpoint.COMPLETIONS:
         return True
     message = (prefill_answer["choices"][0]).get("message") or {}
-    return isinstance(message.get("content"), str) and not any(
+    # A token of no text yet (part of a character) is a chunk without content in vLLM's
+    # stream, if any: decode's stream shows it as vLLM does.
+    return bool(message.get("content")) and not any(
         message.get(name) for name in ("reasoning", "reasoning_content", "tool_calls")
     )
 
@@ -269,6 +271,8 @@ class DecodeRelay:
         against the client's); the event that goes past it is cut to what is new (its ids, text
         and logprobs) and the skipping ends. Events without tokens before it (a chat's role
         chunk) are skipped."""
+        if text and not ids:  # never skip what cannot be matched token by token
+            raise FirstTokenMismatch("decode's stream carries no token ids to go on from")
         drop_ids = min(len(ids), self._skip_ids - self._seen_ids)
         expected = self._skip_text[self._seen_text :]
         drop_text = min(len(text), len(expected))
