@@ -73,7 +73,7 @@ class Answer:
         self.continues = decoder is not None and prefilled.goes_on
         # vLLM names its answer after the X-Request-Id the proxy sends decode.
         prefix = "cmpl-" if client.endpoint is Endpoint.COMPLETIONS else "chatcmpl-"
-        self.response_id = prefix + req_id
+        self.response_id = prefix + client.answer_name(req_id)
 
     async def _decoded(self, resume: Callable[[], tuple[int, ...]]) -> AsyncIterator[list[bytes]]:
         """Decode's events' data (or its whole answer), a list per network read; where decode

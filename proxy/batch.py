@@ -88,12 +88,14 @@ async def serve_batch(
 
     tasks = [asyncio.ensure_future(run(i, part)) for i, part in enumerate(parts)]
     try:
+        # The batch's answer is named as one vLLM names it (``ClientRequest.answer_name``).
+        name = client.answer_name(req_id)
         if not client.stream:
-            return _merged_whole([await task for task in tasks], req_id)
+            return _merged_whole([await task for task in tasks], name)
         refused = await _first_refusal(tasks, opened)
         if refused is not None:
             return refused
-        return await _merged_stream(open_stream, client, req_id, tasks, queue)
+        return await _merged_stream(open_stream, client, name, tasks, queue)
     finally:
         for task in tasks:
             task.cancel()
@@ -117,9 +119,10 @@ async def _first_refusal(
 
 
 def _merged_whole(
-    answers: list[tuple[web.StreamResponse, Outcome]], req_id: str
+    answers: list[tuple[web.StreamResponse, Outcome]], name: str
 ) -> tuple[web.StreamResponse, Outcome]:
-    """The parts' whole answers as one, or the first that is not an answer."""
+    """The parts' whole answers as one, named ``cmpl-NAME``, or the first that is not an
+    answer."""
     for response, outcome in answers:
         if outcome is not Outcome.OK or not isinstance(response, web.Response):
             return response, outcome
@@ -127,7 +130,7 @@ def _merged_whole(
     choices = [
         choice | {"index": place} for place, body in enumerate(bodies) for choice in body["choices"]
     ]
-    merged = bodies[0] | {"id": f"cmpl-{req_id}", "choices": choices}
+    merged = bodies[0] | {"id": f"cmpl-{name}", "choices": choices}
     merged["usage"] = _summed([body.get("usage") for body in bodies])
     return json_response(merged), Outcome.OK
 
@@ -144,7 +147,7 @@ def _summed(usages: list[dict[str, Any] | None]) -> dict[str, Any] | None:
 async def _merged_stream(
     open_stream: OpenStream,
     client: ClientRequest,
-    req_id: str,
+    name: str,
     tasks: list[asyncio.Future[tuple[web.StreamResponse, Outcome]]],
     queue: asyncio.Queue[_Item],
 ) -> tuple[web.StreamResponse, Outcome]:
@@ -161,7 +164,7 @@ async def _merged_stream(
             out = [
                 renumbered
                 for payload in _payloads(data)
-                if (renumbered := _renumbered(payload, index, req_id, usage_events)) is not None
+                if (renumbered := _renumbered(payload, index, name, usage_events)) is not None
             ]
             if out:
                 await write(response, b"".join(sse(event) for event in out))
@@ -183,7 +186,7 @@ def _payloads(data: bytes) -> list[bytes]:
 
 
 def _renumbered(
-    payload: bytes, place: int, req_id: str, usage_events: list[dict[str, Any]]
+    payload: bytes, place: int, name: str, usage_events: list[dict[str, Any]]
 ) -> dict[str, Any] | bytes | None:
     """A part's event as the batch's stream shows it: its choices numbered by the prompt's
     ``place``, the batch's id. None for what the merge sends once (``[DONE]``, the usage event,
@@ -196,7 +199,7 @@ def _renumbered(
         return payload
     if not isinstance(event, dict) or "error" in event:
         return payload
-    event["id"] = f"cmpl-{req_id}"
+    event["id"] = f"cmpl-{name}"
     choices = event.get("choices") or []
     if not choices and event.get("usage") is not None:
         usage_events.append(event)

@@ -5,9 +5,10 @@ first output token must be prefill's, with the same DisaggSpec).
 Only the fields the proxy interprets are validated here; every other field goes to prefill and
 to decode as the client sent it (vLLM checks those). What vLLM would
 read as transfer parameters is the proxy's alone: a client's ``kv_transfer_params`` (but for
-LMCache's ``lmcache.*`` request options, passed on beside the proxy's), and the fields vLLM
-copies into the same place (``vllm_xargs``, whose keys become the sampling params'
-``extra_args``, where vLLM looks for ``kv_transfer_params``; ``ec_transfer_params``), are refused.
+LMCache's ``lmcache.*`` request options, passed on beside the proxy's), and what vLLM copies
+into the same place (``ec_transfer_params``, and those keys of ``vllm_xargs``, whose keys become
+the sampling params' ``extra_args``, where vLLM looks for ``kv_transfer_params``), are refused;
+``vllm_xargs`` of other keys (a custom extension's) goes to prefill and decode as sent.
 So is a body nested deeper than any OpenAI request is (``MAX_JSON_DEPTH``): it would cost every
 JSON parser on its way a deep recursion.
 """
@@ -36,9 +37,11 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # protocols): the proxy's to set, refused with any value but null; ``kv_transfer_params`` is
 # the proxy's too but for LMCache's request options (``client_options``).
 TRANSFER_FIELDS = {
-    "vllm_xargs": "vllm_xargs (vLLM reads kv_transfer_params from them; the proxy sets those)",
     "ec_transfer_params": "ec_transfer_params (transfer parameters are the proxy's to set)",
 }
+# Keys of ``vllm_xargs`` refused: vLLM puts both fields above into the same ``extra_args``, and
+# its engine reads them from there. Any other key is a custom extension's, sent on as it is.
+TRANSFER_XARGS = ("kv_transfer_params", "ec_transfer_params")
 
 # Keys of ``chat_template_kwargs`` that vLLM refuses (``resolve_chat_template_kwargs``).
 RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})
@@ -56,6 +59,10 @@ ALONE_FIELDS = {
     "echo": "echo",
     "prompt_logprobs": "prompt_logprobs",
     "suffix": "suffix",
+    # vLLM gives an embeddings prompt no token ids, and chunk keys are made of token ids: its
+    # pushed KV could not be told from another's. Decode computes it (where vLLM serves
+    # embeddings at all: ``--enable-prompt-embeds``).
+    "prompt_embeds": "prompt_embeds",
 }
 
 
@@ -98,6 +105,7 @@ def unknown_model(name: str, base: str) -> BadRequest:
 
 class _StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -108,11 +116,13 @@ class _Common(msgspec.Struct, kw_only=True):
     n: Annotated[int, msgspec.Meta(ge=1)] | None = None
     min_tokens: NonNegative | None = None
     max_tokens: Positive | None = None
+    request_id: str | None = None
 
 
 class _CompletionFields(_Common):
-    # A text, token ids, or a batch of either (checked in ``_check_prompts``).
-    prompt: str | list[Any]
+    # A text, token ids, or a batch of either (checked in ``_check_prompts``); None: the
+    # prompt is ``prompt_embeds``.
+    prompt: str | list[Any] | None = None
     logprobs: NonNegative | None = None
 
 
@@ -138,17 +148,21 @@ class _ChatFields(_Common):
 
 
 def _validate(endpoint: Endpoint, body: dict[str, Any]) -> _CompletionFields | _ChatFields:
-    for name, what in TRANSFER_FIELDS.items():
-        if body.get(name) is not None:
-            raise BadRequest(f"{what} may not be sent to the disaggregating proxy")
-    client_options(body)
+    check_transfer_fields(body)
     fields_type = _CompletionFields if endpoint is Endpoint.COMPLETIONS else _ChatFields
     try:
         fields = msgspec.convert(body, fields_type)
     except msgspec.ValidationError as exc:
         raise BadRequest(str(exc)) from exc
     if isinstance(fields, _CompletionFields):
-        _check_prompts(fields.prompt)
+        if fields.prompt is None:
+            if body.get("prompt_embeds") in (None, []):  # vLLM's own check and words
+                raise BadRequest(
+                    "Either prompt or prompt_embeds must be provided and non-empty.",
+                    param="prompt",
+                )
+        else:
+            _check_prompts(fields.prompt)
     else:
         _template_kwargs(fields.chat_template_kwargs or {})
     # The prompt is checked: a text or token ids, at most two deep. The rest is walked.
@@ -156,6 +170,32 @@ def _validate(endpoint: Endpoint, body: dict[str, Any]) -> _CompletionFields | _
         if name != "prompt" and nests_deeper(value, MAX_JSON_DEPTH - 1):
             raise BadRequest(f"`{name}` is nested deeper than {MAX_JSON_DEPTH} levels")
     return fields
+
+
+def check_transfer_fields(body: dict[str, Any]) -> None:
+    """Refuse what vLLM would read as transfer parameters, the proxy's to set: ``TRANSFER_FIELDS``,
+    ``vllm_xargs`` carrying ``TRANSFER_XARGS``, and ``kv_transfer_params`` but for LMCache's
+    options (``client_options``). Every route that generates reads them (the Responses API's
+    too). Raises ``BadRequest`` naming the field."""
+    for name, what in TRANSFER_FIELDS.items():
+        if body.get(name) is not None:
+            raise BadRequest(f"{what} may not be sent to the disaggregating proxy", param=name)
+    _check_xargs(body.get("vllm_xargs"))
+    client_options(body)
+
+
+def _check_xargs(xargs: object) -> None:
+    """Refuse ``vllm_xargs`` that carry transfer parameters (``TRANSFER_XARGS``), naming the
+    key; a value that is not an object is vLLM's to refuse."""
+    if not isinstance(xargs, dict):
+        return
+    for key in TRANSFER_XARGS:
+        if key in xargs:
+            raise BadRequest(
+                f"vllm_xargs.{key} may not be sent to the disaggregating proxy (vLLM reads "
+                "transfer parameters from vllm_xargs; the proxy sets those)",
+                param="vllm_xargs",
+            )
 
 
 def client_options(body: dict[str, Any]) -> dict[str, Any]:
@@ -221,9 +261,14 @@ def _check_prompts(prompt: str | list[Any]) -> None:
 
 def _alone_reason(body: dict[str, Any], fields: _CompletionFields | _ChatFields) -> str | None:
     """Why decode serves the request alone, its own request unchanged (``ALONE_FIELDS``, more
-    than one choice); None: it is disaggregated (a batch of prompts one request per prompt)."""
+    than one choice, hidden reasoning); None: it is disaggregated (a batch of prompts one
+    request per prompt)."""
     if (fields.n or 1) > 1:
         return "n"
+    if isinstance(fields, _ChatFields) and body.get("include_reasoning") is False:
+        # vLLM then hides every chunk's token ids (where it has a parser), and decode's stream
+        # cannot be followed token by token from prefill's first token.
+        return "include_reasoning"
     for name, reason in ALONE_FIELDS.items():
         if body.get(name) not in (None, False, [], {}):
             return reason
@@ -240,11 +285,18 @@ class ClientRequest:
     model: str | None
     stream: bool
     include_usage: bool
+    # Whether every streamed event carries the usage so far (``continuous_usage_stats``).
+    continuous_usage: bool
     # Output tokens the client wants in all; None: up to the model's context (chat default).
     max_tokens: int | None
     min_tokens: int
     # Why decode serves it alone, unchanged (``ALONE_FIELDS``); None: disaggregated.
     alone_reason: str | None = None
+    # Whether it is one prompt of a batch, its answer merged with the others' (``batch.py``).
+    batch_part: bool = False
+    # What the client named the request (its ``X-Request-Id`` header, else its ``request_id``),
+    # which vLLM names its answer after; None: nothing (``answer_name``).
+    named: str | None = None
 
     @classmethod
     def from_json(cls, endpoint: Endpoint, raw: bytes) -> ClientRequest:
@@ -282,9 +334,13 @@ class ClientRequest:
             model=fields.model,
             stream=bool(fields.stream),
             include_usage=bool(fields.stream_options and fields.stream_options.include_usage),
+            continuous_usage=bool(
+                fields.stream_options and fields.stream_options.continuous_usage_stats
+            ),
             max_tokens=max_tokens,
             min_tokens=min_tokens,
             alone_reason=_alone_reason(body, fields),
+            named=fields.request_id,
         )
 
     @property
@@ -303,9 +359,15 @@ class ClientRequest:
         """A batch's requests, one per prompt in its order, each the client's request with that
         prompt alone."""
         return [
-            dataclasses.replace(self, body=self.body | {"prompt": one})
+            dataclasses.replace(self, body=self.body | {"prompt": one}, batch_part=True)
             for one in self.body["prompt"]
         ]
+
+    def answer_name(self, req_id: str) -> str:
+        """What the instances are told to name the request (``X-Request-Id``), and so its
+        answer (``cmpl-NAME``, ``chatcmpl-NAME``): the client's name for it, as one vLLM names
+        it, else the proxy's ``req_id``."""
+        return req_id if self.named is None else self.named
 
     @property
     def needs_decode(self) -> bool:

@@ -61,13 +61,18 @@ def shows_first_alone(client: ClientRequest, prefill_answer: dict[str, Any]) -> 
     """Whether a stream's first token can go out before decode's stream, exactly as vLLM would
     stream it: not where stop strings are set (vLLM holds back text that may begin one), nor
     where tools are offered or the chat's first token is not plain content (a tool-call or
-    reasoning parser shapes its delta)."""
+    reasoning parser shapes its delta), nor where every event carries the usage so far
+    (``continuous_usage_stats``: decode's first event has it)."""
     if not client.stream or client.body.get("stop") or client.body.get("tools"):
+        return False
+    if client.continuous_usage:
         return False
     if client.endpoint is Endpoint.COMPLETIONS:
         return True
     message = (prefill_answer["choices"][0]).get("message") or {}
-    return isinstance(message.get("content"), str) and not any(
+    # A token of no text yet (part of a character) is a chunk without content in vLLM's
+    # stream, if any: decode's stream shows it as vLLM does.
+    return bool(message.get("content")) and not any(
         message.get(name) for name in ("reasoning", "reasoning_content", "tool_calls")
     )
 
@@ -120,7 +125,9 @@ def first_events(
             | {
                 "choices": [role],
                 "prompt_token_ids": prompt_ids if asked else None,
-                "prompt_text": None,
+                # the rendered prompt, where asked (``return_prompt_text``): prefill's answer
+                # has it, as vLLM's first chunk
+                "prompt_text": prefill_answer.get("prompt_text"),
             }
         )
         token: dict[str, Any] = {"index": 0, "delta": {"content": choice["message"]["content"]}}
@@ -264,6 +271,8 @@ class DecodeRelay:
         against the client's); the event that goes past it is cut to what is new (its ids, text
         and logprobs) and the skipping ends. Events without tokens before it (a chat's role
         chunk) are skipped."""
+        if text and not ids:  # never skip what cannot be matched token by token
+            raise FirstTokenMismatch("decode's stream carries no token ids to go on from")
         drop_ids = min(len(ids), self._skip_ids - self._seen_ids)
         expected = self._skip_text[self._seen_text :]
         drop_text = min(len(text), len(expected))

@@ -24,7 +24,7 @@ import msgspec
 from lmcache_pd.errors import ProtocolError
 from lmcache_pd.first_token import NoticeBoard
 from lmcache_pd.protocol import DisaggSpec, KVTransferParams, KVTransferReturn
-from lmcache_pd.proxy.client_request import ClientRequest, Endpoint
+from lmcache_pd.proxy.client_request import ClientRequest
 from lmcache_pd.proxy.config import Timeouts
 from lmcache_pd.proxy.metrics import ProxyMetrics
 from lmcache_pd.proxy.routing import NoHealthyInstance, Pool, Upstream
@@ -168,7 +168,7 @@ class Disaggregator:
             body = request.prefill_body(params)
             try:
                 with member.busy(0 if work is None else work(member)):
-                    prefilled = await self._prefill_once(member, request.endpoint, req_id, body)
+                    prefilled = await self._prefill_once(member, request, req_id, body)
                 return dataclasses.replace(prefilled, instance=member.url, spec=params.disagg_spec)
             except UpstreamFailed as exc:
                 self._metrics.upstream_error(member, exc.kind)
@@ -180,18 +180,19 @@ class Disaggregator:
     async def _call(
         self,
         member: Upstream,
-        endpoint: Endpoint,
+        request: ClientRequest,
         req_id: str,
         body: dict[str, Any],
         timeout: aiohttp.ClientTimeout,
     ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """POST ``body`` to ``member``; any failure in the call or in reading its answer inside
+        """POST ``body`` to ``member`` on ``request``'s endpoint, named as vLLM names its answer
+        (``ClientRequest.answer_name``); any failure in the call or in reading its answer inside
         the block becomes an ``UpstreamFailed``, and a refused connection marks it down."""
         try:
             async with self._session.post(
-                f"{member.url}{endpoint.value}",
+                f"{member.url}{request.endpoint.value}",
                 data=msgspec.json.encode(body),
-                headers={**self._headers, "X-Request-Id": req_id},
+                headers={**self._headers, "X-Request-Id": request.answer_name(req_id)},
                 timeout=timeout,
             ) as response:
                 yield response
@@ -208,9 +209,9 @@ class Disaggregator:
             raise UpstreamFailed(member, "bad_answer", f"unreadable answer: {exc}") from exc
 
     async def _prefill_once(
-        self, member: Upstream, endpoint: Endpoint, req_id: str, body: dict[str, Any]
+        self, member: Upstream, request: ClientRequest, req_id: str, body: dict[str, Any]
     ) -> Prefilled:
-        async with self._call(member, endpoint, req_id, body, self._prefill_timeout) as response:
+        async with self._call(member, request, req_id, body, self._prefill_timeout) as response:
             await _ensure_ok(member, response)
             prefilled = _prefilled(msgspec.json.decode(await response.read()))
         if prefilled is None:
@@ -229,8 +230,7 @@ class Disaggregator:
         ``[DONE]``; or, not streamed, its JSON body as the one item. Raises
         ``UpstreamRejected`` for a 4xx and ``UpstreamFailed`` for any other failure, including
         a stream that ends without ``[DONE]``."""
-        endpoint, timeout = request.endpoint, self._decode_timeout
-        async with self._call(member, endpoint, req_id, body, timeout) as response:
+        async with self._call(member, request, req_id, body, self._decode_timeout) as response:
             await _ensure_ok(member, response)
             if not request.stream:
                 yield [await response.read()]

@@ -13,7 +13,9 @@ vLLM keeps a response only where ``VLLM_ENABLE_RESPONSES_API_STORE`` is set (off
 and then in one instance's memory: retrieving or cancelling one, or going on from one
 (``previous_response_id``), is answered as one vLLM without the store answers it (not found);
 with the store on, a response lives on one decode instance and a later call may reach another
-(README: not offered).
+(README: not offered). What vLLM would read as transfer parameters (``kv_transfer_params`` but
+for LMCache's options, ``ec_transfer_params``, ``vllm_xargs`` carrying either) is refused on the
+Responses API as on completions (``client_request.check_transfer_fields``).
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from lmcache_pd.proxy.adapter_loads import AdapterLoads
+from lmcache_pd.proxy.client_request import BadRequest, check_transfer_fields
 from lmcache_pd.proxy.config import Timeouts
-from lmcache_pd.proxy.metrics import ProxyMetrics
+from lmcache_pd.proxy.metrics import Outcome, ProxyMetrics
 from lmcache_pd.proxy.responses import ClientGone, close_after_done, error_response, write
 from lmcache_pd.proxy.routing import NoHealthyInstance, Pool, Upstream
 from lmcache_pd.request_body import refusal
@@ -127,9 +131,9 @@ class Forwarder:
         a body the instances' guard would refuse, 503 with no healthy instance, 502 where the
         instance fails before answering (after, the answer ends where it broke)."""
         body = await request.read()
-        if body and (reason := refusal(body)) is not None:
-            return error_response(reason, "BadRequestError", 400)
         generates = request.path.startswith("/v1/responses")
+        if body and (refused := self._refusal(request, body, generates)) is not None:
+            return refused
         try:
             member = self._decode.pick() if generates else self._least_busy()
         except NoHealthyInstance as exc:
@@ -163,6 +167,30 @@ class Forwarder:
             if out is not None:  # its status is out: the client sees the answer cut short
                 return out
             return error_response(f"the instance failed on {request.path}", "BadGateway", 502)
+
+    def _refusal(self, request: web.Request, body: bytes, generates: bool) -> web.Response | None:
+        """The 400 for a body the instances' guard would refuse, or, on the Responses API
+        (``generates``), one carrying transfer parameters (vLLM reads them there as on
+        completions: ``check_transfer_fields``), counted and logged; None for any other (a
+        body that is no JSON object is vLLM's to refuse)."""
+        refused = None
+        if (reason := refusal(body)) is not None:
+            refused = BadRequest(reason)
+        elif generates:
+            try:
+                parsed = msgspec.json.decode(body)
+            except (msgspec.DecodeError, UnicodeDecodeError):
+                parsed = None
+            try:
+                if isinstance(parsed, dict):
+                    check_transfer_fields(parsed)
+            except BadRequest as exc:
+                refused = exc
+        if refused is None:
+            return None
+        self._metrics.requests.labels(request.path, Outcome.BAD_REQUEST.value).inc()
+        logger.info("refused %s from %s: %s", request.path, request.remote, refused)
+        return error_response(str(refused), refused.kind, refused.status, refused.param)
 
     def _least_busy(self) -> Upstream:
         members = [m for m in self._instances() if m.healthy]

@@ -93,7 +93,8 @@ class ProxyMetrics:
             f"{prefix}_not_disaggregated",
             "Requests served by decode alone, unchanged, for a field no first token from prefill "
             "can serve exactly: n (more than one choice), beam_search, echo, prompt_logprobs, "
-            "suffix",
+            "suffix, prompt_embeds, include_reasoning (false); responses (the Responses API); "
+            "prefill_refused (a stream prefill refused: decode gives vLLM's own refusal)",
             ["reason"],
             registry=self.registry,
         )

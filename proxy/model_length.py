@@ -42,7 +42,7 @@ def check_length(client: ClientRequest, max_model_len: int | None) -> None:
         )
     if client.endpoint is not Endpoint.COMPLETIONS or "truncate_prompt_tokens" in client.body:
         return
-    for ids in _token_prompts(client.body["prompt"]):
+    for ids in _token_prompts(client.body.get("prompt")):
         if len(ids) > max_model_len:
             # vLLM says "at least" where a tokenizer would have stopped at one past the length.
             count = len(ids)

@@ -78,6 +78,8 @@ class Orchestrator:
         label = endpoint.value
         try:
             client = ClientRequest.from_json(endpoint, await http.read())
+            if (named := http.headers.get("X-Request-Id")) is not None:  # before request_id
+                client = dataclasses.replace(client, named=named)
             model = await self._names.resolve(client.model)
             if model is None:
                 raise unknown_model(str(client.model), self._names.base)
@@ -213,6 +215,10 @@ class Orchestrator:
         except NoHealthyInstance as exc:
             return error_response(str(exc), "ServiceUnavailable", 503), Outcome.NO_INSTANCE
         except UpstreamRejected as exc:
+            if client.stream and not client.batch_part:
+                return await self._refused_stream(
+                    open_stream, client, req_id, plan, exc, started, trace
+                )
             response = web.Response(
                 body=exc.body, status=exc.status, content_type="application/json"
             )
@@ -246,6 +252,51 @@ class Orchestrator:
             if early is not None:  # read by the answer, or left unread if the client went
                 await early.cancel()
         return response, outcome
+
+    async def _refused_stream(
+        self,
+        open_stream: OpenStream,
+        client: ClientRequest,
+        req_id: str,
+        plan: Plan,
+        refusal: UpstreamRejected,
+        started: float,
+        trace: dict[str, Any],
+    ) -> tuple[web.StreamResponse, Outcome]:
+        """Prefill refused a streamed request, asked without streaming: vLLM refuses some
+        fields before its stream opens (a 4xx, as prefill's) and others once it is open (an
+        error event in a 200 stream: ``thinking_token_budget`` without a reasoning parser), and
+        prefill's refusal cannot tell which. Decode is sent the client's own request alone and
+        its answer passed on unread: the refusal one vLLM gives (or, where decode takes what
+        prefill refused, its answer); counted as ``not_disaggregated{reason="prefill_refused"}``.
+        With no decode instance up, prefill's refusal is the answer."""
+        try:
+            member = plan.decoder or self._placer.elsewhere(())
+        except NoHealthyInstance:
+            response = web.Response(
+                body=refusal.body, status=refusal.status, content_type="application/json"
+            )
+            return response, Outcome.UPSTREAM_REJECTED
+        logger.info(
+            "req %s: prefill refused it (%d); decode is asked for the stream one vLLM sends",
+            req_id,
+            refusal.status,
+        )
+        self._metrics.not_disaggregated.labels("prefill_refused").inc()
+        alone = dataclasses.replace(client, alone_reason="prefill_refused")
+        with member.busy() as computed:
+            return await serve_alone(
+                open_stream,
+                self._flow,
+                self._migrations,
+                self._metrics,
+                alone,
+                req_id,
+                member,
+                started,
+                trace,
+                computed,
+            )
 
     async def _first_token(
         self,

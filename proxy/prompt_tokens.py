@@ -76,8 +76,14 @@ class PromptTokens:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def of(self, request: ClientRequest, model: str) -> list[int] | None:
-        """The prompt's token ids; None if they cannot be had now."""
+        """The prompt's token ids; None if they cannot be had now, or are not what vLLM
+        computes: a prompt it truncates (``truncate_prompt_tokens``, from the side
+        ``truncation_side`` or its tokenizer's default says), whose blocks the uncut ids would
+        misname (decode said to hold blocks of the cut prompt it lacks, prefill told to skip
+        them)."""
         body = request.body
+        if body.get("truncate_prompt_tokens") is not None:
+            return None
         local = self._local
         if request.endpoint is Endpoint.COMPLETIONS:
             prompt = completion_prompt(body["prompt"])

@@ -606,6 +606,21 @@ def test_token_ids_are_their_own_prompt_one_token_or_a_batch_of_one() -> None:
     assert asyncio.run(run()) == [[1472], [1472, 5], [7, 8], None]
 
 
+def test_a_prompt_vllm_truncates_has_no_known_ids_and_is_routed_by_load() -> None:
+    """vLLM computes the last (or first) ``truncate_prompt_tokens`` of a prompt: its uncut ids
+    named blocks of another prompt, and the index could say decode held blocks it lacks (and
+    prefill skip pushing them). Control: the same prompt uncut is its own ids."""
+    tokens = PromptTokens(None, lambda: [], {}, 1.0)
+
+    async def ids(**fields: object) -> list[int] | None:
+        body = msgspec.json.encode({"model": "m", "prompt": [7, 8, 9], **fields})
+        return await tokens.of(ClientRequest.from_json(Endpoint.COMPLETIONS, body), "m")
+
+    assert asyncio.run(ids(truncate_prompt_tokens=2)) is None
+    assert asyncio.run(ids(truncate_prompt_tokens=2, truncation_side="right")) is None
+    assert asyncio.run(ids()) == [7, 8, 9]
+
+
 # ---- the proxy's own tokenizer ----
 
 

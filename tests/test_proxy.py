@@ -396,14 +396,15 @@ def test_bad_requests_get_a_clear_error_and_the_proxy_keeps_serving(
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"suffix": "x"}, "suffix"),
         ({"use_beam_search": True}, "beam_search"),
+        ({"prompt": None, "prompt_embeds": "AAAA"}, "prompt_embeds"),
     ],
 )
 def test_fields_no_first_token_can_serve_go_to_decode_alone_unchanged(
     stacks, fields: dict[str, Any], reason: str
 ) -> None:
     """More than one choice, a prompt computed where it is answered (prompt logprobs, echo;
-    a batch of them too): decode gets the client's own request as it was sent, prefill nothing,
-    and the reason is counted."""
+    a batch of them too), a prompt of embeddings (no token ids to key its KV): decode gets the
+    client's own request as it was sent, prefill nothing, and the reason is counted."""
     stack = stacks()
     body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 3} | fields
     response = stack.post("/v1/completions", json=body)
@@ -414,6 +415,40 @@ def test_fields_no_first_token_can_serve_go_to_decode_alone_unchanged(
     name = "lmcache_pd_proxy_not_disaggregated_total"
     assert stack.metric(name, reason=reason) == 1
     assert stack.metric("lmcache_pd_proxy_served_alone_total") == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("prompt", [[4, 2], [[4, 2], [5, 3]]], ids=["one", "batch"])
+@pytest.mark.parametrize("min_disagg_tokens", [0, 100], ids=["disaggregated", "alone"])
+@pytest.mark.parametrize(
+    ("header", "field", "name"),
+    [("by-header", "by-field", "by-header"), (None, "by-field", "by-field")],
+    ids=["header", "field"],
+)
+def test_an_answer_is_named_as_the_client_named_its_request(
+    stacks,
+    header: str | None,
+    field: str,
+    name: str,
+    min_disagg_tokens: int,
+    prompt: list,
+    stream: bool,
+) -> None:
+    """vLLM names its answer (and every event of it) ``cmpl-NAME`` after the request's
+    ``X-Request-Id`` header, else its ``request_id`` field: the proxy names its requests to
+    prefill and decode so (the stand-ins name answers as vLLM does); before, every answer was
+    named after the proxy's own id (``cmpl-pd-...``)."""
+    stack = stacks(min_disagg_tokens=min_disagg_tokens)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "stream": stream}
+    headers = {} if header is None else {"X-Request-Id": header}
+    response = stack.post("/v1/completions", json=body | {"request_id": field}, headers=headers)
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: {")]
+        ids = {json.loads(event)["id"] for event in events}
+    else:
+        ids = {response.json()["id"]}
+    assert ids == {f"cmpl-{name}"}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -715,6 +750,28 @@ def test_decode_refusing_what_prefill_took_passes_its_answer_on(stacks, stream) 
             stack.client.completions.create(model=MODEL, prompt=[4, 2], max_tokens=6)
     assert stack.prefill[0].state.received  # prefill served its token first
     stack.wait_counted("upstream_rejected")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_stream_prefill_refuses_is_answered_as_decode_answers_the_clients_own_request(
+    stacks, stream: bool
+) -> None:
+    """vLLM refuses some fields only once its stream is open (an error event in a 200
+    stream), and prefill, asked without streaming, answers 400: a streamed request prefill
+    refuses goes to decode unchanged, whose answer (here the stand-in's stream) the client
+    gets; before, the client got prefill's 400. A whole one gets prefill's refusal (control)."""
+    stack = stacks(prefill=[Standin(StandinState(fault=Fault.STATUS_400))], min_disagg_tokens=0)
+    body = {"model": MODEL, "prompt": [4, 2], "max_tokens": 3, "stream": stream}
+    response = stack.post("/v1/completions", json=body)
+    to_decode = [sent for _, _, sent in stack.decode[0].state.received]
+    if not stream:
+        assert response.status_code == 400 and to_decode == []
+        return
+    assert response.status_code == 200, response.text
+    assert response.text.rstrip().endswith("data: [DONE]")
+    assert to_decode == [body]
+    name = "lmcache_pd_proxy_not_disaggregated_total"
+    assert stack.metric(name, reason="prefill_refused") == 1
 
 
 def test_decode_refusing_a_request_it_serves_alone_passes_its_answer_on(stacks) -> None:

@@ -52,6 +52,16 @@ def test_decodes_chunks_up_to_the_first_token_are_skipped_where_it_went_out_alre
     assert msgspec.json.decode(whole.relay(chunk([FIRST])))["choices"][0]["token_ids"] == [FIRST]
 
 
+def test_a_stream_without_token_ids_is_never_skipped_silently() -> None:
+    """vLLM hides a chat stream's token ids where reasoning is hidden (``include_reasoning``
+    false, with a parser): skipping up to the client's first token, every event was skipped,
+    and the client got one token and ``[DONE]``. Now the relay says it cannot go on."""
+    relay = DecodeRelay(client(), (FIRST,), "x")
+    assert relay.relay(chunk(None, "")) is None  # the role chunk: no text, skipped
+    with pytest.raises(FirstTokenMismatch, match="no token ids"):
+        relay.relay(chunk(None, "x"))
+
+
 @pytest.mark.parametrize("first_text", ["x", None])
 def test_a_first_token_that_is_not_prefills_is_never_passed_on(first_text: str | None) -> None:
     relay = DecodeRelay(client(), (FIRST,), first_text)
@@ -124,6 +134,22 @@ def test_the_first_token_goes_out_alone_only_where_vllm_would_show_it_so() -> No
     assert not shows_first_alone(client(chat), prefill_answer(None, tool_calls=[{}]))
     assert not shows_first_alone(client(chat), prefill_answer("", reasoning="think"))
     assert not shows_first_alone(client(chat, stream=False), prefill_answer())
+    # a token of no text yet: vLLM's chunk has no content (before, "content": "" went out)
+    assert not shows_first_alone(client(chat), prefill_answer(""))
+    # vLLM's first event carries the usage so far: decode's has it (before, it went out alone,
+    # without)
+    continuous = {"include_usage": True, "continuous_usage_stats": True}
+    for endpoint in (chat, Endpoint.COMPLETIONS):
+        assert not shows_first_alone(client(endpoint, stream_options=continuous), prefill_answer())
+
+
+def test_a_chat_hiding_its_reasoning_is_served_by_decode_alone() -> None:
+    """vLLM hides a chat stream's token ids where reasoning is hidden: decode's stream could
+    not be followed from prefill's first token. Control: shown, or on completions (no such
+    field there), it is disaggregated."""
+    assert client(Endpoint.CHAT, include_reasoning=False).alone_reason == "include_reasoning"
+    assert client(Endpoint.CHAT, include_reasoning=True).alone_reason is None
+    assert client(Endpoint.COMPLETIONS, include_reasoning=False).alone_reason is None
 
 
 def test_the_first_events_are_vllms_chat_chunks() -> None:
@@ -138,6 +164,12 @@ def test_the_first_events_are_vllms_chat_chunks() -> None:
         "token_ids": None,
     }
     assert {event["id"] for event in events} == {"chatcmpl-r"}
+    assert role["prompt_text"] is None
+    # The rendered prompt where asked (return_prompt_text), as prefill's answer has it (before,
+    # always None)
+    shown = prefill_answer() | {"prompt_text": "<s>hi"}
+    asked = first_events(client(Endpoint.CHAT, return_prompt_text=True), shown, "c", ends=False)
+    assert asked[0]["prompt_text"] == "<s>hi"
     ended = first_events(
         client(Endpoint.CHAT, stream_options={"include_usage": True}),
         prefill_answer(),

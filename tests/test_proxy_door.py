@@ -111,7 +111,7 @@ SMUGGLED = {
     "vllm_xargs: a spec": {
         "vllm_xargs": {"kv_transfer_params": {"disagg_spec": {"req_id": "r"}}},
     },
-    "vllm_xargs: other keys": {"vllm_xargs": {"colour": "blue"}},
+    "vllm_xargs: ec_transfer_params": {"vllm_xargs": {"ec_transfer_params": "x"}},
     "kv_transfer_params: a spec": {"kv_transfer_params": {"first_tok_to": "tcp://-:1"}},
     "kv_transfer_params: zero": {"kv_transfer_params": 0},
     "kv_transfer_params: a spec beside a tag": {
@@ -151,6 +151,27 @@ def test_transfer_parameters_from_a_client_are_refused_naming_the_field(
     assert nothing_reached(stack)
     assert stack.post(path, json=body).status_code == 200  # the control
     assert stack.post(path, json=body | {field: None}).status_code == 200  # null is no value
+
+
+@pytest.mark.parametrize("smuggled", list(SMUGGLED), ids=list(SMUGGLED))
+def test_transfer_parameters_sent_to_the_responses_api_are_refused_naming_the_field(
+    stacks, smuggled: str
+) -> None:
+    """vLLM's Responses API reads ``kv_transfer_params``, ``ec_transfer_params`` and
+    ``vllm_xargs`` into the same ``extra_args`` as completions: forwarded unread, they reached
+    decode's engine (a client setting the proxy's params). Control: the same body without
+    them is served, and counted when refused."""
+    stack = stacks()
+    body = {"model": MODEL, "input": "x", "max_output_tokens": 4}
+    fields = SMUGGLED[smuggled]
+    response = stack.post("/v1/responses", json=body | fields)
+    assert response.status_code == 400, response.text
+    [field] = fields
+    assert field in openai_error(response)["message"]
+    assert nothing_reached(stack)
+    name = "lmcache_pd_proxy_requests_total"
+    assert stack.metric(name, endpoint="/v1/responses", outcome="bad_request") == 1
+    assert stack.post("/v1/responses", json=body).status_code == 200  # the control
 
 
 # ---- malformed and hostile bodies ----
@@ -483,6 +504,25 @@ def test_a_clients_cache_salt_reaches_prefill_and_decode_unchanged(
     [(_, _, to_decode)] = stack.decode[0].state.received
     assert to_prefill.get("cache_salt") == salt
     assert to_decode.get("cache_salt") == salt
+
+
+@pytest.mark.parametrize("alone", [True, False], ids=["served_alone", "disaggregated"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_vllm_xargs_of_a_custom_extension_reach_prefill_and_decode_unchanged(
+    stacks, endpoint: str, alone: bool
+) -> None:
+    """vLLM 0.32 takes ``vllm_xargs`` (a custom extension's arguments, in the sampling params'
+    ``extra_args``); the door refused any before, where one vLLM serves them. Only the keys
+    vLLM reads transfer parameters from are refused
+    (``test_transfer_parameters_from_a_client_are_refused_naming_the_field``)."""
+    stack = stacks(min_disagg_tokens=1000 if alone else 0)
+    body = chat_body("hello there") if endpoint == "chat" else completion_body([5, 6, 7])
+    xargs = {"colour": "blue", "sizes": [1, 2]}
+    path = f"/v1/{'chat/' * (endpoint == 'chat')}completions"
+    assert stack.post(path, json=body | {"vllm_xargs": xargs}).status_code == 200
+    received = [sent for s in (*stack.prefill, *stack.decode) for _, _, sent in s.state.received]
+    assert len(received) == (1 if alone else 2)
+    assert all(sent["vllm_xargs"] == xargs for sent in received)
 
 
 def test_a_prompt_served_by_decode_alone_keeps_its_cache_salt(stacks) -> None:

@@ -471,23 +471,26 @@ def assert_conforms(
     chat: bool,
     alone: bool = False,
     prompts: int = 1,
+    prompt_tokens: int = conformance.PROMPT_TOKENS,
+    naming: frozenset[str] = conformance.NAMING_FIELDS,
 ) -> conformance.Answer:
     """The served answer is the plain one, field for field (``conformance.differences``), and
-    it was disaggregated: decode loaded all of each of its ``prompts`` but its last token; or,
-    ``alone``, decode computed them all. Returns the answer."""
+    it was disaggregated: decode loaded all ``prompt_tokens`` of each of its ``prompts`` but
+    the last; or, ``alone``, decode computed them all. Returns the answer."""
     decode_url = served.proxy_config()["decode"][0]["url"]
     before = loaded_and_computed(decode_url)
     got = conformance.ask(client_of(served.url), body, chat)
     after = loaded_and_computed(decode_url)
     want = conformance.ask(client_of(plain.url), body, chat)
-    assert not conformance.differences(got, want), conformance.differences(got, want)
-    if isinstance(want, dict) and "refusal" in want:
+    found = conformance.differences(got, want, naming=naming)
+    assert not found, found
+    if conformance.refused(want):
         return got  # refused by both alike (prompt_logprobs streamed): nothing was computed
     loaded, computed = (a - b for a, b in zip(after, before, strict=True))
     if alone:
-        assert loaded == 0 and computed >= prompts * conformance.PROMPT_TOKENS, (loaded, computed)
+        assert loaded == 0 and computed >= prompts * prompt_tokens, (loaded, computed)
     else:
-        least = prompts * (conformance.PROMPT_TOKENS - 1)
+        least = prompts * (prompt_tokens - 1)
         assert loaded >= least and computed == prompts, (loaded, computed)
     return got
 
@@ -502,7 +505,21 @@ def test_every_request_field_is_answered_as_one_vllm_answers_it(
     served, plain = served_and_plain
     before, alone = notices(served), not_disaggregated(served, case.alone)
     body = case.body(str(model), stream)
-    answer = assert_conforms(served, plain, body, case.chat, case.alone is not None, case.prompts)
+    naming = conformance.NAMING_FIELDS - {"id"} if case.named else conformance.NAMING_FIELDS
+    answer = assert_conforms(
+        served,
+        plain,
+        body,
+        case.chat,
+        case.alone is not None,
+        case.prompts,
+        case.prompt_tokens,
+        naming,
+    )
+    refused = ("streamed" if stream else "whole") in case.refused
+    assert conformance.refused(answer) == refused, answer
+    if refused:  # nothing went on after the refusal
+        return
     if case.calls is not None and not stream:
         assert conformance.called_tools(answer) == [case.calls], answer
     after = notices(served)
@@ -549,45 +566,36 @@ def test_vllms_other_routes_answer_through_the_proxy_as_from_one_vllm(
         assert (got.status_code, got.json()) == (want.status_code, want.json()), path
 
 
-# What names a Responses API answer and its parts (ids, times), not what it says.
-RESPONSES_NAMING = conformance.NAMING_FIELDS | {"created_at", "item_id"}
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=MODES)
+@pytest.mark.parametrize("case", conformance.RESPONSES_CASES, ids=lambda case: case.name)
 def test_the_responses_api_answers_as_one_vllm(
-    served_and_plain: tuple[Served, VLLMServer], model: Path, stream: bool
+    served_and_plain: tuple[Served, VLLMServer],
+    model: Path,
+    case: conformance.ResponsesCase,
+    stream: bool,
 ) -> None:
-    """/v1/responses, served by a decode instance alone: the same answer as one vLLM's,
-    whole or event by event (ids and times aside); and, with no store (vLLM's default), the
-    same refusal to retrieve one."""
+    """/v1/responses, served by a decode instance alone (and counted so): the same answer as
+    one vLLM's, whole or event by event (ids and times aside), field by field of vLLM 0.32's
+    Responses request (``conformance.RESPONSES_CASES``)."""
     served, plain = served_and_plain
-    body = {
-        "model": str(model),
-        "input": "Tell me a story about a lighthouse",
-        "max_output_tokens": 8,
-        "temperature": 0,
-        "stream": stream,
-    }
+    body = case.body(str(model), stream)
+    alone = not_disaggregated(served, "responses")
+    got = conformance.ask_responses(client_of(served.url), body)
+    want = conformance.ask_responses(client_of(plain.url), body)
+    found = conformance.differences(got, want, naming=conformance.RESPONSES_NAMING)
+    assert not found, found
+    assert ("refusal" in want) == case.refused, want
+    if "request_id" in case.fields:  # the response is named after it
+        ids = conformance.response_ids(got)
+        assert ids and ids == conformance.response_ids(want), (ids, want)
+    assert not_disaggregated(served, "responses") == alone + 1
 
-    def ask(url: str) -> tuple[int, Any]:
-        """The answer; streamed, its events but the text deltas (vLLM joins deltas while its
-        reader lags, so their count and the events' sequence numbers are timing's), and the
-        deltas' text joined."""
-        answer = httpx.post(f"{url}/v1/responses", json=body, timeout=120)
-        if not stream:
-            return answer.status_code, answer.json()
-        events = [json.loads(line[5:]) for line in answer.text.splitlines() if line[:5] == "data:"]
-        deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
-        rest = [
-            {k: v for k, v in e.items() if k != "sequence_number"}
-            for e in events
-            if e["type"] != "response.output_text.delta"
-        ]
-        return answer.status_code, {"events": rest, "text": "".join(deltas)}
 
-    got, want = ask(served.url), ask(plain.url)
-    assert got[0] == want[0] == 200
-    assert not conformance.differences(got[1], want[1], naming=RESPONSES_NAMING)
+def test_a_response_is_not_stored_as_in_one_vllm(
+    served_and_plain: tuple[Served, VLLMServer],
+) -> None:
+    """With no store (vLLM's default), the same refusal to retrieve one."""
+    served, plain = served_and_plain
     served_gone, plain_gone = (
         httpx.get(f"{url}/v1/responses/resp_0", timeout=30) for url in (served.url, plain.url)
     )
