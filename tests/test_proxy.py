@@ -1128,7 +1128,9 @@ def test_the_proxy_runs_on_the_cpus_it_is_given(cpus: str | None, tmp_path: Path
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        running.callback(proxy.wait, 10)
+        # Its exit takes ~2 s idle (the interpreter's own teardown of torch and transformers),
+        # past 10 s on a loaded machine (seen in a run beside vLLM tests).
+        running.callback(proxy.wait, 60)
         running.callback(proxy.terminate)
         wait_until_healthy(f"http://127.0.0.1:{port}", proxy, 30)
         answer = httpx.post(

@@ -497,16 +497,24 @@ class PoolLauncher:
         return time.monotonic() - started
 
     def stop(self) -> None:
-        """Stop the supervisor, if any, and every instance (idempotent); decode first, so no
-        push lands in a stopping one."""
+        """Stop the supervisor, if any, and every instance (idempotent): the decodes, side by
+        side, then the prefills, so that no push lands in a stopping decode (a vLLM takes ~6 s
+        to stop here)."""
         if self._supervisor is not None:
             self._supervisor.stop_soon()
         with self._lock:
             self._closed = True
             servers = dict(self.servers)
-        for name in sorted(servers, key=lambda name: (not name.startswith("decode"), name)):
+
+        def stop(name: str) -> None:
             servers[name].stop()
             logger.info("%s stopped", name)
+
+        decode = sorted(name for name in servers if name.startswith("decode"))
+        for names in (decode, sorted(servers.keys() - set(decode))):
+            if names:
+                with ThreadPoolExecutor(len(names)) as pool:
+                    list(pool.map(stop, names))
         if self._supervisor is not None:
             self._supervisor.close()
 

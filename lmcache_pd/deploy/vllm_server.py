@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import functools
 import json
+import logging
 import math
 import os
 import re
@@ -44,6 +45,8 @@ KV_CACHE_BYTES_ARG = "--kv-cache-memory-bytes"
 # Engine arguments that suit the project's tiny model: fp32 so that greedy output is bit-identical
 # across instances, eager because torch.compile adds ~60 s to a start on these machines, a short
 # context, a fixed seed. A real model's pools file names its own (``engine_args``).
+logger = logging.getLogger(__name__)
+
 TINY_MODEL_ARGS = (
     "--dtype",
     "float32",
@@ -395,7 +398,7 @@ class VLLMServer:
 
     def terminate(self) -> None:
         """SIGTERM the API server alone, as Kubernetes or an operator's ``kill`` would: it
-        drains, and stops its engine processes itself (``stop`` signals them all at once)."""
+        drains, and stops its engine processes itself."""
         with contextlib.suppress(ProcessLookupError):
             self._process.send_signal(signal.SIGTERM)
 
@@ -427,21 +430,29 @@ class VLLMServer:
         return self.post("/v1/completions", body, timeout_s)
 
     def stop(self) -> None:
-        """SIGTERM the server's whole process group (vLLM's engine processes are in it) and
-        wait until every member is gone; SIGKILL whatever outlives ``SERVER_STOP_TIMEOUT_S``; then
-        remove its ``runtime_dir`` and what its workers left (``worker_leftovers``). Idempotent."""
+        """SIGTERM the API server (``terminate``), which stops its engine core, which stops its
+        workers, and wait until every process of the group is gone; SIGKILL the group if any
+        outlives ``SERVER_STOP_TIMEOUT_S``; then remove its ``runtime_dir`` and what its workers
+        left (``worker_leftovers``). Idempotent.
+
+        The API server alone, not the group: it sends its engine core a SIGTERM of its own, and
+        vLLM 0.32's engine core, given a second SIGTERM while its handler runs the first, can
+        deadlock in it (the handler sets an ``Event`` whose lock the interrupted handler holds:
+        seen in 2 stops of 6 of a prefill, each held until the SIGKILL 20 s later). A stop takes
+        ~6 s so, as vLLM's own shutdown does; SIGTERM to the workers too saved nothing."""
         group = self._process.pid  # process_group=0: the group id is the server's pid
         if self._process.poll() is None:
-            os.killpg(group, signal.SIGTERM)
+            self.terminate()
             # A stopped (SIGSTOP) group would hold SIGTERM until resumed.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGCONT)
-        try:
-            self._process.wait(SERVER_STOP_TIMEOUT_S)
-            stopped = _group_gone(group, SERVER_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            stopped = False
+        stopped = self.wait_exit(SERVER_STOP_TIMEOUT_S) and _group_gone(
+            group, SERVER_STOP_TIMEOUT_S
+        )
         if not stopped:
+            logger.warning(
+                "vLLM on %s outlived SIGTERM by %.0f s: SIGKILL", self.url, SERVER_STOP_TIMEOUT_S
+            )
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)
             self._process.wait(SERVER_STOP_TIMEOUT_S)
