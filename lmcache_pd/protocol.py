@@ -34,7 +34,8 @@ Protocol history:
   8: each role holds its own share of the secret and its own CURVE client keypair, checked by a
      ZAP allow-list per door (``lmcache_pd/gatekeeper.py``): a 7 peer's keys are refused at the
      handshake (upgrade every process of a deployment together). Chunk keys carry a request's
-     LoRA adapter (name and path), its images (vLLM's multimodal identifiers at their
+     LoRA adapter (its name, path and a digest of its files, ``connector/adapter_identity.py``),
+     its images (vLLM's multimodal identifiers at their
      positions) and its LMCache tags, so a 7 peer keys such requests otherwise (no load,
      recompute). Without a secret, a mixed pair is refused here as ``VersionMismatch``.
   (no version change) DisaggSpec, which travels in HTTP bodies and on no socket of ours, may
@@ -50,9 +51,6 @@ Protocol history:
      forced too: a stream that broke on one decode goes on on another (``proxy/migration.py``).
   (no version change) ``KVTransferParams.tags`` and ``skip_save``: LMCache's request options,
      under LMCache's own keys (``lmcache.tag.<name>``, ``lmcache.skip_save``).
-  (no version change) Chunk keys of a LoRA adapter's requests carry a digest of its files
-     beside its name and path (``connector/adapter_identity.py``): a peer without it keys such
-     requests otherwise (no load, recompute), as a 7 peer does.
 """
 
 from __future__ import annotations

@@ -130,10 +130,15 @@ def prompt_of(plain: VLLMServer, request: dict[str, Any]) -> list[int]:
 
 
 def image_offset(model: Path, prompt: list[int]) -> int:
+    return around_images(model, prompt)[0]
+
+
+def around_images(model: Path, prompt: list[int]) -> list[int]:
+    """Where the tokens around each image are (Idefics3 puts one before and one after)."""
     from transformers import AutoTokenizer
 
     fake = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(FAKE_IMAGE_TOKEN)
-    return prompt.index(fake)
+    return [at for at, token in enumerate(prompt) if token == fake]
 
 
 def sources(url: str) -> dict[str, float]:
@@ -225,3 +230,53 @@ def test_decode_never_runs_the_vision_encoder(
 
     assert encoder_inputs("prefill-0.log") >= 2  # once per image: its encoder cache keeps it
     assert encoder_inputs("decode-0.log") == 0
+
+
+def two_images(model: Path, second: tuple[int, int, int]) -> dict[str, Any]:
+    """A greedy chat of ~450 words with a red image after the first 150 and ``second`` after
+    the next 150: each image in a chunk of its own."""
+    request = body(model, seed=5, colour=RED, stream=False)
+    words = random.Random(5).choices(["alpha", "beta", "gamma", "delta", "list"], k=450)
+    request["messages"][0]["content"] = [
+        {"type": "text", "text": " ".join(words[:150])},
+        {"type": "image_url", "image_url": {"url": image_url(RED)}},
+        {"type": "text", "text": " ".join(words[150:300])},
+        {"type": "image_url", "image_url": {"url": image_url(second)}},
+        {"type": "text", "text": " ".join(words[300:])},
+    ]
+    return request
+
+
+def test_two_images_answer_as_one_vllm_and_the_second_keys_the_chunks_from_it_on(
+    served: tuple[ProxyConfig, VLLMServer, Path], vision_model: Path
+) -> None:
+    """Two images in one chat, through PD: red then red, then red then blue (the same token
+    ids). Each answer is plain vLLM's, from KV decode loaded or held. The negative control: the
+    second image changes plain's answer. The second chat shares with the first at most the
+    chunks before its second image: prefill skips no chunk from there on."""
+    config, plain, _ = served
+    decode, prefill = config.decode[0].url, config.prefill[0].url
+    same, other = two_images(vision_model, RED), two_images(vision_model, BLUE)
+    prompt = prompt_of(plain, same)
+    assert prompt_of(plain, other) == prompt
+    first, _, second, _ = around_images(vision_model, prompt)
+    assert second // CHUNK > first // CHUNK  # in chunks of their own
+    answers = {}
+    with proxy_thread(config) as proxy:
+        for name, request in (("same", same), ("other", other)):
+            before, pushes = sources(decode), scrape(prefill)
+            got = conformance.ask(client_of(proxy.url), request, chat=True)
+            moved = grew(before, sources(decode))
+            want = conformance.ask(client_of(plain.url), request, chat=True)
+            assert not conformance.differences(got, want), (
+                name,
+                conformance.differences(got, want),
+            )
+            answers[name] = want["choices"][0]["message"]["content"]
+            held = moved.get("local_cache_hit", 0)
+            assert moved.get("local_compute", 0) == 1, (name, moved)
+            assert held + moved.get("external_kv_transfer", 0) == len(prompt) - 1, (name, moved)
+            pushed = pushed_since(prefill, pushes)
+        assert held <= second, held  # decode's own cache: at most the part before the second
+        assert pushed.get("chunks_skipped", 0) <= second // CHUNK, pushed
+    assert answers["same"] != answers["other"]  # the negative control: the second image matters
