@@ -463,7 +463,9 @@ def test_consumer_killed_mid_transfer_fails_the_push_within_its_deadline(
         started = time.monotonic()
         with pytest.raises((TransferError, PeerTimeout), match="r-orphaned"):
             producer.push(node.spec("r-orphaned"), make_chunks(keyer.chunk_keys(tokens), 7))
-        assert time.monotonic() - started < 2.0 + 1.0
+        # The deadline (2 s) and room for UCX to see the peer gone inside NIXL's post, which no
+        # deadline of ours interrupts: 4.4 s in a full run beside vLLM tests (2026-12-05).
+        assert time.monotonic() - started < 2.0 + 4.0
         # The dead peer is forgotten: a new push handshakes again and fails fast, not hangs.
         started = time.monotonic()
         with pytest.raises(PeerTimeout):
