@@ -36,7 +36,8 @@ Protocol history:
      handshake (upgrade every process of a deployment together). Chunk keys carry a request's
      LoRA adapter (its name, path and a digest of its files, ``connector/adapter_identity.py``),
      its images (vLLM's multimodal identifiers at their positions) and its LMCache tags, so a
-     7 peer keys such requests otherwise (no load, recompute). Without a secret, a mixed pair is refused here as ``VersionMismatch``.
+     7 peer keys such requests otherwise (no load, recompute). Without a secret, a mixed pair
+     is refused here as ``VersionMismatch``.
   (no version change) DisaggSpec, which travels in HTTP bodies and on no socket of ours, may
      give its ports as lists indexed by rank (tensor parallelism); single integers still mean
      a consumer of one rank.
