@@ -64,7 +64,8 @@ DOORS = (
 
 
 class RssSampler:
-    """The highest resident size of one process between ``start`` and ``stop``."""
+    """The highest resident size of one process while the sampler is entered, read every
+    ``SAMPLE_S``."""
 
     def __init__(self, pid: int) -> None:
         self._process = psutil.Process(pid)
