@@ -137,23 +137,7 @@ class Orchestrator:
         decoder = plan.decoder
         trace |= plan.trace()
         if decoder is not None and plan.alone:
-            if client.alone_reason is None:
-                self._metrics.served_alone.inc()
-            else:
-                self._metrics.not_disaggregated.labels(client.alone_reason).inc()
-            with decoder.busy(plan.alone_computes, plan.alone_computed) as computed:
-                return await serve_alone(
-                    open_stream,
-                    self._flow,
-                    self._migrations,
-                    self._metrics,
-                    client,
-                    req_id,
-                    decoder,
-                    started,
-                    trace,
-                    computed,
-                )
+            return await self._alone(open_stream, client, req_id, decoder, started, trace, plan)
         spec = None
         if decoder is not None:
             assert decoder.receiver is not None
@@ -282,15 +266,34 @@ class Orchestrator:
             req_id,
             refusal.status,
         )
-        self._metrics.not_disaggregated.labels("prefill_refused").inc()
         alone = dataclasses.replace(client, alone_reason="prefill_refused")
-        with member.busy() as computed:
+        return await self._alone(open_stream, alone, req_id, member, started, trace)
+
+    async def _alone(
+        self,
+        open_stream: OpenStream,
+        client: ClientRequest,
+        req_id: str,
+        member: Upstream,
+        started: float,
+        trace: dict[str, Any],
+        plan: Plan | None = None,
+    ) -> tuple[web.StreamResponse, Outcome]:
+        """Serve ``client`` on decode ``member`` alone, counted by why (``served_alone`` for a
+        short prompt, else ``not_disaggregated`` by its ``alone_reason``); while it runs,
+        ``member`` weighs the prompt ``plan`` says it computes (none without a plan)."""
+        if client.alone_reason is None:
+            self._metrics.served_alone.inc()
+        else:
+            self._metrics.not_disaggregated.labels(client.alone_reason).inc()
+        load = () if plan is None else (plan.alone_computes, plan.alone_computed)
+        with member.busy(*load) as computed:
             return await serve_alone(
                 open_stream,
                 self._flow,
                 self._migrations,
                 self._metrics,
-                alone,
+                client,
                 req_id,
                 member,
                 started,

@@ -160,6 +160,25 @@ def pushed_since(prefill: str, before: dict[str, float]) -> dict[str, float]:
     return grew(before, scrape(prefill))
 
 
+def as_plain(
+    config: ProxyConfig, proxy: str, plain: VLLMServer, request: dict[str, Any], length: int
+) -> tuple[str, float, dict[str, float]]:
+    """Ask ``request`` (a prompt of ``length`` tokens) through the proxy at ``proxy`` and of
+    plain vLLM: the answers are equal, and decode computed the prompt's last token alone, the
+    rest held in its prefix cache or loaded. Returns plain's text, the tokens decode held, and
+    what prefill's push counters grew by."""
+    decode, prefill = config.decode[0].url, config.prefill[0].url
+    before, pushes = sources(decode), scrape(prefill)
+    got = conformance.ask(client_of(proxy), request, chat=True)
+    moved = grew(before, sources(decode))
+    want = conformance.ask(client_of(plain.url), request, chat=True)
+    assert not conformance.differences(got, want), conformance.differences(got, want)
+    held = moved.get("local_cache_hit", 0)
+    assert moved.get("local_compute", 0) == 1, moved
+    assert held + moved.get("external_kv_transfer", 0) == length - 1, moved
+    return want["choices"][0]["message"]["content"], held, pushed_since(prefill, pushes)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_chat_with_an_image_answers_as_one_vllm_with_its_kv_loaded(
     served: tuple[ProxyConfig, VLLMServer, Path], vision_model: Path, stream: bool
@@ -187,7 +206,6 @@ def test_another_image_changes_the_answer_and_never_shares_a_chunk_from_the_imag
     (none skipped); decode holds at most the shared text before the image (its own prefix
     cache), loads the rest, and answers as plain vLLM."""
     config, plain, _ = served
-    decode, prefill = config.decode[0].url, config.prefill[0].url
     red, blue = (body(vision_model, seed=3, colour=c, stream=False) for c in (RED, BLUE))
     prompt = prompt_of(plain, red)
     assert prompt_of(plain, blue) == prompt  # only the images tell them apart
@@ -196,19 +214,7 @@ def test_another_image_changes_the_answer_and_never_shares_a_chunk_from_the_imag
     answers = {}
     with proxy_thread(config) as proxy:
         for name, request in (("red", red), ("blue", blue)):
-            before, pushes = sources(decode), scrape(prefill)
-            got = conformance.ask(client_of(proxy.url), request, chat=True)
-            moved = grew(before, sources(decode))
-            want = conformance.ask(client_of(plain.url), request, chat=True)
-            assert not conformance.differences(got, want), (
-                name,
-                conformance.differences(got, want),
-            )
-            answers[name] = want["choices"][0]["message"]["content"]
-            pushed = pushed_since(prefill, pushes)
-            held = moved.get("local_cache_hit", 0)
-            assert moved.get("local_compute", 0) == 1, (name, moved)
-            assert held + moved.get("external_kv_transfer", 0) == len(prompt) - 1, (name, moved)
+            answers[name], held, pushed = as_plain(config, proxy.url, plain, request, len(prompt))
             assert pushed.get("chunks_skipped", 0) == 0, (name, pushed)
         # blue: decode held the text before the image (its prefix cache, vLLM's keys), no more
         assert 0 < held <= offset, held
@@ -255,7 +261,6 @@ def test_two_images_answer_as_one_vllm_and_the_second_keys_the_chunks_from_it_on
     second image changes plain's answer. The second chat shares with the first at most the
     chunks before its second image: prefill skips no chunk from there on."""
     config, plain, _ = served
-    decode, prefill = config.decode[0].url, config.prefill[0].url
     same, other = two_images(vision_model, RED), two_images(vision_model, BLUE)
     prompt = prompt_of(plain, same)
     assert prompt_of(plain, other) == prompt
@@ -264,19 +269,7 @@ def test_two_images_answer_as_one_vllm_and_the_second_keys_the_chunks_from_it_on
     answers = {}
     with proxy_thread(config) as proxy:
         for name, request in (("same", same), ("other", other)):
-            before, pushes = sources(decode), scrape(prefill)
-            got = conformance.ask(client_of(proxy.url), request, chat=True)
-            moved = grew(before, sources(decode))
-            want = conformance.ask(client_of(plain.url), request, chat=True)
-            assert not conformance.differences(got, want), (
-                name,
-                conformance.differences(got, want),
-            )
-            answers[name] = want["choices"][0]["message"]["content"]
-            held = moved.get("local_cache_hit", 0)
-            assert moved.get("local_compute", 0) == 1, (name, moved)
-            assert held + moved.get("external_kv_transfer", 0) == len(prompt) - 1, (name, moved)
-            pushed = pushed_since(prefill, pushes)
+            answers[name], held, pushed = as_plain(config, proxy.url, plain, request, len(prompt))
         assert held <= second, held  # decode's own cache: at most the part before the second
         assert pushed.get("chunks_skipped", 0) <= second // CHUNK, pushed
     assert answers["same"] != answers["other"]  # the negative control: the second image matters
